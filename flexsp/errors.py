@@ -1,0 +1,21 @@
+"""One exception family per concern, all catchable as ``FlexSPError``."""
+
+
+class FlexSPError(ValueError):
+    """Base class: every error FlexSP raises on bad input is one of these."""
+
+
+class ClusterError(FlexSPError):
+    """The cluster description is impossible (GPU counts, node size)."""
+
+
+class CostModelError(FlexSPError):
+    """A cost model is missing a coefficient, has a negative one, or lacks a degree's bandwidth."""
+
+
+class PlanError(FlexSPError):
+    """A plan breaks a rule of DESIGN.md, a plan file is corrupt, or a batch cannot be planned."""
+
+
+class LengthsError(FlexSPError):
+    """A batch of sequence lengths is empty or holds non-positive / non-integer lengths."""

@@ -1,0 +1,73 @@
+"""The paper's published cost-model constants for GPT-7B/13B/30B on 64 x A100-40GB (DESIGN.md).
+
+Times were published in ms and memory in MB; we store seconds and bytes. Bandwidths are in the
+reference's "MB per ms" (a time in ms is MB / v), so bytes/s = v * 2**20 * 1000. The memory model:
+``token_capacity = floor((30 GB - ZeRO-3 model states) / activation MB per token)`` with model states
+``params * 16 bytes / N``. Parameters were published at 192K and 384K context only; other contexts
+interpolate linearly between the two (labelled in ``meta``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .cost import CostModel
+from .errors import CostModelError
+
+MB = 2**20
+MEMORY_LIMIT_MB = 30 * 1024
+PAPER_BANDWIDTH_MB_PER_MS = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
+
+
+@dataclass(frozen=True)
+class PaperModel:
+    act_mb_per_token: float
+    alpha1_ms: float
+    alpha2_ms: float
+    beta1_ms: float
+    hidden: int
+    layers: int
+    params_b_192k: float
+    params_b_384k: float
+
+    def params_b(self, context: int) -> float:
+        lo, hi = 192 * 1024, 384 * 1024
+        return self.params_b_192k + (self.params_b_384k - self.params_b_192k) * (context - lo) / (hi - lo)
+
+
+PAPER_MODELS = {
+    "gpt-7b": PaperModel(4.480441895, 5.128e-6, 0.1839576, 629.3563, 4096, 32, 7.12, 7.85),
+    "gpt-13b": PaperModel(4.220439453, 9.2852e-6, 0.3060189, 1132.5632, 5120, 40, 13.12, 14.03),
+    "gpt-30b": PaperModel(3.417381836, 15.4262e-6, 0.8035742, 2789.3644, 6656, 60, 31.53, 32.72),
+}
+
+
+def paper_bandwidth(degrees=None) -> dict[int, float]:
+    """The paper's measured all-to-all bandwidth in bytes/s for degrees 2..64."""
+    return {d: v * MB * 1000 for d, v in PAPER_BANDWIDTH_MB_PER_MS.items() if degrees is None or d in degrees}
+
+
+def paper_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64) -> CostModel:
+    """The paper's cost model for ``name`` at a context limit, ZeRO-3 over ``num_gpus`` GPUs."""
+    key = name.lower()
+    if key not in PAPER_MODELS:
+        raise CostModelError(f"unknown preset {name!r}; choose one of {sorted(PAPER_MODELS)}")
+    if context < 1 or num_gpus < 1:
+        raise CostModelError(f"context and num_gpus must be >= 1, got {context} and {num_gpus}")
+    model = PAPER_MODELS[key]
+    states_mb = model.params_b(context) * 16 / num_gpus * 1024  # params(B) x 16 bytes / N, in MB
+    free_mb = MEMORY_LIMIT_MB - states_mb
+    if free_mb <= 0:
+        raise CostModelError(f"{name} model states ({states_mb:.0f} MB per GPU) exceed the 30 GB limit on {num_gpus} GPUs")
+    exact_params = context in (192 * 1024, 384 * 1024)
+    return CostModel(
+        alpha1=model.alpha1_ms / 1000,
+        alpha2=model.alpha2_ms / 1000,
+        beta1=model.beta1_ms / 1000,
+        comm_bytes_per_token=4 * 2 * model.layers * model.hidden * 2,
+        alltoall_bandwidth=paper_bandwidth(),
+        token_capacity=math.floor(free_mb / model.act_mb_per_token),
+        meta={"source": "FlexSP paper (arXiv 2412.01523), 64 x A100-40GB", "preset": key, "context": context,
+              "num_gpus": num_gpus, "params_b": round(model.params_b(context), 4),
+              "params": "published" if exact_params else "interpolated between 192K and 384K"},
+    )
