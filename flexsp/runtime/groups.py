@@ -1,0 +1,101 @@
+"""The pool of SP process groups: created once, collectively, then looked up by every step.
+
+Creating a communicator is a collective over the whole world and slow (NCCL: hundreds of ms), so a
+plan must never create one mid-step. Plans place a group of degree ``d`` on an aligned block of ranks
+``[k*d, (k+1)*d)`` (DESIGN.md), so the pool builds exactly those blocks up front: each rank then
+holds one communicator per degree > 1, at most ``log2(N)`` of them. Degree 1 needs none.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch.distributed as dist
+
+from ..errors import PlanError
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What building the pool cost: groups created world-wide, seconds, communicators this rank holds."""
+
+    count: int
+    seconds: float
+    per_rank: int
+
+
+def aligned_blocks(world_size: int, degrees: Iterable[int]) -> list[tuple[int, ...]]:
+    """Every aligned block of ranks for each degree, in one fixed order (every rank must agree)."""
+    blocks = []
+    for d in sorted(set(degrees)):
+        blocks.extend(tuple(range(k * d, (k + 1) * d)) for k in range(world_size // d))
+    return blocks
+
+
+class GroupPool:
+    """SP groups for one world, keyed by their ranks; pass it to whoever runs a plan.
+
+    ``degrees`` restricts which degrees get a communicator (default: every power of two up to the
+    world size). Construct it on every rank at the same point of the program: creation is collective.
+    Without an initialised process group the pool describes a world of one rank.
+    """
+
+    def __init__(self, *, degrees: Iterable[int] | None = None, backend: str | None = None) -> None:
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        possible = _powers_of_two(self.world_size)
+        if degrees is None:
+            chosen = possible
+        else:
+            chosen = tuple(sorted(set(int(d) for d in degrees)))
+            bad = [d for d in chosen if d not in possible]
+            if bad:
+                raise PlanError(f"pool degrees {bad} are not powers of two <= world size {self.world_size}; "
+                                f"valid degrees are {list(possible)}")
+        self.degrees: tuple[int, ...] = chosen
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        start = time.perf_counter()
+        created = 0
+        for ranks in aligned_blocks(self.world_size, chosen):
+            if len(ranks) == 1:
+                self._groups[ranks] = None
+                continue
+            # new_group is collective over the world: every rank calls it for every block, in order.
+            handle = dist.new_group(list(ranks), backend=backend)
+            created += 1
+            if self.rank in ranks:
+                self._groups[ranks] = handle
+        self.stats = PoolStats(count=created, seconds=time.perf_counter() - start,
+                               per_rank=sum(1 for r, g in self._groups.items() if g is not None))
+
+    def has(self, ranks: Iterable[int]) -> bool:
+        """Whether a group on ``ranks`` is pooled (aligned block of a pooled degree)."""
+        ranks = tuple(ranks)
+        d = len(ranks)
+        return (d in self.degrees and ranks[0] % d == 0 and ranks == tuple(range(ranks[0], ranks[0] + d))
+                and ranks[-1] < self.world_size)
+
+    def check(self, ranks: Iterable[int]) -> None:
+        """Raise ``PlanError`` if a plan asks for a group the pool does not hold."""
+        ranks = tuple(ranks)
+        if not self.has(ranks):
+            raise PlanError(f"SP group on ranks {list(ranks)} is not in the pool: pooled groups are aligned "
+                            f"blocks [k*d, (k+1)*d) of degrees {list(self.degrees)} in a world of {self.world_size}")
+
+    def get(self, ranks: Iterable[int]) -> dist.ProcessGroup | None:
+        """The communicator for ``ranks`` (this rank must be one of them); None for degree 1."""
+        ranks = tuple(ranks)
+        self.check(ranks)
+        if self.rank not in ranks:
+            raise PlanError(f"rank {self.rank} asked for SP group {list(ranks)} it does not belong to")
+        return self._groups.get(ranks) if len(ranks) > 1 else None
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (f"GroupPool(world_size={self.world_size}, degrees={list(self.degrees)}, groups={s.count}, "
+                f"per_rank={s.per_rank}, seconds={s.seconds:.3f})")
+
+
+def _powers_of_two(n: int) -> tuple[int, ...]:
+    return tuple(1 << i for i in range(n.bit_length()))

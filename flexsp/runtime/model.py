@@ -1,0 +1,130 @@
+"""A small LLaMA-style decoder whose attention is sequence-parallel and everything else token-wise.
+
+RMSNorm, rotary embeddings driven by per-sequence position ids, grouped-query attention, SwiGLU MLP,
+tied or untied LM head. ``forward`` takes one rank's flat token shard; only attention looks past it
+(through ``ulysses_attention``), so the rest runs on the shard as is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ulysses import AttentionContext, check_heads, ulysses_attention
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    hidden: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    mlp_hidden: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.num_heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}")
+        if (self.hidden // self.num_heads) % 2:
+            raise ValueError(f"head dim {self.hidden // self.num_heads} must be even for rotary embeddings")
+        check_heads(self.num_heads, self.num_kv_heads, 1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``x [tokens, heads, dim]`` at ``position_ids`` (restarted per sequence)."""
+    dim = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float64) / dim)
+    angles = (position_ids.to(torch.float64)[:, None] * inv_freq[None, :]).to(x.dtype)   # [tokens, dim/2]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q = nn.Linear(cfg.hidden, cfg.num_heads * cfg.head_dim, bias=False)
+        self.kv = nn.Linear(cfg.hidden, 2 * cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.out = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        cfg, tokens = self.cfg, x.shape[0]
+        q = self.q(x).view(tokens, cfg.num_heads, cfg.head_dim)
+        k, v = self.kv(x).view(tokens, 2, cfg.num_kv_heads, cfg.head_dim).unbind(1)
+        q, k = rotate(q, position_ids, cfg.rope_theta), rotate(k, position_ids, cfg.rope_theta)
+        return self.out(ulysses_attention(q, k, v, ctx).reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.mlp_hidden, bias=False)
+        self.down = nn.Linear(cfg.mlp_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids, ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyLM(nn.Module):
+    """Decoder-only LM over a flat token shard: ``input_ids [tokens]`` -> ``logits [tokens, vocab]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.apply(_init)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                ctx: AttentionContext | None = None) -> torch.Tensor:
+        """Without ``ctx`` the tokens are one causal sequence on one device."""
+        if ctx is None:
+            ctx = AttentionContext.single(input_ids.numel())
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.numel(), device=input_ids.device)
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, position_ids, ctx)
+        x = self.norm(x)
+        return F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
+
+
+def _init(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
