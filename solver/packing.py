@@ -1,0 +1,173 @@
+"""One micro-batch: pick SP degrees and fill groups, by bisection on the makespan.
+
+The problem works on bucketed lengths (a few distinct lengths with counts), and identical groups
+are kept as one *group class* with a multiplicity, so a packing costs O(buckets x classes) whatever
+the number of sequences or GPUs (a class splits only when a bucket fills it partially, so there are
+at most a few per bucket). For a target makespan ``T`` each bucket goes to the degree that needs the
+fewest GPUs for it within ``T`` and the memory limit; buckets are placed longest first, topping up
+groups that already have room (fullest first, i.e. best fit) before opening new ones. ``T`` is
+bisected between a lower bound and the memory-only packing; the smallest ``T`` whose packing needs
+at most ``N`` GPUs wins.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .costs import DegreeCosts
+
+
+@dataclass
+class BinPacking:
+    """Groups of one micro-batch on bucketed lengths: degree index and bucket counts per group."""
+
+    degree_idx: np.ndarray   # [G] index into DegreeCosts.degrees
+    counts: np.ndarray       # [G, B] sequences of each bucket in each group
+    makespan: float          # bucketed estimate of the slowest group, beta1 included
+
+
+@dataclass
+class _GroupClass:
+    k: int                   # degree index
+    mult: int                # how many identical groups
+    time: float              # seconds of sequences in each (no beta1)
+    tokens: float
+    items: list[tuple[int, int]]  # (bucket, count) in each group
+
+    def add(self, bucket: int, count: int, seq_time: float, length: float) -> None:
+        self.time += count * seq_time
+        self.tokens += count * length
+        self.items.append((bucket, count))
+
+    def split(self, mult: int) -> "_GroupClass":
+        """Detach ``mult`` of the groups as a class of their own."""
+        self.mult -= mult
+        return _GroupClass(self.k, mult, self.time, self.tokens, list(self.items))
+
+
+class MicroBatchPacker:
+    """Packs bucket counts of one micro-batch onto at most ``num_gpus`` GPUs."""
+
+    def __init__(self, bucket_lengths: np.ndarray, costs: DegreeCosts, num_gpus: int):
+        self.lengths = np.asarray(bucket_lengths, dtype=np.float64)
+        self.costs = costs
+        self.num_gpus = num_gpus
+        degrees = np.asarray(costs.degrees)
+        self.times = costs.times(self.lengths)                    # [B, D], inf when it cannot fit
+        self.area = self.times * degrees[None, :]                 # GPU-seconds per sequence
+        self.min_area = self.area.min(axis=1)
+        self.min_time = self.times.min(axis=1)
+        self.order = [int(b) for b in np.argsort(-self.lengths, kind="stable")]  # longest first
+        # plain-Python copies: the packing loop touches a handful of numbers at a time
+        self._degrees = [int(d) for d in costs.degrees]
+        self._capacity = [float(c) for c in costs.capacity]
+        self._lengths = self.lengths.tolist()
+        self._times = self.times.tolist()
+        self._fits = [[k for k in range(len(degrees)) if math.isfinite(row[k])] for row in self._times]
+        self._cache: dict[bytes, BinPacking | None] = {}
+
+    # --- bounds -------------------------------------------------------------------------------
+    def lower_bound(self, counts: np.ndarray) -> float:
+        """No packing beats perfect spreading of the cheapest area, nor the slowest sequence alone."""
+        present = counts > 0
+        if not present.any():
+            return 0.0
+        spread = float((counts * self.min_area)[present].sum()) / self.num_gpus
+        return max(spread, float(self.min_time[present].max())) + self.costs.beta1
+
+    # --- one target -------------------------------------------------------------------------
+    def pack(self, counts: np.ndarray, makespan: float) -> BinPacking | None:
+        """Groups whose bucketed time stays within ``makespan``, or None if more than N GPUs are needed."""
+        budget = makespan - self.costs.beta1
+        if budget <= 0:
+            return None
+        degrees, capacity = self._degrees, self._capacity
+        classes: list[_GroupClass] = []
+        gpus = 0
+        for b in self.order:
+            left = int(counts[b])
+            if left == 0:
+                continue
+            length, t_b = self._lengths[b], self._times[b]
+            # the degree that needs the fewest GPUs for the whole bucket (ties -> smallest degree)
+            k_new, best_gpus, per_new = -1, math.inf, 0
+            for k in self._fits[b]:
+                per = math.floor(min(budget / t_b[k], capacity[k] / length))
+                if per > 0 and -(-left // per) * degrees[k] < best_gpus:
+                    k_new, best_gpus, per_new = k, -(-left // per) * degrees[k], per
+            if k_new < 0:
+                return None                   # this bucket alone exceeds the budget everywhere
+            for cls in sorted((c for c in classes if c.k >= k_new), key=lambda c: -c.time):
+                t = t_b[cls.k]
+                fit = math.floor(min((budget - cls.time) / t, (capacity[cls.k] - cls.tokens) / length))
+                if fit <= 0:
+                    continue
+                if cls.mult * fit > left:     # only part of the class takes this bucket
+                    full, rest = divmod(left, fit)
+                    untouched = cls.mult - full - (1 if rest else 0)
+                    if untouched:
+                        classes.append(cls.split(untouched))
+                    if rest:
+                        partial = cls.split(1)
+                        partial.add(b, rest, t, length)
+                        classes.append(partial)
+                    if cls.mult:              # the remaining `full` groups take `fit` each
+                        cls.add(b, fit, t, length)
+                    left = 0
+                else:
+                    cls.add(b, fit, t, length)
+                    left -= cls.mult * fit
+                if left <= 0:
+                    break
+            if left > 0:
+                gpus += -(-left // per_new) * degrees[k_new]
+                if gpus > self.num_gpus:
+                    return None
+                full, rest = divmod(left, per_new)
+                for mult, count in ((full, per_new), (1 if rest else 0, rest)):
+                    if mult:
+                        classes.append(_GroupClass(k_new, mult, count * t_b[k_new], count * length, [(b, count)]))
+        classes = [c for c in classes if c.mult]
+        return self._expand(classes, len(counts))
+
+    def _expand(self, classes: list[_GroupClass], num_buckets: int) -> BinPacking:
+        mult = np.array([c.mult for c in classes], dtype=np.int64)
+        per_class = np.zeros((len(classes), num_buckets), dtype=np.int64)
+        for i, c in enumerate(classes):
+            for b, q in c.items:
+                per_class[i, b] += q
+        return BinPacking(degree_idx=np.repeat([c.k for c in classes], mult).astype(np.int64),
+                          counts=np.repeat(per_class, mult, axis=0),
+                          makespan=max(c.time for c in classes) + self.costs.beta1)
+
+    # --- search -------------------------------------------------------------------------------
+    def solve(self, counts: np.ndarray, rel_tol: float = 2e-3, max_iter: int = 40) -> BinPacking | None:
+        """Bisect the makespan; None when no makespan fits the micro-batch into N GPUs (memory).
+
+        Results are cached by ``counts``: the local search asks for the same micro-batch often.
+        """
+        key = np.asarray(counts, dtype=np.int64).tobytes()
+        if key not in self._cache:
+            self._cache[key] = self._solve(counts, rel_tol, max_iter)
+        return self._cache[key]
+
+    def _solve(self, counts: np.ndarray, rel_tol: float, max_iter: int) -> BinPacking | None:
+        lo = self.lower_bound(counts)
+        if lo == 0.0:
+            return None
+        best = self.pack(counts, math.inf)   # memory alone decides whether any makespan works
+        if best is None:
+            return None
+        hi = best.makespan
+        for _ in range(max_iter):
+            if hi - lo <= rel_tol * hi:
+                break
+            mid = 0.5 * (lo + hi)
+            got = self.pack(counts, mid)
+            if got is None:
+                lo = mid
+            else:
+                best, hi = got, min(mid, got.makespan)
+        return best

@@ -1,0 +1,204 @@
+"""FlexSP's planner: blaster candidates x per-micro-batch bisection, then a local search.
+
+1. Bucket the batch (DP, ``num_buckets``) so every later step costs O(buckets x groups).
+2. For micro-batch counts from the memory bound upwards, split the sorted batch (``blaster``) and
+   pack each micro-batch by bisection on its makespan (``packing``).
+3. Improve the best split by moving sequences of one bucket between micro-batches while the sum of
+   makespans drops (a deterministic, budgeted first-improvement search).
+4. Back to real sequences, rebalanced on real lengths (``materialize``); optionally polished by the
+   MILP (``milp``); and the better of that and every baseline's plan is returned, so FlexSP is
+   never slower than a plan it could have chosen.
+
+Results depend only on the inputs and options; the wall-clock ``time_limit`` stops the search
+early (keeping the best valid plan so far) only when it binds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import blaster
+from .bucketing import Buckets, dp_buckets
+from .costs import DegreeCosts
+from .materialize import to_groups
+from .packing import BinPacking, MicroBatchPacker
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    num_buckets: int = 16           # the paper's default
+    extra_micro_batches: int = 2    # micro-batch counts tried above the memory bound
+    max_moves: int = 400            # local-search trials (packings of two micro-batches each)
+    time_limit: float = 5.0         # seconds; the best plan so far is returned when it runs out
+
+
+class Infeasible(ValueError):
+    """The batch cannot be planned on this cluster (a sequence longer than all GPUs can hold)."""
+
+
+@dataclass
+class Split:
+    """Micro-batch of each sequence plus the packing of each micro-batch."""
+
+    assignment: np.ndarray
+    packings: list[BinPacking]
+
+    @property
+    def makespan(self) -> float:
+        return float(sum(p.makespan for p in self.packings))
+
+
+class BatchSearch:
+    def __init__(self, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions,
+                 deadline: float | None = None):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.costs = costs
+        self.num_gpus = num_gpus
+        self.options = options
+        self.deadline = deadline if deadline is not None else time.perf_counter() + options.time_limit
+        longest = self.lengths.max()
+        if longest > costs.capacity[-1]:
+            raise Infeasible(f"a sequence of {longest} tokens is longer than the whole cluster can hold "
+                             f"({costs.capacity[-1]:.0f} tokens on {costs.degrees[-1]} GPUs)")
+        self.buckets: Buckets = dp_buckets(self.lengths, options.num_buckets)
+        self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus)
+        self.order = np.argsort(-self.lengths, kind="stable")
+        self.seq_area = self.packer.min_area[self.buckets.index]
+        self.seq_critical = self.packer.min_time[self.buckets.index]
+        self.seq_tokens = self.buckets.rounded().astype(np.float64)
+        self.cluster_tokens = costs.capacity[0] * num_gpus   # capacity is linear in degree
+        self.num_buckets = len(self.buckets.upper)
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    # --- evaluating splits --------------------------------------------------------------------
+    def counts(self, assignment: np.ndarray, num_mb: int) -> np.ndarray:
+        flat = assignment * self.num_buckets + self.buckets.index
+        return np.bincount(flat, minlength=num_mb * self.num_buckets).reshape(num_mb, self.num_buckets)
+
+    def evaluate(self, assignment: np.ndarray) -> Split | None:
+        num_mb = int(assignment.max()) + 1
+        packings = []
+        for row in self.counts(assignment, num_mb):
+            if not row.any():
+                continue
+            packing = self.packer.solve(row)
+            if packing is None:
+                return None
+            packings.append(packing)
+        # renumber micro-batches densely (an empty one may have been dropped)
+        used = np.unique(assignment)
+        return Split(np.searchsorted(used, assignment), packings)
+
+    def candidates(self, num_mb: int):
+        yield blaster.consecutive(self.order, self.seq_tokens, num_mb)
+        yield blaster.consecutive(self.order, self.seq_area, num_mb)
+        yield blaster.interleaved(self.order, self.seq_area, self.seq_tokens, num_mb, self.cluster_tokens)
+        yield blaster.critical_fill(self.order, self.seq_area, self.seq_critical, self.seq_tokens, num_mb,
+                                    self.num_gpus, self.cluster_tokens)
+
+    def first_split(self) -> Split:
+        """The greedy plan: the paper's consecutive split at the fewest micro-batches that pack."""
+        num_mb = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
+        while True:
+            for assignment in (blaster.consecutive(self.order, self.seq_tokens, num_mb),
+                               blaster.interleaved(self.order, self.seq_area, self.seq_tokens, num_mb,
+                                                   self.cluster_tokens)):
+                if assignment is not None:
+                    split = self.evaluate(assignment)
+                    if split is not None:
+                        return split
+            num_mb += 1
+
+    def best_split(self) -> Split:
+        best = self.first_split()
+        lo = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
+        first_mb = len(best.packings)
+        for num_mb in range(lo, max(lo, first_mb) + self.options.extra_micro_batches + 1):
+            if num_mb > len(self.lengths):
+                break
+            for assignment in self.candidates(num_mb):
+                if self.out_of_time():
+                    return best
+                if assignment is None:
+                    continue
+                split = self.evaluate(assignment)
+                if split is not None and split.makespan < best.makespan:
+                    best = split
+        return self.improve(best)
+
+    # --- local search -------------------------------------------------------------------------
+    def improve(self, split: Split) -> Split:
+        """Move sequences of one bucket from the most wasteful micro-batch to another while the sum
+        of makespans drops. Deterministic: a fixed scan order and a trial budget."""
+        num_mb = len(split.packings)
+        if num_mb < 2:
+            return split
+        counts = self.counts(split.assignment, num_mb)
+        packings = list(split.packings)
+        trials = 0
+        improved = True
+        while improved and trials < self.options.max_moves and not self.out_of_time():
+            improved = False
+            waste = np.array([p.makespan - self.packer.lower_bound(c) for p, c in zip(packings, counts)])
+            for src in np.argsort(-waste, kind="stable"):
+                for b in np.flatnonzero(counts[src])[::-1]:           # longest buckets first
+                    for dst in np.argsort(waste, kind="stable"):
+                        if dst == src:
+                            continue
+                        for qty in sorted({1, int(counts[src, b] + 1) // 2}):
+                            trials += 1
+                            new_src, new_dst = counts[src].copy(), counts[dst].copy()
+                            new_src[b] -= qty
+                            new_dst[b] += qty
+                            p_dst = self.packer.solve(new_dst)
+                            if p_dst is None:
+                                continue
+                            p_src = self.packer.solve(new_src) if new_src.any() else None
+                            if new_src.any() and p_src is None:
+                                continue
+                            before = packings[src].makespan + packings[dst].makespan
+                            after = p_dst.makespan + (p_src.makespan if p_src is not None else 0.0)
+                            if after < before * (1 - 1e-9):
+                                counts[src], counts[dst] = new_src, new_dst
+                                packings[src], packings[dst] = p_src, p_dst
+                                improved = True
+                                break
+                        if improved or trials >= self.options.max_moves or self.out_of_time():
+                            break
+                    if improved or trials >= self.options.max_moves or self.out_of_time():
+                        break
+                if improved or trials >= self.options.max_moves or self.out_of_time():
+                    break
+        keep = [m for m in range(num_mb) if packings[m] is not None]
+        return Split(self.assign_from_counts(counts[keep]), [packings[m] for m in keep])
+
+    def assign_from_counts(self, counts: np.ndarray) -> np.ndarray:
+        """Give each micro-batch the right number of each bucket's sequences (longest to the first)."""
+        assignment = np.empty(len(self.lengths), dtype=np.int64)
+        for b in range(self.num_buckets):
+            ids = self.order[self.buckets.index[self.order] == b]
+            assignment[ids] = np.repeat(np.arange(len(counts)), counts[:, b])
+        return assignment
+
+    # --- output -------------------------------------------------------------------------------
+    def schedule(self, split: Split) -> Schedule:
+        micro_batches = []
+        for m, packing in enumerate(split.packings):
+            seq_ids = np.flatnonzero(split.assignment == m)
+            micro_batches.append(tuple(to_groups(packing, seq_ids, self.buckets.index, self.lengths, self.costs)))
+        return Schedule(tuple(micro_batches))
+
+
+def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions()) -> Schedule:
+    search = BatchSearch(lengths, costs, num_gpus, options)
+    return search.schedule(search.first_split())
+
+
+def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions()) -> Schedule:
+    search = BatchSearch(lengths, costs, num_gpus, options)
+    return search.schedule(search.best_split())
