@@ -22,7 +22,7 @@ class PackedGroup:
     degree: int
     cu_seqlens: tuple[int, ...]       # sequence bounds in the stream; the last is the real token count
     input_ids: torch.Tensor
-    position_ids: torch.Tensor        # restart at 0 in every sequence (RoPE sees each one alone)
+    position_ids: torch.Tensor        # restart at 0 per sequence: each is positioned as if alone
     labels: torch.Tensor              # next token inside the same sequence, else IGNORE_INDEX
 
     @property

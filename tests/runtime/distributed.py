@@ -45,9 +45,10 @@ def free_port() -> int:
 
 def _context():
     # forkserver: children fork from a server that imported torch once (fast), never from pytest's
-    # process (whose torch threads make fork unsafe).
+    # process (whose torch threads make fork unsafe). torch._dynamo is what the first optimizer
+    # imports (over a second per process); pytest is what every test module imports.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "flexsp.runtime"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest", "flexsp.runtime"])
     return ctx
 
 
@@ -112,8 +113,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if hung or len(outcomes) < world_size:
         missing = sorted(set(range(world_size)) - set(outcomes))
         errors = "\n".join(o.traceback for o in outcomes.values() if o.traceback)
-        pytest.fail(f"distributed run did not finish within {timeout:.0f}s: ranks {hung} still running, "
-                    f"ranks {missing} never reported\n{errors}")
+        if hung:
+            pytest.fail(f"distributed run did not finish within {timeout:.0f}s: ranks {hung} were still running "
+                        f"and were terminated\n{errors}")
+        codes = {r: procs[r].exitcode for r in missing}
+        pytest.fail(f"ranks {missing} exited without reporting (exit codes {codes}); see captured stderr\n{errors}")
     ordered = [Outcome(r, outcomes[r].value, outcomes[r].error, outcomes[r].error_type, outcomes[r].traceback,
                        procs[r].exitcode) for r in range(world_size)]
     if expect_errors:

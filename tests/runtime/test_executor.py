@@ -1,0 +1,181 @@
+"""A planned step on 4 ranks updates the model exactly as one device on the whole batch would."""
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from flexsp import Group, MicroBatch, Plan, PlanError  # noqa: E402
+from flexsp.runtime.executor import StepExecutor  # noqa: E402
+from flexsp.runtime.groups import GroupPool  # noqa: E402
+from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
+from flexsp.runtime.packing import PAD_TOKEN, loss_tokens  # noqa: E402
+
+from .distributed import run_distributed  # noqa: E402
+
+LENGTHS = [9, 17, 5, 12, 3, 7, 11, 2, 6, 13]            # 85 tokens; every token id is unique
+VOCAB = 96
+CFG = dict(vocab_size=VOCAB, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
+
+
+def _plan(*micro_batches):
+    return Plan(num_gpus=4, predicted_time=0.0, micro_batches=tuple(
+        MicroBatch(tuple(Group(ranks=tuple(r), seq_ids=tuple(s)) for r, s in mb)) for mb in micro_batches))
+
+
+# Several micro-batches, degrees 1/2/4 side by side, idle ranks, token counts not divisible by degrees.
+PLAN_A = _plan([((0, 1, 2, 3), (1, 3))],
+               [((0, 1), (0, 4, 5)), ((2,), (6,))],                       # rank 3 idles
+               [((0,), (7,)), ((1,), (8,)), ((2, 3), (2, 9))])
+PLAN_B = _plan([((2, 3), (0, 1, 2)), ((0, 1), (3,))],
+               [((1,), (4,))],                                             # ranks 0, 2, 3 idle
+               [((0, 1, 2, 3), (5, 6, 7, 8, 9))])
+
+
+def _batch(seed):
+    ids = torch.randperm(sum(LENGTHS), generator=torch.Generator().manual_seed(seed)) + 1   # 0 is padding
+    return list(ids.split(LENGTHS))
+
+
+def _optimizer(name, params):
+    return torch.optim.SGD(params, lr=0.5) if name == "sgd" else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _model(tie):
+    torch.manual_seed(1234)
+    return TinyLM(ModelConfig(**CFG, tie_embeddings=tie)).double()
+
+
+def _train_worker(rank, world_size, plans, tie, opt_name):
+    pool = GroupPool()
+    model = _model(tie)
+    seen = []   # every token id this rank pushed through the model
+    model.embed.register_forward_hook(lambda mod, args, out: seen.extend(args[0].tolist()))
+    executor = StepExecutor(model, _optimizer(opt_name, model.parameters()), pool, backend="sdpa")
+    results = [executor.step(Plan.from_dict(p), _batch(step)) for step, p in enumerate(plans)]
+    params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    return {"params": params, "results": results, "seen": seen}
+
+
+def _reference(plans, tie, opt_name):
+    """One device, the whole global batch, no packing: mean next-token loss, one optimizer step each."""
+    model = _model(tie)
+    opt = _optimizer(opt_name, model.parameters())
+    losses = []
+    for step in range(len(plans)):
+        batch = _batch(step)
+        opt.zero_grad()
+        loss = sum(F.cross_entropy(model(seq)[:-1], seq[1:], reduction="sum") for seq in batch) / loss_tokens(LENGTHS)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy(), losses
+
+
+@pytest.fixture(scope="module")
+def plan_a_run():
+    plans = [PLAN_A.to_dict()]
+    return plans, run_distributed(_train_worker, 4, plans, True, "sgd")
+
+
+def _assert_matches_reference(plans, runs, tie, opt_name):
+    want, losses = _reference(plans, tie, opt_name)
+    for run in runs:
+        assert abs(want - run["params"]).max() < 1e-10
+        assert [r.loss for r in run["results"]] == pytest.approx(losses, rel=1e-12)
+    assert abs(want - _reference([], tie, opt_name)[0]).max() > 1e-4   # the step really moved the model
+
+
+def test_heterogeneous_step_equals_single_device_step(plan_a_run):
+    plans, runs = plan_a_run
+    _assert_matches_reference(plans, runs, True, "sgd")
+    assert [r["results"][0].degrees for r in runs] == [(4, 2, 1), (4, 2, 1), (4, 1, 2), (4, None, 2)]
+
+
+def test_two_steps_two_plans_untied_adamw():
+    plans = [PLAN_B.to_dict(), PLAN_A.to_dict()]
+    runs = run_distributed(_train_worker, 4, plans, False, "adamw")
+    _assert_matches_reference(plans, runs, False, "adamw")
+    assert runs[2]["results"][0].degrees == (2, None, 4)
+
+
+def test_no_sequence_dropped_or_duplicated(plan_a_run):
+    _, runs = plan_a_run
+    batch = _batch(0)
+    # Each rank holds ceil(T/d) tokens of its group, the last ones padding; count the real ones.
+    expected = [0, 0, 0, 0]
+    for mb in PLAN_A.micro_batches:
+        for g in mb.groups:
+            total = sum(LENGTHS[s] for s in g.seq_ids)
+            shard = -(-total // g.degree)
+            for i, r in enumerate(g.ranks):
+                expected[r] += max(0, min(shard, total - i * shard))
+    assert [r["results"][0].tokens_processed for r in runs] == expected
+    assert sum(expected) == sum(LENGTHS)
+    # The token ids the ranks embedded: every real token exactly once over the world.
+    real = sorted(t for run in runs for t in run["seen"] if t != PAD_TOKEN)
+    assert real == sorted(torch.cat(batch).tolist())
+    assert {r["results"][0].loss_tokens for r in runs} == {loss_tokens(LENGTHS)}
+
+
+def _bad_plan_worker(rank, world_size):
+    pool = GroupPool()
+    only_1_and_4 = GroupPool(degrees=(1, 4))
+    model = _model(True)
+    batch = _batch(0)
+    two_heads = TinyLM(ModelConfig(**{**CFG, "num_heads": 2, "num_kv_heads": 1})).double()
+    ok = _plan([((0, 1, 2, 3), tuple(range(10)))])
+    cases = [
+        (pool, model, _plan([((0, 1), (0, 1, 2)), ((4,), (3, 4, 5, 6, 7, 8, 9))]), r"rank 4 is outside 0\.\.3"),
+        (pool, model, _plan([((0, 1, 2, 3), (0, 1, 2, 3, 4, 5, 6, 7, 8, 12))]),
+         r"sequence ids \[12\] but the batch has 10 sequences"),
+        (pool, model, _plan([((0, 1, 2, 3), tuple(range(9)))]), r"sequences \[9\] are not planned"),
+        (pool, model, Plan(num_gpus=2, predicted_time=0.0, micro_batches=ok.micro_batches),
+         r"plan is for 2 GPUs but the process group has 4 ranks"),
+        (pool, model, _plan([((1, 2), tuple(range(10)))]), r"ranks \[1, 2\] are not an aligned block"),
+        (only_1_and_4, model, _plan([((0, 1), tuple(range(10)))]), r"ranks \[0, 1\] is not in the pool"),
+        (pool, two_heads, ok, r"degree 4 does not divide the 2 attention heads.*\[1, 2\]"),
+    ]
+    calls = []
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", "barrier", "broadcast")}
+    for name, fn in real.items():
+        setattr(dist, name, lambda *a, _name=name, **k: calls.append(_name))
+    try:
+        messages = []
+        for p, m, plan, pattern in cases:
+            executor = StepExecutor(m, torch.optim.SGD(m.parameters(), lr=0.1), p)
+            with pytest.raises(PlanError, match=pattern) as info:
+                executor.step(plan, batch)
+            messages.append(str(info.value))
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    # Nobody entered a collective, so the world is still in step: a good plan runs right after.
+    StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), pool).step(ok, batch)
+    return {"collectives": calls, "messages": messages}
+
+
+def test_bad_plans_fail_before_any_collective():
+    results = run_distributed(_bad_plan_worker, 4)
+    for res in results:
+        assert res["collectives"] == []
+        assert len(res["messages"]) == 7
+    assert len({tuple(r["messages"]) for r in results}) == 1   # every rank says the same
+
+
+def _uncaught_worker(rank, world_size):
+    pool = GroupPool()
+    model = _model(True)
+    plan = _plan([((0, 1, 2, 3), tuple(range(9)) + (10,))])   # sequence 10 does not exist
+    StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), pool).step(plan, _batch(0))
+
+
+def test_bad_plan_error_ends_every_process():
+    start = time.monotonic()
+    outcomes = run_distributed(_uncaught_worker, 4, timeout=60, expect_errors=True)
+    assert time.monotonic() - start < 30   # raised, not waited out a collective timeout
+    for o in outcomes:
+        assert o.error_type == "PlanError" and "sequence ids [10]" in o.error
+        assert o.exitcode == 1
