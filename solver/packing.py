@@ -50,15 +50,19 @@ class _GroupClass:
 class MicroBatchPacker:
     """Packs bucket counts of one micro-batch onto at most ``num_gpus`` GPUs."""
 
-    def __init__(self, bucket_lengths: np.ndarray, costs: DegreeCosts, num_gpus: int):
+    def __init__(self, bucket_lengths: np.ndarray, costs: DegreeCosts, num_gpus: int,
+                 bucket_times: np.ndarray | None = None):
+        """``bucket_times[b, k]``: seconds a bucket-``b`` sequence takes at degree ``k``; by default
+        the time of the bucket's upper length. Memory always uses the upper length (never overflows)."""
         self.lengths = np.asarray(bucket_lengths, dtype=np.float64)
         self.costs = costs
         self.num_gpus = num_gpus
         degrees = np.asarray(costs.degrees)
-        self.times = costs.times(self.lengths)                    # [B, D], inf when it cannot fit
+        upper_times = costs.times(self.lengths)                   # [B, D], inf when it cannot fit
+        self.times = upper_times if bucket_times is None else np.where(np.isfinite(upper_times), bucket_times, np.inf)
         self.area = self.times * degrees[None, :]                 # GPU-seconds per sequence
         self.min_area = self.area.min(axis=1)
-        self.min_time = self.times.min(axis=1)
+        self.min_time = upper_times.min(axis=1)                  # the longest member sets the critical path
         self.order = [int(b) for b in np.argsort(-self.lengths, kind="stable")]  # longest first
         # plain-Python copies: the packing loop touches a handful of numbers at a time
         self._degrees = [int(d) for d in costs.degrees]
@@ -78,8 +82,10 @@ class MicroBatchPacker:
         return max(spread, float(self.min_time[present].max())) + self.costs.beta1
 
     # --- one target -------------------------------------------------------------------------
-    def pack(self, counts: np.ndarray, makespan: float) -> BinPacking | None:
-        """Groups whose bucketed time stays within ``makespan``, or None if more than N GPUs are needed."""
+    def pack(self, counts: np.ndarray, makespan: float, max_gpus: float | None = None) -> BinPacking | None:
+        """Groups whose bucketed time stays within ``makespan``, or None if they need more than
+        ``max_gpus`` GPUs (default N; pass ``math.inf`` to pack a whole batch into any number)."""
+        max_gpus = self.num_gpus if max_gpus is None else max_gpus
         budget = makespan - self.costs.beta1
         if budget <= 0:
             return None
@@ -123,7 +129,7 @@ class MicroBatchPacker:
                     break
             if left > 0:
                 gpus += -(-left // per_new) * degrees[k_new]
-                if gpus > self.num_gpus:
+                if gpus > max_gpus:
                     return None
                 full, rest = divmod(left, per_new)
                 for mult, count in ((full, per_new), (1 if rest else 0, rest)):
@@ -141,6 +147,11 @@ class MicroBatchPacker:
         return BinPacking(degree_idx=np.repeat([c.k for c in classes], mult).astype(np.int64),
                           counts=np.repeat(per_class, mult, axis=0),
                           makespan=max(c.time for c in classes) + self.costs.beta1)
+
+    def group_times(self, packing: BinPacking) -> np.ndarray:
+        """Bucketed seconds of each group (no beta1)."""
+        per_seq = self.times[:, packing.degree_idx].T
+        return (packing.counts * np.where(packing.counts > 0, per_seq, 0.0)).sum(axis=1)
 
     # --- search -------------------------------------------------------------------------------
     def solve(self, counts: np.ndarray, rel_tol: float = 2e-3, max_iter: int = 40) -> BinPacking | None:

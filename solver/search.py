@@ -14,6 +14,7 @@ early (keeping the best valid plan so far) only when it binds.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from . import blaster
 from .bucketing import Buckets, dp_buckets
 from .costs import DegreeCosts
 from .materialize import to_groups
+from .milp import solve_milp
 from .packing import BinPacking, MicroBatchPacker
 from .schedule import Schedule
 
@@ -31,8 +33,10 @@ from .schedule import Schedule
 class SearchOptions:
     num_buckets: int = 16           # the paper's default
     extra_micro_batches: int = 2    # micro-batch counts tried above the memory bound
-    max_moves: int = 400            # local-search trials (packings of two micro-batches each)
+    max_moves: int = 30             # local-search trials (packings of two micro-batches each)
     time_limit: float = 5.0         # seconds; the best plan so far is returned when it runs out
+    exact_max_sequences: int = 8    # up to this many sequences, the MILP proves the plan optimal
+    milp_time_limit: float = 0.0    # seconds of MILP polishing per micro-batch on larger batches
 
 
 class Infeasible(ValueError):
@@ -64,13 +68,20 @@ class BatchSearch:
             raise Infeasible(f"a sequence of {longest} tokens is longer than the whole cluster can hold "
                              f"({costs.capacity[-1]:.0f} tokens on {costs.degrees[-1]} GPUs)")
         self.buckets: Buckets = dp_buckets(self.lengths, options.num_buckets)
-        self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus)
+        self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus, self._mean_times())
         self.order = np.argsort(-self.lengths, kind="stable")
         self.seq_area = self.packer.min_area[self.buckets.index]
         self.seq_critical = self.packer.min_time[self.buckets.index]
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
         self.cluster_tokens = costs.capacity[0] * num_gpus   # capacity is linear in degree
         self.num_buckets = len(self.buckets.upper)
+
+    def _mean_times(self) -> np.ndarray:
+        """Average real time of each bucket's sequences per degree: unbiased, unlike the upper bound."""
+        nb = len(self.buckets.upper)
+        counts = np.maximum(self.buckets.counts, 1)
+        return np.stack([np.bincount(self.buckets.index, weights=self.costs.seq_time(self.lengths, k), minlength=nb) / counts
+                         for k in range(self.costs.num_degrees)], axis=1)
 
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -114,8 +125,54 @@ class BatchSearch:
                         return split
             num_mb += 1
 
+    def arranged_split(self, makespan: float) -> Split | None:
+        """Pack the whole batch into groups of at most ``makespan`` (any number of GPUs), then deal
+        the groups, slowest first, into micro-batches of N GPUs (first fit). One pass finds the
+        micro-batch count and the split together; sweeping ``makespan`` trades the two."""
+        packing = self.packer.pack(self.buckets.counts, makespan, max_gpus=math.inf)
+        if packing is None:
+            return None
+        times = self.packer.group_times(packing)
+        degrees = np.asarray(self.costs.degrees)[packing.degree_idx]
+        free: list[int] = []
+        mb_of_group = np.empty(len(times), dtype=np.int64)
+        for g in np.argsort(-times, kind="stable"):
+            for m, room in enumerate(free):
+                if room >= degrees[g]:
+                    break
+            else:
+                m = len(free)
+                free.append(self.num_gpus)
+            free[m] -= degrees[g]
+            mb_of_group[g] = m
+        rows, packings = [], []
+        for m in range(len(free)):
+            mine = mb_of_group == m
+            arranged = BinPacking(packing.degree_idx[mine], packing.counts[mine],
+                                  float(times[mine].max()) + self.costs.beta1)
+            row = arranged.counts.sum(axis=0)
+            resolved = self.packer.solve(row)
+            packings.append(resolved if resolved is not None and resolved.makespan < arranged.makespan else arranged)
+            rows.append(row)
+        return Split(self.assign_from_counts(np.array(rows)), packings)
+
+    def arranged_candidates(self, points: int = 24):
+        lo = float(self.packer.min_time[self.buckets.counts > 0].max()) + self.costs.beta1
+        loose = self.packer.pack(self.buckets.counts, math.inf, max_gpus=math.inf)
+        hi = max(lo, loose.makespan)
+        for makespan in np.geomspace(lo, hi, points) if hi > lo else [lo]:
+            split = self.arranged_split(float(makespan))
+            if split is not None:
+                yield split
+
     def best_split(self) -> Split:
+        """The best bucketed split over blaster candidates and makespan sweeps (before local search)."""
         best = self.first_split()
+        for split in self.arranged_candidates():
+            if self.out_of_time():
+                return best
+            if split.makespan < best.makespan:
+                best = split
         lo = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
         first_mb = len(best.packings)
         for num_mb in range(lo, max(lo, first_mb) + self.options.extra_micro_batches + 1):
@@ -129,7 +186,7 @@ class BatchSearch:
                 split = self.evaluate(assignment)
                 if split is not None and split.makespan < best.makespan:
                     best = split
-        return self.improve(best)
+        return best
 
     # --- local search -------------------------------------------------------------------------
     def improve(self, split: Split) -> Split:
@@ -185,6 +242,37 @@ class BatchSearch:
             assignment[ids] = np.repeat(np.arange(len(counts)), counts[:, b])
         return assignment
 
+    # --- MILP ---------------------------------------------------------------------------------
+    def milp(self, incumbent: Schedule) -> Schedule | None:
+        """Whole batch exactly when it is tiny; else each micro-batch alone, worst first."""
+        bound = incumbent.time(self.lengths, self.costs)
+        times = self.packer.times
+        if len(self.lengths) <= self.options.exact_max_sequences:
+            result = solve_milp(self.buckets.upper, times, self.buckets.counts, self.costs, self.num_gpus,
+                                len(self.lengths), self.remaining(), upper_bound=bound * (1 + 1e-9))
+            if result is None:
+                return None
+            return self.schedule(Split(self.assign_from_counts(result.counts), result.packings))
+        micro_batches = list(incumbent.micro_batches)
+        mb_times = incumbent.micro_batch_times(self.lengths, self.costs)
+        for m in np.argsort(mb_times)[::-1]:
+            budget = min(self.options.milp_time_limit, self.remaining())
+            if budget <= 0:
+                break
+            ids = np.concatenate([g.seq_ids for g in micro_batches[m]])
+            row = np.bincount(self.buckets.index[ids], minlength=self.num_buckets)
+            result = solve_milp(self.buckets.upper, times, row, self.costs, self.num_gpus, 1, budget,
+                                upper_bound=mb_times[m])
+            if result is None or len(result.packings) != 1:
+                continue
+            groups = tuple(to_groups(result.packings[0], ids, self.buckets.index, self.lengths, self.costs))
+            if max(g.time(self.lengths, self.costs) for g in groups) < mb_times[m]:
+                micro_batches[m] = groups
+        return Schedule(tuple(micro_batches))
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.perf_counter())
+
     # --- output -------------------------------------------------------------------------------
     def schedule(self, split: Split) -> Schedule:
         micro_batches = []
@@ -199,6 +287,21 @@ def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
     return search.schedule(search.first_split())
 
 
-def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions()) -> Schedule:
+def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
+           fallbacks: tuple[Schedule, ...] = ()) -> Schedule:
+    """The best of: the searched split, the greedy split, the MILP where it runs, and ``fallbacks``
+    (plans of other strategies), all scored on real lengths."""
     search = BatchSearch(lengths, costs, num_gpus, options)
-    return search.schedule(search.best_split())
+    candidates = [search.schedule(search.first_split()), *fallbacks]
+    if not search.out_of_time():
+        split = search.best_split()
+        candidates.append(search.schedule(split))
+        if not search.out_of_time() and options.max_moves > 0:
+            # local search improves the bucketed estimate; keep both, real lengths decide
+            candidates.append(search.schedule(search.improve(split)))
+    best = min(candidates, key=lambda s: s.time(search.lengths, costs))
+    if len(lengths) <= options.exact_max_sequences or options.milp_time_limit > 0:
+        polished = search.milp(best)
+        if polished is not None and polished.time(search.lengths, costs) < best.time(search.lengths, costs):
+            best = polished
+    return best

@@ -1,0 +1,113 @@
+"""``plan_batch``: the front door from a batch of lengths to a placed, validated ``Plan``.
+
+It turns the cost model into per-degree numbers for the solver, runs a strategy, and places each
+micro-batch's groups on aligned rank blocks: largest group first, each on the next free block of
+its size, which always succeeds when the degrees sum to at most N (they are powers of two) and
+keeps every group of at most a node's size inside one node.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from solver.baselines import InfeasibleDegree, batchada, single_degree
+from solver.costs import DegreeCosts
+from solver.schedule import Schedule
+from solver.search import Infeasible, SearchOptions, flexsp, greedy
+
+from .cluster import Cluster
+from .cost import CostModel
+from .errors import CostModelError, PlanError
+from .lengths import as_lengths
+from .plan import Group, MicroBatch, Plan
+
+STRATEGIES = ("flexsp", "greedy", "batchada", "static")
+
+
+def usable_degrees(cluster: Cluster, max_degree: int | None = None) -> tuple[int, ...]:
+    degrees = cluster.degrees
+    if max_degree is not None:
+        degrees = tuple(d for d in degrees if d <= max_degree)
+        if not degrees:
+            raise PlanError(f"max_degree={max_degree} leaves no SP degree (need >= 1)")
+    return degrees
+
+
+def place(schedule: Schedule) -> tuple[MicroBatch, ...]:
+    """Aligned rank blocks, largest group first: block ``[k*d, (k+1)*d)`` for a group of degree ``d``."""
+    micro_batches = []
+    for groups in schedule.micro_batches:
+        offset, placed = 0, []
+        for g in sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0)):
+            placed.append(Group(ranks=tuple(range(offset, offset + g.degree)),
+                                seq_ids=tuple(int(i) for i in g.seq_ids)))
+            offset += g.degree
+        micro_batches.append(MicroBatch(tuple(placed)))
+    return tuple(micro_batches)
+
+
+def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions,
+         sp_degree: int | None) -> Schedule:
+    if strategy == "static":
+        degree = sp_degree if sp_degree is not None else costs.degrees[-1]
+        if degree not in costs.degrees:
+            raise PlanError(f"static sp_degree={degree} must be a power of two between 1 and {costs.degrees[-1]}")
+        return single_degree(lengths, costs, num_gpus, degree)
+    if strategy == "batchada":
+        return batchada(lengths, costs, num_gpus)
+    if strategy == "greedy":
+        return greedy(lengths, costs, num_gpus, options)
+    if strategy == "flexsp":
+        return flexsp(lengths, costs, num_gpus, options, fallbacks=(batchada(lengths, costs, num_gpus),))
+    if strategy == "dynamic-cp":
+        from solver.dynamic_cp import dynamic_cp
+        return dynamic_cp(lengths, costs, num_gpus)
+    raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES + ('dynamic-cp',))}")
+
+
+def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str = "flexsp", *,
+               sp_degree: int | None = None, time_limit: float = 2.0, num_buckets: int = 16,
+               max_degree: int | None = None, validate: bool = True) -> Plan:
+    """Plan one global batch: micro-batches of SP groups on ranks, with the predicted step time.
+
+    ``strategy``: "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
+    "batchada" (best single degree for this batch), "static" (``sp_degree`` for every group, default
+    the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` bounds the
+    search; the best plan found by then is returned. ``max_degree`` keeps groups at or below it.
+    """
+    started = time.perf_counter()
+    lengths = as_lengths(lengths)
+    if not isinstance(cluster, Cluster):
+        raise PlanError(f"cluster must be a flexsp.Cluster, got {type(cluster).__name__}")
+    if not isinstance(cost, CostModel):
+        raise PlanError(f"cost must be a flexsp.CostModel, got {type(cost).__name__}")
+    if time_limit <= 0:
+        raise PlanError(f"time_limit must be > 0 seconds, got {time_limit}")
+    degrees = usable_degrees(cluster, max_degree)
+    costs = cost.degree_costs(degrees)   # CostModelError names a degree without bandwidth
+    longest = int(lengths.argmax())
+    if lengths[longest] > costs.capacity[-1]:
+        raise PlanError(
+            f"sequence {longest} has {int(lengths[longest])} tokens, more than the whole cluster can hold: "
+            f"{costs.degrees[-1]} GPUs x {cost.token_capacity:.0f} tokens = {costs.capacity[-1]:.0f}")
+    options = SearchOptions(num_buckets=num_buckets, time_limit=time_limit)
+    try:
+        schedule = _run(strategy, lengths, costs, cluster.num_gpus, options, sp_degree)
+    except (InfeasibleDegree, Infeasible) as exc:
+        raise PlanError(f"{strategy}: {exc}") from None
+    micro_batches = place(schedule)
+    plan = Plan(num_gpus=cluster.num_gpus, micro_batches=micro_batches,
+                predicted_time=schedule.time(lengths, costs), strategy=strategy,
+                gpus_per_node=cluster.gpus_per_node, solve_time=time.perf_counter() - started)
+    if validate:
+        plan.validate(lengths, cost, cluster)
+    return plan
+
+
+def strategy_names() -> tuple[str, ...]:
+    return STRATEGIES + ("dynamic-cp",)
+
+
+__all__ = ["plan_batch", "place", "STRATEGIES", "usable_degrees", "CostModelError"]
