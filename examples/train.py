@@ -9,12 +9,18 @@ attention, and take one optimizer step. The update equals training the whole bat
 """
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import flexsp
+try:
+    import flexsp
+except ModuleNotFoundError:   # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import flexsp
 from flexsp.runtime import GroupPool, ModelConfig, StepExecutor, TinyLM
 
 # -----------------------------------------------------------------------------------------------
@@ -100,8 +106,8 @@ def get_batch(step):
 
 def get_plan(lengths):
     """Plan on rank 0 and broadcast: a time-limited solver need not give every rank the same answer."""
-    box = [flexsp.plan_batch(lengths, cost, cluster, strategy=args.strategy, time_limit=args.time_limit,
-                             seed=args.seed).to_dict() if master else None]
+    box = [flexsp.plan_batch(lengths, cost, cluster, strategy=args.strategy,
+                             time_limit=args.time_limit).to_dict() if master else None]
     if distributed:
         dist.broadcast_object_list(box, src=0, device=device if use_cuda else None)
     return flexsp.Plan.from_dict(box[0])
