@@ -1,0 +1,93 @@
+import json
+import math
+
+import numpy as np
+import pytest
+
+import flexsp
+from flexsp.analytic import GPUSpec, ModelSpec, alltoall_bandwidth, analytic_cost_model
+from flexsp.presets import paper_preset
+
+CONTRACT = dict(alpha1=5.128e-9, alpha2=1.839576e-4, beta1=0.6293563, comm_bytes_per_token=4 * 2 * 32 * 4096 * 2,
+                alltoall_bandwidth={2: 1.25e11, 4: 1.09e11, 8: 1.01e11, 16: 1.08e10, 32: 6.2e9, 64: 5.1e9},
+                token_capacity=6407)
+
+
+def test_seq_and_group_time_follow_the_paper_formula():
+    cost = flexsp.CostModel(**CONTRACT)
+    s, d = 10_000, 16
+    expected = (5.128e-9 * s * s + 1.839576e-4 * s) / d + CONTRACT["comm_bytes_per_token"] * s / d / 1.08e10
+    assert cost.seq_time(s, d) == pytest.approx(expected, rel=1e-12)
+    assert cost.seq_time(s, 1) == pytest.approx(5.128e-9 * s * s + 1.839576e-4 * s)
+    assert cost.group_time([s, 2 * s], d) == pytest.approx(cost.seq_time(s, d) + cost.seq_time(2 * s, d) + 0.6293563)
+    np.testing.assert_allclose(cost.seq_time(np.array([1, s]), d), [cost.seq_time(1, d), cost.seq_time(s, d)])
+
+
+def test_capacity_check():
+    cost = flexsp.CostModel(**CONTRACT)
+    assert cost.fits([6407], 1) and not cost.fits([6408], 1)
+    assert cost.fits([6000, 6000], 2) and not cost.fits([7000, 7000], 2)
+    assert cost.min_degree(6407) == 1 and cost.min_degree(6408) == 2 and cost.min_degree(384 * 1024) == 64
+
+
+def test_paper_preset_matches_published_constants():
+    cost = paper_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    assert cost.token_capacity == 6407                         # (30 GB - 7.85B x 16 B / 64) / 4.48 MB
+    assert cost.alpha1 == pytest.approx(5.128e-9) and cost.beta1 == pytest.approx(0.6293563)
+    assert cost.alltoall_bandwidth[16] == pytest.approx(10.33 * 2**20 * 1000)
+    assert cost.comm_bytes_per_token == CONTRACT["comm_bytes_per_token"]
+    big = paper_preset("gpt-30b", context=192 * 1024, num_gpus=64)
+    assert big.token_capacity == math.floor((30 * 1024 - 31.53 * 16 / 64 * 1024) / 3.417381836)
+    with pytest.raises(flexsp.CostModelError, match="unknown preset"):
+        paper_preset("gpt-1t")
+
+
+def test_analytic_model_is_close_to_the_paper_for_gpt7b_shapes():
+    model = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000)
+    gpu = GPUSpec(peak_flops=312e12, memory_bytes=40 * 2**30, intra_node_bandwidth=90e9, inter_node_bandwidth=6.25e9)
+    cost = analytic_cost_model(model, gpu, num_gpus=64)
+    assert cost.alpha1 == pytest.approx(3 * 32 * 2 * 4096 / (312e12 * 0.5))
+    assert cost.alpha1 == pytest.approx(5.128e-9, rel=0.05)    # the paper's fitted value
+    assert cost.comm_bytes_per_token == 2 * 32 * 4 * 4096 * 2  # = the contract's 4 a2a x fwd/bwd x layers x hidden x 2
+    assert set(cost.alltoall_bandwidth) == {2, 4, 8, 16, 32, 64}
+    # inside a node: payload (d-1)/d over NVLink; across: (d-g)/d over the NIC
+    assert alltoall_bandwidth(8, 8, 90e9, 6.25e9) == pytest.approx(90e9 * 8 / 7)
+    assert alltoall_bandwidth(64, 8, 90e9, 6.25e9) == pytest.approx(64 * 6.25e9 / 56)
+    gqa = analytic_cost_model(ModelSpec(32, 4096, 32, 8, 14336, 128256), gpu, num_gpus=64)
+    assert gqa.comm_bytes_per_token == 2 * 32 * (2 * 4096 + 2 * 1024) * 2
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"alpha1": -1.0}, "alpha1 must be finite and >= 0"),
+    ({"beta1": None}, "beta1 is missing"),
+    ({"token_capacity": 0}, "token_capacity must be > 0"),
+    ({"alpha2": "fast"}, "alpha2 must be a number"),
+    ({"alltoall_bandwidth": {3: 1e9}}, "degree 3, which is not a power of two"),
+    ({"alltoall_bandwidth": {2: -5}}, r"alltoall_bandwidth\[2\] must be a finite number > 0"),
+])
+def test_bad_coefficients_are_named(change, message):
+    with pytest.raises(flexsp.CostModelError, match=message):
+        flexsp.CostModel(**{**CONTRACT, **change})
+
+
+def test_missing_bandwidth_names_the_degree():
+    cost = flexsp.CostModel(**{**CONTRACT, "alltoall_bandwidth": {2: 1e11, 4: 1e11}})
+    with pytest.raises(flexsp.CostModelError, match="no all-to-all bandwidth for SP degree 8"):
+        cost.seq_time(100, 8)
+    with pytest.raises(flexsp.CostModelError, match="degree 8"):
+        flexsp.plan_batch([100, 200], cost, flexsp.Cluster(8))
+
+
+def test_json_round_trip_is_exact(tmp_path):
+    cost = paper_preset("gpt-13b", context=192 * 1024)
+    path = tmp_path / "cost.json"
+    cost.save(path)
+    again = flexsp.CostModel.load(path)
+    assert again == cost and again.meta == cost.meta
+    data = json.loads(path.read_text())
+    del data["alpha2"]
+    with pytest.raises(flexsp.CostModelError, match="missing alpha2"):
+        flexsp.CostModel.from_dict(data)
+    path.write_text("{not json")
+    with pytest.raises(flexsp.CostModelError, match="not valid JSON"):
+        flexsp.CostModel.load(path)

@@ -1,0 +1,141 @@
+"""plan_batch end to end: validity on random inputs, optimality on tiny ones, strategy order, errors."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexsp
+from validator import brute_force_optimum, check_plan
+
+STRATEGIES = ("flexsp", "greedy", "batchada", "static")
+
+
+def make_cost(capacity: int, num_gpus: int, seed: int = 0) -> flexsp.CostModel:
+    """A cost model with the paper's shape: fast NVLink inside a node, slow links across."""
+    rng = np.random.default_rng(seed)
+    bandwidth, d = {}, 2
+    while d <= max(num_gpus, 2):
+        bandwidth[d] = (1.2e11 if d <= 8 else 1.0e10) * rng.uniform(0.7, 1.0)
+        d *= 2
+    return flexsp.CostModel(alpha1=5e-9 * rng.uniform(0.5, 2), alpha2=1.8e-4 * rng.uniform(0.5, 2),
+                            beta1=0.6 * rng.uniform(0.1, 1.5), comm_bytes_per_token=2_097_152,
+                            alltoall_bandwidth=bandwidth, token_capacity=capacity)
+
+
+@st.composite
+def instances(draw, max_gpus=256, max_len=None):
+    gpus_per_node = draw(st.sampled_from([1, 2, 4, 8]))
+    nodes = draw(st.integers(1, max(1, max_gpus // gpus_per_node)))
+    num_gpus = gpus_per_node * nodes if draw(st.booleans()) else draw(st.integers(1, gpus_per_node))
+    capacity = draw(st.integers(64, 8192))
+    cluster_cap = capacity * (1 << (num_gpus.bit_length() - 1))
+    top = min(cluster_cap, max_len or cluster_cap)
+    lengths = draw(st.lists(st.integers(1, top), min_size=1, max_size=48))
+    return flexsp.Cluster(num_gpus, gpus_per_node), make_cost(capacity, num_gpus, draw(st.integers(0, 99))), lengths
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_every_strategy_gives_valid_plans_with_every_sequence_once(instance):
+    cluster, cost, lengths = instance
+    times = {}
+    for strategy in STRATEGIES:
+        plan = flexsp.plan_batch(lengths, cost, cluster, strategy, time_limit=5.0)
+        times[strategy] = check_plan(plan.to_dict(), lengths, cost, cluster.num_gpus, cluster.gpus_per_node)
+        plan.validate(lengths, cost, cluster)
+    # flexsp <= batchada <= static on the same batch (each plan is a candidate of the next)
+    assert times["flexsp"] <= times["batchada"] * (1 + 1e-9)
+    assert times["batchada"] <= times["static"] * (1 + 1e-9)
+
+
+@st.composite
+def tiny_instances(draw):
+    num_gpus = draw(st.sampled_from([1, 2, 4, 8]))
+    capacity = draw(st.integers(50, 400))
+    lengths = draw(st.lists(st.integers(1, capacity * num_gpus), min_size=1, max_size=6))
+    return flexsp.Cluster(num_gpus, 8), make_cost(capacity, num_gpus, draw(st.integers(0, 99))), lengths
+
+
+# Tolerance 1e-6 relative: the MILP is solved to a 1e-7 relative gap and times are floats; any
+# real miss (a worse split or degree) costs at least one beta1 or one sequence's time, far above it.
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tiny_instances())
+def test_flexsp_matches_brute_force_on_tiny_batches(instance):
+    cluster, cost, lengths = instance
+    plan = flexsp.plan_batch(lengths, cost, cluster, "flexsp", time_limit=60.0)
+    assert plan.predicted_time == pytest.approx(brute_force_optimum(lengths, cost, cluster.num_gpus), rel=1e-6)
+
+
+def test_brute_force_case_needing_several_micro_batches():
+    cost = make_cost(capacity=100, num_gpus=4, seed=3)
+    lengths = [390, 350, 120, 60, 30, 10, 5]          # 965 tokens > 400 of memory: at least 3 passes
+    plan = flexsp.plan_batch(lengths, cost, flexsp.Cluster(4), "flexsp", time_limit=60.0)
+    assert len(plan.micro_batches) >= 3
+    assert plan.predicted_time == pytest.approx(brute_force_optimum(lengths, cost, 4), rel=1e-6)
+
+
+def test_paper_setting_beats_static_and_batchada():
+    from flexsp.lengths import get_distribution, preprocess
+    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    lengths, _ = preprocess(get_distribution("wikipedia").sample_batch(512, 7), 384 * 1024, 64)
+    cluster = flexsp.Cluster(64, 8)
+    plans = {s: flexsp.plan_batch(lengths, cost, cluster, s) for s in STRATEGIES}
+    for plan in plans.values():
+        check_plan(plan.to_dict(), lengths, cost, 64, 8)
+    assert plans["static"].predicted_time / plans["flexsp"].predicted_time > 1.5
+    assert plans["flexsp"].predicted_time <= plans["batchada"].predicted_time
+    assert len(plans["flexsp"].degree_histogram()) > 1            # really heterogeneous
+
+
+def test_deterministic():
+    cost = make_cost(2000, 32, seed=1)
+    lengths = np.random.default_rng(5).integers(1, 30_000, size=300)
+    a = flexsp.plan_batch(lengths, cost, flexsp.Cluster(32, 8), "flexsp")
+    b = flexsp.plan_batch(lengths, cost, flexsp.Cluster(32, 8), "flexsp")
+    assert a.to_dict()["micro_batches"] == b.to_dict()["micro_batches"]
+
+
+def test_a_tight_time_limit_still_returns_a_valid_plan():
+    cost = make_cost(2000, 64, seed=2)
+    lengths = np.random.default_rng(6).integers(1, 60_000, size=2000)
+    plan = flexsp.plan_batch(lengths, cost, flexsp.Cluster(64, 8), "flexsp", time_limit=1e-3)
+    check_plan(plan.to_dict(), lengths, cost, 64, 8)
+
+
+@pytest.mark.parametrize("lengths, error, message", [
+    ([], flexsp.LengthsError, "empty"),
+    ([100, 0], flexsp.LengthsError, r"lengths\[1\] = 0"),
+    ([100, -5], flexsp.LengthsError, r"lengths\[1\] = -5"),
+    ([100, 2.5], flexsp.LengthsError, "whole number"),
+    ([100, 10_000_000], flexsp.PlanError, "sequence 1 has 10000000 tokens, more than the whole cluster can hold"),
+])
+def test_bad_batches_are_named(lengths, error, message):
+    with pytest.raises(error, match=message):
+        flexsp.plan_batch(lengths, make_cost(1000, 8), flexsp.Cluster(8))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_gpus=0), "num_gpus must be >= 1"),
+    (dict(num_gpus=12, gpus_per_node=8), "not a multiple of gpus_per_node=8"),
+    (dict(num_gpus=8, gpus_per_node=6), "gpus_per_node must be a power of two"),
+    (dict(num_gpus=2.5), "num_gpus must be an integer"),
+])
+def test_bad_clusters_are_named(kwargs, message):
+    with pytest.raises(flexsp.ClusterError, match=message):
+        flexsp.Cluster(**kwargs)
+
+
+def test_non_power_of_two_cluster_is_fine():
+    cluster = flexsp.Cluster(48, 8)
+    assert cluster.degrees[-1] == 32
+    cost = make_cost(1000, 32)
+    plan = flexsp.plan_batch([30_000, 500, 200, 9000], cost, cluster)
+    check_plan(plan.to_dict(), [30_000, 500, 200, 9000], cost, 48, 8)
+
+
+def test_unknown_strategy_and_static_degree():
+    cost = make_cost(1000, 8)
+    with pytest.raises(flexsp.PlanError, match="unknown strategy 'fast'"):
+        flexsp.plan_batch([10], cost, flexsp.Cluster(8), "fast")
+    with pytest.raises(flexsp.PlanError, match="cannot hold a sequence|holds at most"):
+        flexsp.plan_batch([5000], cost, flexsp.Cluster(8), "static", sp_degree=2)
