@@ -4,7 +4,9 @@ Times were published in ms and memory in MB; we store seconds and bytes. Bandwid
 reference's "MB per ms" (a time in ms is MB / v), so bytes/s = v * 2**20 * 1000. The memory model:
 ``token_capacity = floor((30 GB - ZeRO-3 model states) / activation MB per token)`` with model states
 ``params * 16 bytes / N``. Parameters were published at 192K and 384K context only; other contexts
-interpolate linearly between the two (labelled in ``meta``).
+interpolate linearly between the two (labelled in ``meta``). The bandwidth table stops at 64 GPUs;
+bigger clusters reuse the 64-GPU value for every larger degree (inter-node all-to-all bandwidth per
+GPU flattens once most peers are off-node), also labelled in ``meta``.
 """
 from __future__ import annotations
 
@@ -42,9 +44,15 @@ PAPER_MODELS = {
 }
 
 
-def paper_bandwidth(degrees=None) -> dict[int, float]:
-    """The paper's measured all-to-all bandwidth in bytes/s for degrees 2..64."""
-    return {d: v * MB * 1000 for d, v in PAPER_BANDWIDTH_MB_PER_MS.items() if degrees is None or d in degrees}
+def paper_bandwidth(num_gpus: int = 64) -> dict[int, float]:
+    """The paper's measured all-to-all bandwidth in bytes/s for degrees 2..64, extended to
+    ``num_gpus`` with the 64-GPU value."""
+    table = {d: v * MB * 1000 for d, v in PAPER_BANDWIDTH_MB_PER_MS.items()}
+    degree = 128
+    while degree <= num_gpus:
+        table[degree] = table[64]
+        degree *= 2
+    return table
 
 
 def paper_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64) -> CostModel:
@@ -65,9 +73,10 @@ def paper_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64) -> Co
         alpha2=model.alpha2_ms / 1000,
         beta1=model.beta1_ms / 1000,
         comm_bytes_per_token=4 * 2 * model.layers * model.hidden * 2,
-        alltoall_bandwidth=paper_bandwidth(),
+        alltoall_bandwidth=paper_bandwidth(num_gpus),
         token_capacity=math.floor(free_mb / model.act_mb_per_token),
         meta={"source": "FlexSP paper (arXiv 2412.01523), 64 x A100-40GB", "preset": key, "context": context,
               "num_gpus": num_gpus, "params_b": round(model.params_b(context), 4),
-              "params": "published" if exact_params else "interpolated between 192K and 384K"},
+              "params": "published" if exact_params else "interpolated between 192K and 384K",
+              "bandwidth": "published" if num_gpus <= 64 else "published to 64 GPUs, 64-GPU value above"},
     )

@@ -35,6 +35,7 @@ class _GroupClass:
     time: float              # seconds of sequences in each (no beta1)
     tokens: float
     items: list[tuple[int, int]]  # (bucket, count) in each group
+    limit: float = 0.0            # time budget the class was opened under (stretched groups: more)
 
     def add(self, bucket: int, count: int, seq_time: float, length: float) -> None:
         self.time += count * seq_time
@@ -44,7 +45,7 @@ class _GroupClass:
     def split(self, mult: int) -> "_GroupClass":
         """Detach ``mult`` of the groups as a class of their own."""
         self.mult -= mult
-        return _GroupClass(self.k, mult, self.time, self.tokens, list(self.items))
+        return _GroupClass(self.k, mult, self.time, self.tokens, list(self.items), self.limit)
 
 
 class MicroBatchPacker:
@@ -69,6 +70,7 @@ class MicroBatchPacker:
         self._capacity = [float(c) for c in costs.capacity]
         self._lengths = self.lengths.tolist()
         self._times = self.times.tolist()
+        self._min_time = self.min_time.tolist()
         self._fits = [[k for k in range(len(degrees)) if math.isfinite(row[k])] for row in self._times]
         self._cache: dict[bytes, BinPacking | None] = {}
 
@@ -82,12 +84,17 @@ class MicroBatchPacker:
         return max(spread, float(self.min_time[present].max())) + self.costs.beta1
 
     # --- one target -------------------------------------------------------------------------
-    def pack(self, counts: np.ndarray, makespan: float, max_gpus: float | None = None) -> BinPacking | None:
+    def pack(self, counts: np.ndarray, makespan: float, max_gpus: float | None = None,
+             stretch: bool = False) -> BinPacking | None:
         """Groups whose bucketed time stays within ``makespan``, or None if they need more than
-        ``max_gpus`` GPUs (default N; pass ``math.inf`` to pack a whole batch into any number)."""
+        ``max_gpus`` GPUs (default N; pass ``math.inf`` to pack a whole batch into any number).
+
+        ``stretch``: a sequence slower than ``makespan`` even alone at its best degree gets a group
+        of its own time instead of failing (used to pack a whole batch, where such a group will
+        set the pace of its own micro-batch)."""
         max_gpus = self.num_gpus if max_gpus is None else max_gpus
-        budget = makespan - self.costs.beta1
-        if budget <= 0:
+        target = makespan - self.costs.beta1
+        if target <= 0:
             return None
         degrees, capacity = self._degrees, self._capacity
         classes: list[_GroupClass] = []
@@ -97,6 +104,7 @@ class MicroBatchPacker:
             if left == 0:
                 continue
             length, t_b = self._lengths[b], self._times[b]
+            budget = max(target, self._min_time[b] * (1 + 1e-9)) if stretch else target
             # the degree that needs the fewest GPUs for the whole bucket (ties -> smallest degree)
             k_new, best_gpus, per_new = -1, math.inf, 0
             for k in self._fits[b]:
@@ -107,7 +115,7 @@ class MicroBatchPacker:
                 return None                   # this bucket alone exceeds the budget everywhere
             for cls in sorted((c for c in classes if c.k >= k_new), key=lambda c: -c.time):
                 t = t_b[cls.k]
-                fit = math.floor(min((budget - cls.time) / t, (capacity[cls.k] - cls.tokens) / length))
+                fit = math.floor(min((max(budget, cls.limit) - cls.time) / t, (capacity[cls.k] - cls.tokens) / length))
                 if fit <= 0:
                     continue
                 if cls.mult * fit > left:     # only part of the class takes this bucket
@@ -134,7 +142,7 @@ class MicroBatchPacker:
                 full, rest = divmod(left, per_new)
                 for mult, count in ((full, per_new), (1 if rest else 0, rest)):
                     if mult:
-                        classes.append(_GroupClass(k_new, mult, count * t_b[k_new], count * length, [(b, count)]))
+                        classes.append(_GroupClass(k_new, mult, count * t_b[k_new], count * length, [(b, count)], budget))
         classes = [c for c in classes if c.mult]
         return self._expand(classes, len(counts))
 

@@ -129,7 +129,7 @@ class BatchSearch:
         """Pack the whole batch into groups of at most ``makespan`` (any number of GPUs), then deal
         the groups, slowest first, into micro-batches of N GPUs (first fit). One pass finds the
         micro-batch count and the split together; sweeping ``makespan`` trades the two."""
-        packing = self.packer.pack(self.buckets.counts, makespan, max_gpus=math.inf)
+        packing = self.packer.pack(self.buckets.counts, makespan, max_gpus=math.inf, stretch=True)
         if packing is None:
             return None
         times = self.packer.group_times(packing)
@@ -157,11 +157,16 @@ class BatchSearch:
         return Split(self.assign_from_counts(np.array(rows)), packings)
 
     def arranged_candidates(self, points: int = 24):
-        lo = float(self.packer.min_time[self.buckets.counts > 0].max()) + self.costs.beta1
+        beta1 = self.costs.beta1
         loose = self.packer.pack(self.buckets.counts, math.inf, max_gpus=math.inf)
-        hi = max(lo, loose.makespan)
-        for makespan in np.geomspace(lo, hi, points) if hi > lo else [lo]:
-            split = self.arranged_split(float(makespan))
+        hi = loose.makespan - beta1
+        critical = min(float(self.packer.min_time[self.buckets.counts > 0].max()), hi)
+        # dense between the slowest sequence and the memory-only packing (where plans usually
+        # land), sparse below it (a lone long sequence gets its own, longer micro-batch)
+        budgets = np.concatenate([np.geomspace(critical, hi, points), np.geomspace(0.1 * hi, critical, points // 3 + 1)[:-1]])
+        for budget in budgets:
+            makespan = beta1 + float(budget)
+            split = self.arranged_split(makespan)
             if split is not None:
                 yield split
 

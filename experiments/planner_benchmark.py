@@ -1,0 +1,110 @@
+"""Planner benchmark (issue 2): solve time and plan quality in the paper's setting, and scaling.
+
+Paper setting: bundled Wikipedia lengths, gpt-7b preset, 64 GPUs, 384K context, global batch 512.
+Prints (and writes as Markdown) the median / max solve time, each strategy's simulated iteration
+time, the plan / lower-bound ratio, and the speedup over static SP 64; then solve time against the
+GPU count (16..1024, batch 8 x N, at most 4096) and the batch size (128..4096).
+
+    python experiments/planner_benchmark.py            # full: 20 batches + scaling
+    python experiments/planner_benchmark.py --quick    # CI: 2 small batches, tiny scaling
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+import flexsp
+from flexsp.bounds import lower_bound
+from flexsp.lengths import get_distribution, preprocess
+
+STRATEGIES = {"flexsp": ("flexsp", None), "greedy": ("greedy", None), "batchada": ("batchada", None),
+              "static64": ("static", 64)}
+
+
+def batches(num: int, size: int, num_gpus: int, context: int, seed: int):
+    dist = get_distribution("wikipedia")
+    pool = dist.lengths[dist.lengths <= context]
+    rng = np.random.default_rng(seed)
+    for _ in range(num):
+        yield preprocess(pool[rng.integers(0, pool.size, size=size)], context, num_gpus)[0]
+
+
+def paper_setting(num_batches: int, batch_size: int, time_limit: float) -> tuple[str, dict]:
+    context, num_gpus = 384 * 1024, 64
+    cost = flexsp.CostModel.from_preset("gpt-7b", context=context, num_gpus=num_gpus)
+    cluster = flexsp.Cluster(num_gpus, 8)
+    times = {name: [] for name in STRATEGIES}
+    solve, ratios = [], []
+    for lengths in tqdm(list(batches(num_batches, batch_size, num_gpus, context, seed=0)), desc="paper setting"):
+        bound = lower_bound(lengths, cost, cluster)
+        for name, (strategy, degree) in STRATEGIES.items():
+            plan = flexsp.plan_batch(lengths, cost, cluster, strategy, sp_degree=degree, time_limit=time_limit)
+            times[name].append(plan.predicted_time)
+            if name == "flexsp":
+                solve.append(plan.solve_time)
+                ratios.append(plan.predicted_time / bound)
+    fx = np.array(times["flexsp"])
+    lines = [f"### Paper setting: Wikipedia, gpt-7b, 64 GPUs, 384K, batch {batch_size}, {num_batches} batches",
+             "", "| strategy | mean iteration (s) | FlexSP speedup |", "|---|---|---|"]
+    for name, values in times.items():
+        lines.append(f"| {name} | {np.mean(values):.3f} | {np.mean(np.array(values) / fx):.2f}x |")
+    summary = {"median_solve": float(np.median(solve)), "max_solve": float(np.max(solve)),
+               "mean_ratio": float(np.mean(ratios)), "max_ratio": float(np.max(ratios)),
+               "speedup_static64": float(np.mean(np.array(times["static64"]) / fx)),
+               "speedup_batchada": float(np.mean(np.array(times["batchada"]) / fx))}
+    lines += ["", f"- FlexSP solve time: median {summary['median_solve']:.3f} s, max {summary['max_solve']:.3f} s "
+                  "(target median <= 1 s, max <= 3 s)",
+              f"- FlexSP plan / lower bound: mean {summary['mean_ratio']:.4f}, max {summary['max_ratio']:.4f} "
+              "(target mean <= 1.08)",
+              f"- speedup over static SP 64: {summary['speedup_static64']:.2f}x (target >= 1.6x); "
+              f"over batchada: {summary['speedup_batchada']:.2f}x"]
+    return "\n".join(lines), summary
+
+
+def scaling(gpu_counts: list[int], batch_sizes: list[int], reps: int, time_limit: float) -> str:
+    context = 384 * 1024
+    lines = ["### Solve time vs GPUs (batch 8 x N, at most 4096) and vs batch size (64 GPUs)", "",
+             "| GPUs | batch | FlexSP solve median / max (s) | plan / lower bound | greedy solve (s) |", "|---|---|---|---|---|"]
+    cases = [(n, min(8 * n, 4096)) for n in gpu_counts] + [(64, b) for b in batch_sizes]
+    for num_gpus, size in tqdm(cases, desc="scaling"):
+        cost = flexsp.CostModel.from_preset("gpt-7b", context=context, num_gpus=num_gpus)
+        cluster = flexsp.Cluster(num_gpus, 8)
+        solve, ratio, greedy = [], [], []
+        for lengths in batches(reps, size, num_gpus, context, seed=1):
+            plan = flexsp.plan_batch(lengths, cost, cluster, "flexsp", time_limit=time_limit)
+            solve.append(plan.solve_time)
+            ratio.append(plan.predicted_time / lower_bound(lengths, cost, cluster))
+            greedy.append(flexsp.plan_batch(lengths, cost, cluster, "greedy", time_limit=time_limit).solve_time)
+        lines.append(f"| {num_gpus} | {size} | {np.median(solve):.3f} / {np.max(solve):.3f} | {np.mean(ratio):.4f} | "
+                     f"{np.median(greedy):.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--time-limit", type=float, default=2.0)
+    parser.add_argument("--quick", action="store_true", help="CI mode: 2 batches of 128, tiny scaling")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "planner_benchmark.md")
+    args = parser.parse_args()
+    started = time.time()
+    if args.quick:
+        table, _ = paper_setting(2, 128, args.time_limit)
+        scale = scaling([16, 32], [128], reps=1, time_limit=args.time_limit)
+    else:
+        table, _ = paper_setting(args.batches, args.batch_size, args.time_limit)
+        scale = scaling([16, 32, 64, 128, 256, 512, 1024], [128, 256, 512, 1024, 2048, 4096], reps=3,
+                        time_limit=args.time_limit)
+    text = f"{table}\n\n{scale}\n\n(measured on this machine in {time.time() - started:.0f} s)\n"
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
