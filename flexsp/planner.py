@@ -14,6 +14,7 @@ import numpy as np
 
 from solver.baselines import InfeasibleDegree, batchada, single_degree
 from solver.costs import DegreeCosts
+from solver.dynamic_cp import dynamic_cp
 from solver.schedule import Schedule
 from solver.search import Infeasible, SearchOptions, flexsp, greedy
 
@@ -23,7 +24,7 @@ from .errors import CostModelError, PlanError
 from .lengths import as_lengths
 from .plan import Group, MicroBatch, Plan
 
-STRATEGIES = ("flexsp", "greedy", "batchada", "static")
+STRATEGIES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
 
 
 def usable_degrees(cluster: Cluster, max_degree: int | None = None) -> tuple[int, ...]:
@@ -60,11 +61,12 @@ def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, 
     if strategy == "greedy":
         return greedy(lengths, costs, num_gpus, options)
     if strategy == "flexsp":
-        return flexsp(lengths, costs, num_gpus, options, fallbacks=(batchada(lengths, costs, num_gpus),))
+        # every baseline's plan is a candidate, so FlexSP is never slower than any of them
+        fallbacks = (batchada(lengths, costs, num_gpus), dynamic_cp(lengths, costs, num_gpus))
+        return flexsp(lengths, costs, num_gpus, options, fallbacks=fallbacks)
     if strategy == "dynamic-cp":
-        from solver.dynamic_cp import dynamic_cp
         return dynamic_cp(lengths, costs, num_gpus)
-    raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES + ('dynamic-cp',))}")
+    raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
 def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str = "flexsp", *,
@@ -104,10 +106,6 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     if validate:
         plan.validate(lengths, cost, cluster)
     return plan
-
-
-def strategy_names() -> tuple[str, ...]:
-    return STRATEGIES + ("dynamic-cp",)
 
 
 __all__ = ["plan_batch", "place", "STRATEGIES", "usable_degrees", "CostModelError"]

@@ -204,7 +204,7 @@ class BatchSearch:
         packings = list(split.packings)
         trials = 0
         improved = True
-        while improved and trials < self.options.max_moves and not self.out_of_time():
+        while improved and len(packings) > 1 and trials < self.options.max_moves and not self.out_of_time():
             improved = False
             waste = np.array([p.makespan - self.packer.lower_bound(c) for p, c in zip(packings, counts)])
             for src in np.argsort(-waste, kind="stable"):
@@ -228,6 +228,9 @@ class BatchSearch:
                             if after < before * (1 - 1e-9):
                                 counts[src], counts[dst] = new_src, new_dst
                                 packings[src], packings[dst] = p_src, p_dst
+                                if p_src is None:          # the source micro-batch is now empty
+                                    counts = np.delete(counts, src, axis=0)
+                                    del packings[src]
                                 improved = True
                                 break
                         if improved or trials >= self.options.max_moves or self.out_of_time():
@@ -236,8 +239,7 @@ class BatchSearch:
                         break
                 if improved or trials >= self.options.max_moves or self.out_of_time():
                     break
-        keep = [m for m in range(num_mb) if packings[m] is not None]
-        return Split(self.assign_from_counts(counts[keep]), [packings[m] for m in keep])
+        return Split(self.assign_from_counts(counts), packings)
 
     def assign_from_counts(self, counts: np.ndarray) -> np.ndarray:
         """Give each micro-batch the right number of each bucket's sequences (longest to the first)."""
