@@ -1,0 +1,111 @@
+"""Shared helpers for the paper-reproduction scripts: arguments, batches, tables, figures.
+
+Every script samples global batches the way ``flexsp.simulate`` does (lengths above the context
+limit are not drawn, the rest padded to a multiple of 2 x N), so their numbers are comparable, and
+every output names the length distribution it used and whether it is an approximation.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+import flexsp
+from flexsp.errors import PlanError
+from flexsp.lengths import LengthDistribution, get_distribution, preprocess
+from flexsp.simulate import split_strategy
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DATASETS = ("github", "commoncrawl", "wikipedia")
+MODELS = ("gpt-7b", "gpt-13b", "gpt-30b")
+
+# Published figures of the paper (arXiv 2412.01523), for side-by-side columns.
+PAPER_MAX_SPEEDUP = {"megatron": 1.98, "deepspeed": 1.72, "batchada": 1.42}
+PAPER_BUCKET_ERROR = {"github": (0.7, 13.4), "commoncrawl": (0.5, 8.8), "wikipedia": (2.3, 22.1)}  # DP, naive (%)
+PAPER_A2A_SHARE = {"deepspeed": "up to 40%", "batchada": "~31%", "flexsp": "~10%"}
+
+
+def parser(doc: str, default_stem: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI mode: few small batches (seconds)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the .md/.csv/.png outputs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="hide the tqdm bar")
+    p.set_defaults(stem=default_stem)
+    return p
+
+
+def distribution(name: str) -> LengthDistribution:
+    return get_distribution(name)
+
+
+def label(dist: LengthDistribution) -> str:
+    """Dataset name as printed everywhere: approximations say so."""
+    return f"{dist.name} (approx.)" if dist.approximate else dist.name
+
+
+def provenance(names: Sequence[str]) -> str:
+    """One Markdown bullet per distribution used: where its lengths come from."""
+    return "\n".join(f"- `{n}`: {distribution(n).source}" for n in names)
+
+
+def batches(dist: LengthDistribution, count: int, batch_size: int, context: int, num_gpus: int,
+            seed: int) -> Iterator[np.ndarray]:
+    """Seeded global batches with the paper's preprocessing, as ``flexsp.simulate`` draws them."""
+    pool = dist.lengths[dist.lengths <= context]
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        yield preprocess(pool[rng.integers(0, pool.size, size=batch_size)], context, num_gpus)[0]
+
+
+def plan_time(lengths: np.ndarray, cost: flexsp.CostModel, cluster: flexsp.Cluster, name: str,
+              time_limit: float) -> flexsp.Plan | None:
+    """A plan for strategy ``name`` (``static:D`` pins the degree), or None when it cannot hold the batch."""
+    strategy, degree = split_strategy(name)
+    try:
+        return flexsp.plan_batch(lengths, cost, cluster, strategy, sp_degree=degree, time_limit=time_limit)
+    except PlanError:
+        return None
+
+
+def fmt(value: float, digits: int = 2, suffix: str = "") -> str:
+    if value is None or not np.isfinite(value):
+        return "n/a"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def markdown_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: row.get(c, "") for c in columns})
+    return path
+
+
+def write_markdown(path: Path, title: str, body: str, started: float, quick: bool) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = "quick mode (CI smoke run, not the paper's protocol)" if quick else "full mode"
+    command = "python " + " ".join([Path(sys.argv[0]).as_posix().split("/main/")[-1], *sys.argv[1:]])
+    path.write_text(f"## {title}\n\n{body}\n\n_{mode}; `{command}`; {time.time() - started:.0f} s on this machine._\n")
+    return path
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
