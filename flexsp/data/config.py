@@ -1,0 +1,60 @@
+"""``LoaderConfig``: how global batches are formed and planned. Torch-free, so it can be built anywhere."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import LoaderError
+
+TOO_LONG_POLICIES = ("error", "skip")
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """Global-batch and planning settings; identical on every rank (only rank 0 uses most of them).
+
+    Exactly one of ``batch_size`` (sequences per global batch) or ``max_tokens`` (a token budget:
+    sequences are added in shuffled order while the batch stays within it) must be set.
+    ``on_too_long`` decides what happens to a sequence no SP group of the cluster can hold:
+    ``"error"`` stops with its dataset index and length, ``"skip"`` leaves it out and counts it in
+    ``loader.stats.skipped_too_long``. ``lookahead`` bounds how many future global batches the
+    background planner may solve ahead of training (0: plan synchronously in the loop).
+    ``fallback_after``: if the loop has waited this many seconds for a plan, rank 0 plans that
+    batch with the fast "greedy" strategy instead (None: wait for the solver).
+    """
+
+    batch_size: int | None = None
+    max_tokens: int | None = None
+    seed: int = 0
+    shuffle: bool = True
+    on_too_long: str = "error"
+    strategy: str = "flexsp"
+    time_limit: float = 2.0
+    num_buckets: int = 16
+    max_degree: int | None = None
+    sp_degree: int | None = None
+    lookahead: int = 2
+    fallback_after: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.batch_size is None) == (self.max_tokens is None):
+            raise LoaderError(f"set exactly one of batch_size (sequences per global batch) or max_tokens "
+                              f"(tokens per global batch), got batch_size={self.batch_size}, "
+                              f"max_tokens={self.max_tokens}")
+        for name in ("batch_size", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise LoaderError(f"{name} must be a positive integer, got {value!r}")
+        if self.on_too_long not in TOO_LONG_POLICIES:
+            raise LoaderError(f"on_too_long={self.on_too_long!r}; choose one of {', '.join(TOO_LONG_POLICIES)}")
+        if not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise LoaderError(f"lookahead must be an integer >= 0 (0 plans synchronously), got {self.lookahead!r}")
+        if self.time_limit <= 0:
+            raise LoaderError(f"time_limit must be > 0 seconds, got {self.time_limit}")
+        if self.fallback_after is not None and self.fallback_after < 0:
+            raise LoaderError(f"fallback_after must be >= 0 seconds or None, got {self.fallback_after}")
+
+    def batching_key(self) -> dict[str, Any]:
+        """The settings that decide which sequences form which batch; a resumed run must match them."""
+        d = asdict(self)
+        return {k: d[k] for k in ("batch_size", "max_tokens", "seed", "shuffle", "on_too_long")}

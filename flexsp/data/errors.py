@@ -1,0 +1,6 @@
+"""The loader's one error family: bad configuration, bad items, too-long sequences, failed plans."""
+from ..errors import FlexSPError
+
+
+class LoaderError(FlexSPError):
+    """The data loader cannot produce a step: names the offending value (index, length, key, rank)."""

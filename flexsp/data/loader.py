@@ -1,0 +1,272 @@
+"""``FlexSPLoader``: a map-style dataset in, this rank's packed micro-batches of every step out.
+
+Per step: rank 0 takes the next global batch's plan from the background planner and broadcasts it
+(``broadcast_object_list`` of a JSON-safe dict: the batch's dataset indices and lengths, the plan,
+or the error that stopped planning), so every rank runs the same plan and a solver failure raises
+the same ``LoaderError`` everywhere instead of leaving ranks waiting. Each rank then fetches only the
+items of its own groups, packs them and keeps its shard. Without a process group (or with one rank)
+the loader plans for ``cluster.num_gpus`` ranks and loads the share of ``rank``, which is how one
+process can stand in for one rank of a large cluster.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..cluster import Cluster
+from ..cost import CostModel
+from ..plan import Plan
+from ..runtime.groups import GroupPool
+from ..runtime.packing import loss_tokens
+from .batching import EpochBatches
+from .collate import MicroBatchShard, shard_group, to_tokens
+from .config import LoaderConfig
+from .errors import LoaderError
+from .planning import AsyncPlanner, PlannedBatch, Solver
+from .source import resolve_lengths
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Step:
+    """What this rank runs in one optimizer step. Same ``plan``, ``indices`` and token counts on every rank."""
+
+    epoch: int
+    index: int                                  # global batch within the epoch
+    step: int                                   # steps taken by this loader's run, resumes included
+    plan: Plan                                  # seq id i of the plan is dataset item ``indices[i]``
+    indices: tuple[int, ...]
+    lengths: tuple[int, ...]
+    num_tokens: int                             # real tokens in the global batch
+    loss_tokens: int                            # tokens with a next-token label: divide summed losses by it
+    micro_batches: tuple[MicroBatchShard, ...]  # only those this rank takes part in, in plan order
+    last: bool                                  # the epoch's final batch
+    plan_wait: float                            # seconds this step waited for its plan (incl. broadcast)
+    load_seconds: float                         # seconds spent fetching and packing this rank's items
+    fallback: bool                              # planned by the greedy fallback after a slow solve
+
+
+@dataclass
+class LoaderStats:
+    steps: int = 0
+    skipped_too_long: int = 0        # sequences per epoch left out by on_too_long="skip"
+    plan_wait_seconds: float = 0.0   # total time blocked waiting for plans
+    max_plan_wait: float = 0.0
+    load_seconds: float = 0.0        # total fetch + pack time
+    solve_seconds: float = 0.0       # planner thread's solve time (planning rank only)
+    fallbacks: int = 0
+    max_ahead: int = 0               # most batches solved ahead of the loop (<= lookahead)
+
+
+class FlexSPLoader:
+    """Iterate a map-style ``dataset`` of token sequences as planned, per-rank FlexSP steps.
+
+    ``for step in loader`` runs one epoch from the current position; iterate again for the next.
+    Items may be lists, tuples, numpy arrays, 1-D tensors or mappings with ``input_ids`` (Hugging
+    Face ``datasets`` rows). Lengths come from ``lengths``, a ``"length"`` column, or one ``len()``
+    pass over the items on the planning rank (see ``flexsp.data.source``). ``pool`` (a ``GroupPool``
+    over ``cluster.num_gpus`` ranks) is needed with more than one process and supplies each shard's
+    process group; without it the loader stands in for ``rank`` of the cluster. ``planner``, if
+    given, replaces ``plan_batch``: ``planner(lengths) -> Plan``. Call ``close()`` (or use ``with``).
+    """
+
+    def __init__(self, dataset: Sequence[Any], cost: CostModel, cluster: Cluster, config: LoaderConfig, *,
+                 lengths: Any = None, pool: GroupPool | None = None, rank: int | None = None,
+                 planner: Solver | None = None, device: torch.device | str | None = None) -> None:
+        if not isinstance(config, LoaderConfig):
+            raise LoaderError(f"config must be a flexsp.data.LoaderConfig, got {type(config).__name__}")
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise LoaderError(f"dataset must be map-style (__len__ and __getitem__), got {type(dataset).__name__}")
+        self.dataset, self.cost, self.cluster, self.config = dataset, cost, cluster, config
+        self.pool = pool
+        self.device = None if device is None else torch.device(device)
+        initialized = dist.is_available() and dist.is_initialized()
+        if pool is not None:
+            if cluster.num_gpus != pool.world_size:
+                raise LoaderError(f"the cluster has {cluster.num_gpus} GPUs but the pool's world has "
+                                  f"{pool.world_size} ranks; plan for the world you run")
+            if rank is not None and rank != pool.rank:
+                raise LoaderError(f"rank={rank} disagrees with the pool's rank {pool.rank}; leave rank unset")
+            self.rank, self._communicate = pool.rank, pool.world_size > 1
+        else:
+            if initialized and dist.get_world_size() > 1:
+                raise LoaderError(f"{dist.get_world_size()} processes are running: pass pool=GroupPool() so "
+                                  f"the loader can hand each micro-batch its SP group")
+            self.rank, self._communicate = (0 if rank is None else int(rank)), False
+            if not 0 <= self.rank < cluster.num_gpus:
+                raise LoaderError(f"rank {self.rank} is outside the cluster's ranks 0..{cluster.num_gpus - 1}")
+        self.plans_here = not self._communicate or self.rank == 0   # this process runs the solver
+        self._lengths_arg = lengths
+        self._solve = planner if planner is not None else self._plan_with(config.strategy)
+        self._fallback = self._plan_with("greedy") if config.fallback_after is not None else None
+        self._lengths: np.ndarray | None = None
+        self._batches: EpochBatches | None = None
+        self._planner: AsyncPlanner | None = None
+        self._planner_next: tuple[int, int] | None = None
+        self._epoch = self._index = self._step = 0
+        self.stats = LoaderStats()
+
+    # --- planning (rank 0) ----------------------------------------------------------------------
+    def _plan_with(self, strategy: str) -> Solver:
+        from ..planner import plan_batch   # the solver is only imported where plans are made
+        c = self.config
+
+        def solve(lengths: np.ndarray) -> Plan:
+            return plan_batch(lengths, self.cost, self.cluster, strategy=strategy, sp_degree=c.sp_degree,
+                              time_limit=c.time_limit, num_buckets=c.num_buckets, max_degree=c.max_degree)
+        return solve
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Every item's length, resolved on first use (may read every item: see ``flexsp.data.source``)."""
+        if self._lengths is None:
+            self._lengths = resolve_lengths(self.dataset, self._lengths_arg)
+        return self._lengths
+
+    @property
+    def batches(self) -> EpochBatches:
+        if self._batches is None:
+            self._batches = EpochBatches(self.lengths, self.config, self._capacity())
+        return self._batches
+
+    def _capacity(self) -> float:
+        from ..planner import usable_degrees
+        c = self.config
+        degree = c.sp_degree if c.strategy == "static" and c.sp_degree else max(usable_degrees(self.cluster, c.max_degree))
+        return self.cost.group_capacity(degree)
+
+    def _planned(self) -> PlannedBatch:
+        cursor = (self._epoch, self._index)
+        if self._planner is None or self._planner_next != cursor:
+            self._close_planner()
+            self.batches.check_too_long()
+            self._planner = AsyncPlanner(self.batches.iterate(*cursor), self.lengths, self._solve,
+                                         lookahead=self.config.lookahead, fallback=self._fallback,
+                                         fallback_after=self.config.fallback_after)
+        result = self._planner.next()
+        if result.batch is not None:
+            b = result.batch
+            self._planner_next = (b.epoch + 1, 0) if b.last else (b.epoch, b.index + 1)
+        s, p = self.stats, self._planner.stats
+        s.solve_seconds, s.fallbacks, s.max_ahead = p.solve_seconds, p.fallbacks, p.max_ahead
+        return result
+
+    def _payload(self) -> dict[str, Any]:
+        """Rank 0's message for this step: the batch and its plan, or the error that stopped planning."""
+        where = {"epoch": self._epoch, "index": self._index}
+        try:
+            result = self._planned()
+        except Exception as exc:   # lengths or batching failed before a solve could start
+            return {**where, "error": f"{type(exc).__name__}: {exc}"}
+        if result.error is not None:
+            return {**where, "error": result.error}
+        b = result.batch
+        return {"epoch": b.epoch, "index": b.index, "last": b.last, "skipped": b.skipped,
+                "indices": list(b.indices), "lengths": [int(n) for n in self.lengths[list(b.indices)]],
+                "plan": result.plan.to_dict(), "fallback": result.fallback}
+
+    def _broadcast(self, payload: dict[str, Any] | None) -> dict[str, Any]:
+        box = [payload]
+        device = None
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.broadcast_object_list(box, src=0, device=device)
+        return box[0]
+
+    # --- iteration (every rank) -----------------------------------------------------------------
+    def __iter__(self) -> Iterator[Step]:
+        """One epoch from the current position (a resumed loader starts at its next unseen batch)."""
+        while True:
+            step = self._next_step()
+            yield step
+            if step.last:
+                return
+
+    def _next_step(self) -> Step:
+        started = time.perf_counter()
+        payload = self._payload() if self.plans_here else None
+        if self._communicate:
+            payload = self._broadcast(payload)
+        wait = time.perf_counter() - started
+        if "error" in payload:
+            self._close_planner()
+            raise LoaderError(f"planning global batch {payload['index']} of epoch {payload['epoch']} failed on "
+                              f"rank 0: {payload['error']}")
+        if (payload["epoch"], payload["index"]) != (self._epoch, self._index):
+            raise LoaderError(f"rank {self.rank} expected batch {self._index} of epoch {self._epoch} but rank 0 "
+                              f"sent batch {payload['index']} of epoch {payload['epoch']}: were all ranks resumed "
+                              f"from the same state?")
+        plan = Plan.from_dict(payload["plan"])
+        indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
+        loaded = time.perf_counter()
+        shards = []
+        for m, mb in enumerate(plan.micro_batches):
+            group = mb.group_of_rank(self.rank)
+            if group is not None:
+                handle = self.pool.get(group.ranks) if self.pool is not None else None
+                shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device))
+        load = time.perf_counter() - loaded
+        step = Step(epoch=self._epoch, index=self._index, step=self._step, plan=plan, indices=indices,
+                    lengths=lengths, num_tokens=sum(lengths), loss_tokens=loss_tokens(lengths),
+                    micro_batches=tuple(shards), last=payload["last"], plan_wait=wait, load_seconds=load,
+                    fallback=payload["fallback"])
+        self._epoch, self._index = (self._epoch + 1, 0) if step.last else (self._epoch, self._index + 1)
+        self._step += 1
+        s = self.stats
+        s.steps += 1
+        s.skipped_too_long = payload["skipped"]
+        s.plan_wait_seconds += wait
+        s.max_plan_wait = max(s.max_plan_wait, wait)
+        s.load_seconds += load
+        return step
+
+    def _fetch(self, index: int) -> torch.Tensor:
+        return to_tokens(self.dataset[index], index)
+
+    def __len__(self) -> int:
+        """Global batches in the current epoch (needs the lengths on this rank)."""
+        return self.batches.count(self._epoch)
+
+    # --- resume ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: the next unseen batch. JSON-safe; identical on every rank."""
+        return {"version": STATE_VERSION, "epoch": self._epoch, "index": self._index, "step": self._step,
+                "num_sequences": len(self.dataset), "batching": self.config.batching_key()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; the dataset size and batching settings must match the saved run."""
+        for key in ("epoch", "index", "step", "num_sequences", "batching"):
+            if key not in state:
+                raise LoaderError(f"loader state is missing {key!r} (has {sorted(state)})")
+        if state["num_sequences"] != len(self.dataset):
+            raise LoaderError(f"the saved state is for a dataset of {state['num_sequences']} sequences, "
+                              f"this one has {len(self.dataset)}")
+        mine = self.config.batching_key()
+        diff = {k: (state["batching"].get(k), v) for k, v in mine.items() if state["batching"].get(k) != v}
+        if diff:
+            raise LoaderError(f"batching settings differ from the saved run (saved, now): {diff}; "
+                              f"resuming would repeat or lose sequences")
+        self._close_planner()
+        self._epoch, self._index, self._step = int(state["epoch"]), int(state["index"]), int(state["step"])
+
+    # --- lifetime -------------------------------------------------------------------------------
+    def _close_planner(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
+        self._planner, self._planner_next = None, None
+
+    def close(self) -> None:
+        """Stop the background planner (a solve in progress finishes in its daemon thread)."""
+        self._close_planner()
+
+    def __enter__(self) -> "FlexSPLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
