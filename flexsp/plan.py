@@ -71,9 +71,17 @@ class Plan:
         return dict(sorted(hist.items()))
 
     def group_times(self, lengths: Sequence[int], cost: "CostModel") -> list[list[float]]:
-        lengths = np.asarray(lengths)
-        return [[cost.group_time(lengths[list(g.seq_ids)], g.degree) for g in mb.groups]
-                for mb in self.micro_batches]
+        """Seconds of every group (beta1 included), per micro-batch; vectorised over sequences."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        out = []
+        for mb in self.micro_batches:
+            sizes = [len(g.seq_ids) for g in mb.groups]
+            owner = np.repeat(np.arange(len(mb.groups)), sizes)
+            s = lengths[np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64, count=sum(sizes))]
+            coeffs = np.array([cost._coefficients(g.degree) for g in mb.groups]).reshape(-1, 2)[owner]
+            per_seq = coeffs[:, 0] * s * s + coeffs[:, 1] * s
+            out.append((np.bincount(owner, weights=per_seq, minlength=len(mb.groups)) + cost.beta1).tolist())
+        return out
 
     def time(self, lengths: Sequence[int], cost: "CostModel") -> float:
         """Step time under ``cost``: the sum over micro-batches of the slowest group."""
@@ -94,11 +102,11 @@ class Plan:
             raise PlanError(f"plan is for {n} GPUs but the cluster has {cluster.num_gpus}")
         if not self.micro_batches:
             raise PlanError("plan has no micro-batches")
-        seen: dict[int, int] = {}
+        ids_per_mb = []
         for m, mb in enumerate(self.micro_batches):
             if not mb.groups:
                 raise PlanError(f"micro-batch {m} has no groups")
-            used: set[int] = set()
+            used = np.zeros(n, dtype=bool)
             for j, g in enumerate(mb.groups):
                 where = f"micro-batch {m} group {j}"
                 d = g.degree
@@ -106,35 +114,44 @@ class Plan:
                     raise PlanError(f"{where}: degree {d} is not a power of two")
                 if not g.seq_ids:
                     raise PlanError(f"{where}: group has no sequences")
-                for r in g.ranks:
-                    if not 0 <= r < n:
-                        raise PlanError(f"{where}: rank {r} is outside 0..{n - 1}")
-                    if r in used:
-                        raise PlanError(f"{where}: rank {r} is used by two groups of the same micro-batch")
-                    used.add(r)
-                if aligned and (tuple(g.ranks) != tuple(range(g.ranks[0], g.ranks[0] + d)) or g.ranks[0] % d):
+                ranks = np.asarray(g.ranks)
+                outside = ranks[(ranks < 0) | (ranks >= n)]
+                if outside.size:
+                    raise PlanError(f"{where}: rank {outside[0]} is outside 0..{n - 1}")
+                if len(np.unique(ranks)) < d or used[ranks].any():
+                    twice = ranks[used[ranks]] if used[ranks].any() else ranks[np.unique(ranks, return_counts=True)[1] > 1]
+                    raise PlanError(f"{where}: rank {twice[0]} is used by two groups of the same micro-batch")
+                used[ranks] = True
+                if aligned and (ranks[0] % d or not np.array_equal(ranks, np.arange(ranks[0], ranks[0] + d))):
                     raise PlanError(f"{where}: ranks {_short(g.ranks)} are not an aligned block [k*{d}, (k+1)*{d})")
                 if cluster is not None and d <= cluster.gpus_per_node:
-                    nodes = {cluster.node_of(r) for r in g.ranks}
+                    nodes = np.unique(ranks // cluster.gpus_per_node)
                     if len(nodes) > 1:
-                        raise PlanError(f"{where}: {d} GPUs fit in one node but span nodes {sorted(nodes)}")
-                for s in g.seq_ids:
-                    if s in seen:
-                        raise PlanError(f"sequence {s} is planned twice (micro-batches {seen[s]} and {m})")
-                    seen[s] = m
+                        raise PlanError(f"{where}: {d} GPUs fit in one node but span nodes {nodes.tolist()}")
+            ids_per_mb.append(np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64))
+        all_ids = np.concatenate(ids_per_mb)
+        mb_of = np.repeat(np.arange(len(ids_per_mb)), [len(ids) for ids in ids_per_mb])
+        order = np.argsort(all_ids, kind="stable")
+        repeated = np.flatnonzero(np.diff(all_ids[order]) == 0)
+        if repeated.size:
+            first, second = order[repeated[0]], order[repeated[0] + 1]
+            raise PlanError(f"sequence {all_ids[first]} is planned twice "
+                            f"(micro-batches {mb_of[first]} and {mb_of[second]})")
         if lengths is not None:
             lengths = np.asarray(lengths)
-            missing = sorted(set(range(len(lengths))) - set(seen))
-            if missing:
-                raise PlanError(f"sequences {_short(missing)} are not planned ({len(missing)} of {len(lengths)})")
-            extra = sorted(s for s in seen if not 0 <= s < len(lengths))
-            if extra:
-                raise PlanError(f"sequence ids {_short(extra)} do not exist (batch has {len(lengths)})")
+            extra = np.sort(all_ids[(all_ids < 0) | (all_ids >= len(lengths))])
+            if extra.size:
+                raise PlanError(f"sequence ids {_short(extra.tolist())} do not exist (batch has {len(lengths)})")
+            planned = np.zeros(len(lengths), dtype=bool)
+            planned[all_ids] = True
+            missing = np.flatnonzero(~planned)
+            if missing.size:
+                raise PlanError(f"sequences {_short(missing.tolist())} are not planned ({missing.size} of {len(lengths)})")
             if cost is not None:
                 for m, mb in enumerate(self.micro_batches):
                     for j, g in enumerate(mb.groups):
                         tokens = int(lengths[list(g.seq_ids)].sum())
-                        if not cost.fits(lengths[list(g.seq_ids)], g.degree):
+                        if tokens > cost.group_capacity(g.degree):
                             raise PlanError(
                                 f"micro-batch {m} group {j}: {tokens} tokens overflow {g.degree} GPUs "
                                 f"(capacity {cost.group_capacity(g.degree):.0f})")

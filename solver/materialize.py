@@ -8,39 +8,46 @@ from .packing import BinPacking
 from .schedule import GroupAssignment
 
 # LPT rebalancing costs O(sequences x groups); skip it above this many pairs.
-MAX_REBALANCE_PAIRS = 4_000_000
+MAX_REBALANCE_PAIRS = 1_000_000
 
 
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
                 costs: DegreeCosts) -> list[np.ndarray]:
     """Deal each bucket's real sequences (longest first) round-robin over the groups that hold it,
-    least-loaded group first, so the rounding-up of bucketing is spread evenly."""
+    least-loaded group first, so the rounding-up of bucketing is spread evenly. Vectorised per bucket."""
     num_groups = len(packing.degree_idx)
-    members: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
+    quad = np.asarray(costs.quad)[packing.degree_idx]
+    lin = np.asarray(costs.lin)[packing.degree_idx]
     load = np.zeros(num_groups)
-    ids_by_bucket = {}
-    bucket_ids = bucket_of[seq_ids]
-    for b in np.unique(bucket_ids):
-        ids = seq_ids[bucket_ids == b]
-        ids_by_bucket[b] = ids[np.argsort(-lengths[ids], kind="stable")]
-    for b in sorted(ids_by_bucket, key=lambda b: -lengths[ids_by_bucket[b][0]]):
-        ids = ids_by_bucket[b]
+    buckets = bucket_of[seq_ids]
+    by_bucket = seq_ids[np.lexsort((-lengths[seq_ids], buckets))]        # bucket, then longest first
+    starts = np.searchsorted(buckets[np.argsort(buckets, kind="stable")], np.arange(packing.counts.shape[1] + 1))
+    owners, members = [], []
+    for b in np.unique(buckets)[::-1]:                                   # longest bucket first
+        ids = by_bucket[starts[b]:starts[b + 1]]
         per_group = packing.counts[:, b]
         holders = np.flatnonzero(per_group)
         slot_group = np.repeat(holders, per_group[holders])
-        slot_rank = np.concatenate([np.arange(c) for c in per_group[holders]])
-        slot_order = np.lexsort((load[slot_group], slot_rank))
-        slot_group = slot_group[slot_order]
+        first_slot = np.repeat(np.cumsum(per_group[holders]) - per_group[holders], per_group[holders])
+        slot_rank = np.arange(len(slot_group)) - first_slot               # k-th sequence of its group
+        slot_group = slot_group[np.lexsort((load[slot_group], slot_rank))]
         assert len(slot_group) == len(ids), "packing counts must match the micro-batch's sequences"
-        for j in holders:
-            mine = ids[slot_group == j]
-            members[j].append(mine)
-            load[j] += costs.seq_time(lengths[mine], int(packing.degree_idx[j])).sum()
-    return [np.concatenate(m) if m else np.empty(0, dtype=np.int64) for m in members]
+        s = lengths[ids].astype(np.float64)
+        load += np.bincount(slot_group, weights=quad[slot_group] * s * s + lin[slot_group] * s, minlength=num_groups)
+        owners.append(slot_group)
+        members.append(ids)
+    owner, member = np.concatenate(owners), np.concatenate(members)
+    order = np.argsort(owner, kind="stable")
+    return np.split(member[order], np.cumsum(np.bincount(owner, minlength=num_groups))[:-1])
 
 
 def group_loads(groups: list[np.ndarray], degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
-    return np.array([costs.seq_time(lengths[g], int(k)).sum() for g, k in zip(groups, degree_idx)])
+    ids = np.concatenate(groups)
+    owner = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    s = lengths[ids].astype(np.float64)
+    k = degree_idx[owner]
+    per_seq = np.asarray(costs.quad)[k] * s * s + np.asarray(costs.lin)[k] * s
+    return np.bincount(owner, weights=per_seq, minlength=len(groups))
 
 
 def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> list[np.ndarray] | None:
@@ -74,6 +81,7 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
 def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
               costs: DegreeCosts) -> list[GroupAssignment]:
     """Real-length groups for one micro-batch: the better of the dealt and the rebalanced version."""
+    packing = packing.expanded()
     dealt = fill_groups(packing, seq_ids, bucket_of, lengths, costs)
     best = dealt
     lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs)

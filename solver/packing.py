@@ -21,11 +21,25 @@ from .costs import DegreeCosts
 
 @dataclass
 class BinPacking:
-    """Groups of one micro-batch on bucketed lengths: degree index and bucket counts per group."""
+    """Groups on bucketed lengths, as classes of identical groups: degree index, bucket counts
+    and multiplicity per class (``mult`` None: one group per row)."""
 
-    degree_idx: np.ndarray   # [G] index into DegreeCosts.degrees
-    counts: np.ndarray       # [G, B] sequences of each bucket in each group
-    makespan: float          # bucketed estimate of the slowest group, beta1 included
+    degree_idx: np.ndarray        # [C] index into DegreeCosts.degrees
+    counts: np.ndarray            # [C, B] sequences of each bucket in each group of the class
+    makespan: float               # bucketed estimate of the slowest group, beta1 included
+    mult: np.ndarray | None = None  # [C] groups in each class
+
+    def multiplicity(self) -> np.ndarray:
+        return np.ones(len(self.degree_idx), dtype=np.int64) if self.mult is None else self.mult
+
+    def expanded(self) -> "BinPacking":
+        """One row per group."""
+        if self.mult is None:
+            return self
+        return BinPacking(np.repeat(self.degree_idx, self.mult), np.repeat(self.counts, self.mult, axis=0), self.makespan)
+
+    def total_counts(self) -> np.ndarray:
+        return (self.counts * self.multiplicity()[:, None]).sum(axis=0)
 
 
 @dataclass
@@ -152,12 +166,11 @@ class MicroBatchPacker:
         for i, c in enumerate(classes):
             for b, q in c.items:
                 per_class[i, b] += q
-        return BinPacking(degree_idx=np.repeat([c.k for c in classes], mult).astype(np.int64),
-                          counts=np.repeat(per_class, mult, axis=0),
-                          makespan=max(c.time for c in classes) + self.costs.beta1)
+        return BinPacking(degree_idx=np.array([c.k for c in classes], dtype=np.int64), counts=per_class,
+                          makespan=max(c.time for c in classes) + self.costs.beta1, mult=mult)
 
     def group_times(self, packing: BinPacking) -> np.ndarray:
-        """Bucketed seconds of each group (no beta1)."""
+        """Bucketed seconds of each group (of each class: no beta1)."""
         per_seq = self.times[:, packing.degree_idx].T
         return (packing.counts * np.where(packing.counts > 0, per_seq, 0.0)).sum(axis=1)
 

@@ -29,6 +29,10 @@ from .packing import BinPacking, MicroBatchPacker
 from .schedule import Schedule
 
 
+# Blaster splits that loop over sequences in Python are skipped above this batch size.
+MAX_PER_SEQUENCE_SPLITS = 8192
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     num_buckets: int = 16           # the paper's default
@@ -108,17 +112,17 @@ class BatchSearch:
     def candidates(self, num_mb: int):
         yield blaster.consecutive(self.order, self.seq_tokens, num_mb)
         yield blaster.consecutive(self.order, self.seq_area, num_mb)
-        yield blaster.interleaved(self.order, self.seq_area, self.seq_tokens, num_mb, self.cluster_tokens)
-        yield blaster.critical_fill(self.order, self.seq_area, self.seq_critical, self.seq_tokens, num_mb,
-                                    self.num_gpus, self.cluster_tokens)
+        if len(self.lengths) <= MAX_PER_SEQUENCE_SPLITS:   # per-sequence loops; the sweep covers big batches
+            yield blaster.interleaved(self.order, self.seq_area, self.seq_tokens, num_mb, self.cluster_tokens)
+            yield blaster.critical_fill(self.order, self.seq_area, self.seq_critical, self.seq_tokens, num_mb,
+                                        self.num_gpus, self.cluster_tokens)
 
     def first_split(self) -> Split:
         """The greedy plan: the paper's consecutive split at the fewest micro-batches that pack."""
         num_mb = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
         while True:
             for assignment in (blaster.consecutive(self.order, self.seq_tokens, num_mb),
-                               blaster.interleaved(self.order, self.seq_area, self.seq_tokens, num_mb,
-                                                   self.cluster_tokens)):
+                               blaster.consecutive(self.order, self.seq_area, num_mb)):
                 if assignment is not None:
                     split = self.evaluate(assignment)
                     if split is not None:
@@ -128,29 +132,38 @@ class BatchSearch:
     def arranged_split(self, makespan: float) -> Split | None:
         """Pack the whole batch into groups of at most ``makespan`` (any number of GPUs), then deal
         the groups, slowest first, into micro-batches of N GPUs (first fit). One pass finds the
-        micro-batch count and the split together; sweeping ``makespan`` trades the two."""
+        micro-batch count and the split together; sweeping ``makespan`` trades the two.
+
+        First fit runs on group classes: per degree, a pointer to the first micro-batch with room
+        only moves forward (room only shrinks), so dealing costs O(classes + micro-batches)."""
         packing = self.packer.pack(self.buckets.counts, makespan, max_gpus=math.inf, stretch=True)
         if packing is None:
             return None
         times = self.packer.group_times(packing)
         degrees = np.asarray(self.costs.degrees)[packing.degree_idx]
-        free: list[int] = []
-        mb_of_group = np.empty(len(times), dtype=np.int64)
-        for g in np.argsort(-times, kind="stable"):
-            for m, room in enumerate(free):
-                if room >= degrees[g]:
-                    break
-            else:
-                m = len(free)
-                free.append(self.num_gpus)
-            free[m] -= degrees[g]
-            mb_of_group[g] = m
+        room: list[int] = []
+        first_with_room: dict[int, int] = {}
+        pieces: list[list[tuple[int, int]]] = []              # per micro-batch: (class, groups)
+        for c in np.argsort(-times, kind="stable"):
+            d, left = int(degrees[c]), int(packing.multiplicity()[c])
+            m = first_with_room.get(d, 0)
+            while left:
+                while m < len(room) and room[m] < d:
+                    m += 1
+                if m == len(room):
+                    room.append(self.num_gpus)
+                    pieces.append([])
+                take = min(left, room[m] // d)
+                room[m] -= take * d
+                pieces[m].append((int(c), take))
+                left -= take
+            first_with_room[d] = m
         rows, packings = [], []
-        for m in range(len(free)):
-            mine = mb_of_group == m
-            arranged = BinPacking(packing.degree_idx[mine], packing.counts[mine],
-                                  float(times[mine].max()) + self.costs.beta1)
-            row = arranged.counts.sum(axis=0)
+        for mine in pieces:
+            cls = np.array([c for c, _ in mine])
+            mult = np.array([q for _, q in mine])
+            arranged = BinPacking(packing.degree_idx[cls], packing.counts[cls], float(times[cls].max()) + self.costs.beta1, mult)
+            row = arranged.total_counts()
             resolved = self.packer.solve(row)
             packings.append(resolved if resolved is not None and resolved.makespan < arranged.makespan else arranged)
             rows.append(row)
