@@ -196,7 +196,7 @@ def test_plans_are_valid_on_random_batches_and_clusters(problem):
     assert plan.predicted_time == pytest.approx(plan.time(lengths, cost), rel=1e-9)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_flexsp_is_never_slower_than_dynamic_cp(problem):
     lengths, cost, cluster = problem
