@@ -1,0 +1,180 @@
+"""Ablations of the FlexSP search: what sorting, bucketing and the bucket count buy.
+
+Each variant runs our search (``solver.search.BatchSearch``: blaster candidates, makespan sweep,
+local search) *without* the baseline fallbacks that ``plan_batch("flexsp")`` adds, so a worse
+component shows up instead of being hidden by a BatchAda / dynamic-CP plan. Variants:
+
+- ``default``: DP bucketing, 16 buckets, lengths sorted longest first before the blaster;
+- ``no sorting``: the blaster cuts the batch in arrival (random) order; the makespan sweep does not
+  use the order, so the full search is also shown blaster-only (``greedy``, the paper's blaster);
+- ``naive bucketing``: equal-width buckets (``solver.bucketing.naive_buckets``) instead of the DP;
+- ``no bucketing``: one bucket per distinct length;
+- ``B buckets``: DP with 4 / 8 / 32 / 64 buckets.
+
+Quality = plan time / lower bound (``flexsp.bounds.lower_bound``); solve time is wall-clock. The
+solver has no switch for sorting or the bucketing rule, so this script subclasses ``BatchSearch``
+(sorting) and swaps the bucketing function the search module calls (bucketing), both locally.
+
+    python experiments/ablations.py            # 5 batches x 3 datasets
+    python experiments/ablations.py --quick    # 1 batch of 64, Wikipedia
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+import flexsp
+import solver.search as search_module
+from flexsp.bounds import lower_bound
+from flexsp.planner import place
+from solver.bucketing import naive_buckets
+from solver.search import BatchSearch, SearchOptions
+
+try:
+    from . import common
+except ImportError:  # run as a script
+    import common
+
+MODEL, CONTEXT, NUM_GPUS = "gpt-7b", 384 * 1024, 64
+COLUMNS = ["dataset", "approximate", "variant", "pipeline", "num_buckets", "plan_over_lower_bound",
+           "plan_over_default", "solve_mean_s", "solve_max_s", "batches"]
+
+
+class UnsortedSearch(BatchSearch):
+    """The blaster sees the batch in arrival order instead of longest first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.order = np.arange(len(self.lengths))
+
+
+@contextlib.contextmanager
+def bucketing(rule: Callable | None):
+    """Make the search bucket with ``rule`` instead of the DP (None: leave it)."""
+    if rule is None:
+        yield
+        return
+    original = search_module.dp_buckets
+    search_module.dp_buckets = rule
+    try:
+        yield
+    finally:
+        search_module.dp_buckets = original
+
+
+def run_search(lengths: np.ndarray, cost: flexsp.CostModel, cluster: flexsp.Cluster, options: SearchOptions,
+               search_cls: type[BatchSearch], greedy_only: bool) -> tuple[float, float]:
+    """(plan time, solve seconds) of the search alone, validated as a placed plan."""
+    started = time.perf_counter()
+    costs = cost.degree_costs(cluster.degrees)
+    search = search_cls(lengths, costs, cluster.num_gpus, options)
+    candidates = [search.schedule(search.first_split())]
+    if not greedy_only and not search.out_of_time():
+        split = search.best_split()
+        candidates.append(search.schedule(split))
+        if not search.out_of_time():
+            candidates.append(search.schedule(search.improve(split)))
+    best = min(candidates, key=lambda s: s.time(lengths, costs))
+    solve = time.perf_counter() - started
+    plan = flexsp.Plan(num_gpus=cluster.num_gpus, micro_batches=place(best), predicted_time=best.time(lengths, costs),
+                       gpus_per_node=cluster.gpus_per_node)
+    plan.validate(lengths, cost, cluster)
+    return plan.predicted_time, solve
+
+
+def variants(num_distinct: int) -> list[tuple[str, str, int, type[BatchSearch], Callable | None, bool]]:
+    """(variant, pipeline, buckets, search class, bucketing rule, blaster only)."""
+    out = [("default (DP, 16, sorted)", "full search", 16, BatchSearch, None, False),
+           ("no sorting", "full search", 16, UnsortedSearch, None, False),
+           ("default (DP, 16, sorted)", "blaster only (greedy)", 16, BatchSearch, None, True),
+           ("no sorting", "blaster only (greedy)", 16, UnsortedSearch, None, True),
+           ("naive bucketing", "full search", 16, BatchSearch, naive_buckets, False),
+           ("no bucketing", "full search", num_distinct, BatchSearch, None, False)]
+    out += [(f"{b} buckets", "full search", b, BatchSearch, None, False) for b in (4, 8, 32, 64)]
+    return out
+
+
+def main() -> None:
+    p = common.parser(__doc__, "ablations")
+    p.add_argument("--batches", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--time-limit", type=float, default=2.0)
+    p.add_argument("--datasets", nargs="+", default=list(common.DATASETS))
+    args = p.parse_args()
+    if args.quick:
+        args.batches, args.batch_size, args.time_limit, args.datasets = 1, 64, 0.2, ["wikipedia"]
+    started = time.time()
+    cost = flexsp.CostModel.from_preset(MODEL, context=CONTEXT, num_gpus=NUM_GPUS)
+    cluster = flexsp.Cluster(NUM_GPUS, 8)
+    rows = []
+    total = len(args.datasets) * args.batches * len(variants(0))
+    with tqdm(total=total, desc="ablations", disable=args.no_progress) as bar:
+        for dataset in args.datasets:
+            dist = common.distribution(dataset)
+            acc: dict[tuple[str, str], dict] = {}
+            for lengths in common.batches(dist, args.batches, args.batch_size, CONTEXT, NUM_GPUS, args.seed):
+                bound = lower_bound(lengths, cost, cluster)
+                for name, pipeline, buckets, cls, rule, greedy_only in variants(len(np.unique(lengths))):
+                    options = SearchOptions(num_buckets=buckets, time_limit=args.time_limit)
+                    with bucketing(rule):
+                        plan_time, solve = run_search(lengths, cost, cluster, options, cls, greedy_only)
+                    a = acc.setdefault((name, pipeline), {"ratio": [], "solve": [], "buckets": [], "time": []})
+                    a["ratio"].append(plan_time / bound)
+                    a["time"].append(plan_time)
+                    a["solve"].append(solve)
+                    a["buckets"].append(buckets)
+                    bar.update(1)
+            for (name, pipeline), a in acc.items():
+                reference = acc[("default (DP, 16, sorted)", pipeline)]["time"]
+                rows.append({"dataset": dataset, "approximate": dist.approximate, "variant": name, "pipeline": pipeline,
+                             "num_buckets": (f"{min(a['buckets'])}-{max(a['buckets'])}" if name == "no bucketing"
+                                             else a["buckets"][0]),
+                             "plan_over_lower_bound": round(float(np.mean(a["ratio"])), 4),
+                             "plan_over_default": round(float(np.sum(a["time"]) / np.sum(reference)), 4),
+                             "solve_mean_s": round(float(np.mean(a["solve"])), 3),
+                             "solve_max_s": round(float(np.max(a["solve"])), 3), "batches": args.batches})
+    args.out.mkdir(parents=True, exist_ok=True)
+    common.write_csv(args.out / f"{args.stem}.csv", rows, COLUMNS)
+    plot(rows, args.datasets, args.out / f"{args.stem}.png")
+    shown = [{"dataset": r["dataset"] + (" (approx.)" if r["approximate"] else ""), "variant": r["variant"],
+              "pipeline": r["pipeline"], "buckets": r["num_buckets"],
+              "plan / lower bound": f"{r['plan_over_lower_bound']:.3f}",
+              "plan / default": f"{r['plan_over_default']:.3f}",
+              "solve mean / max (s)": f"{r['solve_mean_s']:.2f} / {r['solve_max_s']:.2f}"} for r in rows]
+    body = (f"{MODEL}, {NUM_GPUS} GPUs, {CONTEXT // 1024}K context, {args.batches} batches of {args.batch_size} per "
+            f"dataset, search time limit {args.time_limit} s, no baseline fallbacks (see the script's docstring). "
+            "plan / default compares with the default variant of the same pipeline.\n\n"
+            + common.markdown_table(shown, list(shown[0])) + "\n\nLength distributions:\n"
+            + common.provenance(args.datasets))
+    common.write_markdown(args.out / f"{args.stem}.md", "Ablations: sorting, bucketing, bucket count", body, started,
+                          args.quick)
+    print((args.out / f"{args.stem}.md").read_text())
+
+
+def plot(rows: list[dict], datasets: list[str], path) -> None:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    sweep = [r for r in rows if r["pipeline"] == "full search" and (r["variant"].endswith("buckets")
+                                                                   or r["variant"].startswith("default"))]
+    for dataset in datasets:
+        mine = sorted((r for r in sweep if r["dataset"] == dataset), key=lambda r: int(r["num_buckets"]))
+        x = [int(r["num_buckets"]) for r in mine]
+        axes[0].plot(x, [r["plan_over_lower_bound"] for r in mine], marker="o", label=dataset)
+        axes[1].plot(x, [r["solve_mean_s"] for r in mine], marker="o", label=dataset)
+    for ax, ylabel in ((axes[0], "plan / lower bound"), (axes[1], "solve time per batch (s)")):
+        ax.set(xscale="log", xlabel="DP buckets", ylabel=ylabel)
+        ax.set_xticks([4, 8, 16, 32, 64], ["4", "8", "16", "32", "64"])
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{MODEL}, {NUM_GPUS} GPUs, {CONTEXT // 1024}K: bucket count vs plan quality and solve time "
+                 "(search only; github/commoncrawl are approximations)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
