@@ -229,9 +229,10 @@ class FlexSPLoader:
     def _fetch(self, index: int) -> torch.Tensor:
         return to_tokens(self.dataset[index], index)
 
-    def __len__(self) -> int:
-        """Global batches in the current epoch (needs the lengths on this rank)."""
-        return self.batches.count(self._epoch)
+    def num_batches(self, epoch: int | None = None) -> int:
+        """Global batches in ``epoch`` (default: the current one). Needs the lengths on this rank, so it
+        is a method rather than ``__len__``, which ``list(loader)`` would call on every rank."""
+        return self.batches.count(self._epoch if epoch is None else epoch)
 
     # --- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

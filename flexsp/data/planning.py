@@ -131,6 +131,8 @@ class AsyncPlanner:
             if self._fallback is not None and self._fallback_after is not None and waited >= self._fallback_after:
                 with self._lock:
                     late = self._current
+                    if late is not None and late.key in self._abandoned:
+                        late = None   # already handed out by the fallback; wait for the thread's next batch
                     if late is not None:
                         self._abandoned.add(late.key)
                 if late is not None:

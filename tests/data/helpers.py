@@ -1,0 +1,30 @@
+"""Small datasets and cost models shared by the tests/data modules (imported as ``helpers``)."""
+from __future__ import annotations
+
+import numpy as np
+
+import flexsp
+
+VOCAB = 1000
+NUM_GPUS = 4
+TOKEN_CAPACITY = 64          # one GPU holds 64 tokens; the whole 4-GPU cluster 256
+
+
+def cost_model(token_capacity: int = TOKEN_CAPACITY) -> flexsp.CostModel:
+    return flexsp.CostModel(alpha1=2e-9, alpha2=2e-6, beta1=1e-4, comm_bytes_per_token=1024,
+                            alltoall_bandwidth={2: 1e9, 4: 5e8}, token_capacity=token_capacity)
+
+
+def cluster(num_gpus: int = NUM_GPUS) -> flexsp.Cluster:
+    return flexsp.Cluster(num_gpus=num_gpus, gpus_per_node=num_gpus)
+
+
+def lengths(n: int, seed: int = 0, high: int = 250) -> list[int]:
+    """Long-tailed lengths in [2, high]: most short, a few needing a group of 4."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(3.5, 1.0, n).astype(int) + 2, 2, high).tolist()
+
+
+def token_lists(n: int, seed: int = 0, high: int = 250) -> list[list[int]]:
+    """Item i counts up from its own start: every item's tokens are recognisable."""
+    return [[(7 * i + t) % VOCAB for t in range(m)] for i, m in enumerate(lengths(n, seed, high))]
