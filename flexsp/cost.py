@@ -78,7 +78,8 @@ class CostModel:
                 f"no all-to-all bandwidth for SP degree {degree}; the cost model knows degrees {known}. "
                 f"Add alltoall_bandwidth[{degree}] or keep plans below it") from None
 
-    def _coefficients(self, degree: int) -> tuple[float, float]:
+    def coefficients(self, degree: int) -> tuple[float, float]:
+        """(s^2, s) coefficients of one sequence's time at ``degree``."""
         if not is_power_of_two(int(degree)):
             raise CostModelError(f"SP degree must be a power of two, got {degree}")
         comm = 0.0 if degree == 1 else self.comm_bytes_per_token / self.bandwidth(degree)
@@ -86,7 +87,7 @@ class CostModel:
 
     def seq_time(self, length, degree: int):
         """Seconds for sequence(s) of ``length`` tokens in a group of ``degree`` GPUs (no beta1)."""
-        quad, lin = self._coefficients(degree)
+        quad, lin = self.coefficients(degree)
         s = np.asarray(length, dtype=np.float64)
         out = quad * s * s + lin * s
         return float(out) if out.ndim == 0 else out
@@ -111,7 +112,7 @@ class CostModel:
     # --- solver view --------------------------------------------------------------------------
     def degree_costs(self, degrees: Iterable[int]) -> DegreeCosts:
         degrees = tuple(sorted(set(int(d) for d in degrees)))
-        coeffs = [self._coefficients(d) for d in degrees]
+        coeffs = [self.coefficients(d) for d in degrees]
         return DegreeCosts(degrees=degrees, quad=tuple(q for q, _ in coeffs), lin=tuple(l for _, l in coeffs),
                            capacity=tuple(self.group_capacity(d) for d in degrees), beta1=self.beta1)
 

@@ -73,12 +73,13 @@ class Plan:
     def group_times(self, lengths: Sequence[int], cost: "CostModel") -> list[list[float]]:
         """Seconds of every group (beta1 included), per micro-batch; vectorised over sequences."""
         lengths = np.asarray(lengths, dtype=np.float64)
+        coefficients = {d: cost.coefficients(d) for d in self.degree_histogram()}
         out = []
         for mb in self.micro_batches:
             sizes = [len(g.seq_ids) for g in mb.groups]
             owner = np.repeat(np.arange(len(mb.groups)), sizes)
             s = lengths[np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64, count=sum(sizes))]
-            coeffs = np.array([cost._coefficients(g.degree) for g in mb.groups]).reshape(-1, 2)[owner]
+            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 2)[owner]
             per_seq = coeffs[:, 0] * s * s + coeffs[:, 1] * s
             out.append((np.bincount(owner, weights=per_seq, minlength=len(mb.groups)) + cost.beta1).tolist())
         return out
@@ -106,28 +107,7 @@ class Plan:
         for m, mb in enumerate(self.micro_batches):
             if not mb.groups:
                 raise PlanError(f"micro-batch {m} has no groups")
-            used = np.zeros(n, dtype=bool)
-            for j, g in enumerate(mb.groups):
-                where = f"micro-batch {m} group {j}"
-                d = g.degree
-                if not is_power_of_two(d):
-                    raise PlanError(f"{where}: degree {d} is not a power of two")
-                if not g.seq_ids:
-                    raise PlanError(f"{where}: group has no sequences")
-                ranks = np.asarray(g.ranks)
-                outside = ranks[(ranks < 0) | (ranks >= n)]
-                if outside.size:
-                    raise PlanError(f"{where}: rank {outside[0]} is outside 0..{n - 1}")
-                if len(np.unique(ranks)) < d or used[ranks].any():
-                    twice = ranks[used[ranks]] if used[ranks].any() else ranks[np.unique(ranks, return_counts=True)[1] > 1]
-                    raise PlanError(f"{where}: rank {twice[0]} is used by two groups of the same micro-batch")
-                used[ranks] = True
-                if aligned and (ranks[0] % d or not np.array_equal(ranks, np.arange(ranks[0], ranks[0] + d))):
-                    raise PlanError(f"{where}: ranks {_short(g.ranks)} are not an aligned block [k*{d}, (k+1)*{d})")
-                if cluster is not None and d <= cluster.gpus_per_node:
-                    nodes = np.unique(ranks // cluster.gpus_per_node)
-                    if len(nodes) > 1:
-                        raise PlanError(f"{where}: {d} GPUs fit in one node but span nodes {nodes.tolist()}")
+            self._check_ranks(m, mb, cluster, aligned)
             ids_per_mb.append(np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64))
         all_ids = np.concatenate(ids_per_mb)
         mb_of = np.repeat(np.arange(len(ids_per_mb)), [len(ids) for ids in ids_per_mb])
@@ -158,6 +138,43 @@ class Plan:
                 actual = self.time(lengths, cost)
                 if not math.isclose(actual, self.predicted_time, rel_tol=rel_tol, abs_tol=1e-9):
                     raise PlanError(f"predicted_time {self.predicted_time} does not match the cost model's {actual}")
+
+    def _check_ranks(self, m: int, mb: MicroBatch, cluster: "Cluster | None", aligned: bool) -> None:
+        """Degrees, rank ranges, overlaps, alignment and node containment of one micro-batch, checked
+        on all its ranks at once; the message names the first offending group."""
+        n = self.num_gpus
+        degrees = np.array([g.degree for g in mb.groups])
+        starts = np.concatenate([[0], np.cumsum(degrees)[:-1]])
+        owner = np.repeat(np.arange(len(degrees)), degrees)
+        ranks = np.fromiter((r for g in mb.groups for r in g.ranks), dtype=np.int64, count=int(degrees.sum()))
+        first = ranks[starts][owner] if len(ranks) else ranks
+
+        def fail(bad_group: np.ndarray, message) -> None:
+            if bad_group.any():
+                j = int(np.flatnonzero(bad_group)[0])
+                raise PlanError(f"micro-batch {m} group {j}: {message(j)}")
+
+        fail((degrees < 1) | (degrees & (degrees - 1) != 0), lambda j: f"degree {degrees[j]} is not a power of two")
+        fail(np.array([not g.seq_ids for g in mb.groups]), lambda j: "group has no sequences")
+        outside = (ranks < 0) | (ranks >= n)
+        fail(np.bincount(owner, weights=outside, minlength=len(degrees)) > 0,
+             lambda j: f"rank {ranks[owner == j][outside[owner == j]][0]} is outside 0..{n - 1}")
+        seen = np.zeros(n, dtype=np.int64)
+        np.add.at(seen, ranks, 1)
+        twice = seen[ranks] > 1
+        fail(np.bincount(owner, weights=twice, minlength=len(degrees)) > 0,
+             lambda j: f"rank {ranks[owner == j][twice[owner == j]][0]} is used by two groups of the same micro-batch")
+        if aligned:
+            off = (ranks != first + np.arange(len(ranks)) - starts[owner]) | (first % degrees[owner] != 0)
+            fail(np.bincount(owner, weights=off, minlength=len(degrees)) > 0,
+                 lambda j: f"ranks {_short(mb.groups[j].ranks)} are not an aligned block "
+                           f"[k*{degrees[j]}, (k+1)*{degrees[j]})")
+        if cluster is not None:
+            gpn = cluster.gpus_per_node
+            crosses = (ranks // gpn != first // gpn) & (degrees[owner] <= gpn)
+            fail(np.bincount(owner, weights=crosses, minlength=len(degrees)) > 0,
+                 lambda j: f"{degrees[j]} GPUs fit in one node but span nodes "
+                           f"{sorted(set(r // gpn for r in mb.groups[j].ranks))}")
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -42,8 +42,7 @@ def place(schedule: Schedule) -> tuple[MicroBatch, ...]:
     for groups in schedule.micro_batches:
         offset, placed = 0, []
         for g in sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0)):
-            placed.append(Group(ranks=tuple(range(offset, offset + g.degree)),
-                                seq_ids=tuple(int(i) for i in g.seq_ids)))
+            placed.append(Group(ranks=tuple(range(offset, offset + g.degree)), seq_ids=tuple(g.seq_ids.tolist())))
             offset += g.degree
         micro_batches.append(MicroBatch(tuple(placed)))
     return tuple(micro_batches)

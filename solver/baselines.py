@@ -20,7 +20,26 @@ class InfeasibleDegree(ValueError):
     """A sequence is longer than one group of this degree can hold."""
 
 
+# Above this many sequences, a vectorised snake deal replaces the per-sequence LPT loop when it
+# respects memory (with many sequences per group both balance to within one short sequence).
+MAX_LPT_SEQUENCES = 16384
+
+
+def _snake_groups(lengths: np.ndarray, capacity: float, num_groups: int) -> list[np.ndarray] | None:
+    order = np.argsort(-lengths, kind="stable")
+    lap, pos = np.divmod(np.arange(len(order)), num_groups)
+    owner = np.where(lap % 2 == 0, pos, num_groups - 1 - pos)
+    if (np.bincount(owner, weights=lengths[order], minlength=num_groups) > capacity).any():
+        return None
+    members = order[np.argsort(owner, kind="stable")]
+    return np.split(members, np.cumsum(np.bincount(owner, minlength=num_groups))[:-1])
+
+
 def _lpt_groups(lengths: np.ndarray, times: np.ndarray, capacity: float, num_groups: int) -> list[list[int]] | None:
+    if len(lengths) > MAX_LPT_SEQUENCES:
+        snake = _snake_groups(lengths, capacity, num_groups)
+        if snake is not None:
+            return snake
     heap = [(0.0, j) for j in range(num_groups)]
     tokens = np.zeros(num_groups)
     members: list[list[int]] = [[] for _ in range(num_groups)]
@@ -58,11 +77,11 @@ def single_degree(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, degree
         if members is not None:
             break
         num_mb += 1
-    members = [m for m in members if m]
+    members = [np.asarray(m, dtype=np.int64) for m in members if len(m)]
     loads = [times[m].sum() for m in members]
     ranked = [members[j] for j in np.argsort(loads, kind="stable")[::-1]]
     micro_batches = tuple(
-        tuple(GroupAssignment(degree, np.sort(np.asarray(m, dtype=np.int64))) for m in ranked[i:i + per_mb])
+        tuple(GroupAssignment(degree, np.sort(m)) for m in ranked[i:i + per_mb])
         for i in range(0, len(ranked), per_mb))
     return Schedule(micro_batches)
 

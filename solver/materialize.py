@@ -7,8 +7,10 @@ from .costs import DegreeCosts
 from .packing import BinPacking
 from .schedule import GroupAssignment
 
-# LPT rebalancing costs O(sequences x groups); skip it above this many pairs.
+# LPT rebalancing loops over sequences in Python at O(groups) each: skip it on big micro-batches,
+# where many sequences per group make the dealt version balanced anyway.
 MAX_REBALANCE_PAIRS = 1_000_000
+MAX_REBALANCE_SEQUENCES = 1024
 
 
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
@@ -56,7 +58,7 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
     Returns None when some sequence finds no group with room (the bucketed packing then stands).
     """
     num_groups = len(degree_idx)
-    if len(seq_ids) * num_groups > MAX_REBALANCE_PAIRS:
+    if len(seq_ids) * num_groups > MAX_REBALANCE_PAIRS or len(seq_ids) > MAX_REBALANCE_SEQUENCES:
         return None
     caps = np.asarray(costs.capacity)[degree_idx]
     quad = np.asarray(costs.quad)[degree_idx]
@@ -89,5 +91,4 @@ def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, l
         dealt_max = group_loads(dealt, packing.degree_idx, lengths, costs).max()
         if group_loads(lpt, packing.degree_idx, lengths, costs).max() < dealt_max:
             best = lpt
-    return [GroupAssignment(int(costs.degrees[k]), np.sort(g))
-            for g, k in zip(best, packing.degree_idx) if len(g)]
+    return [GroupAssignment(int(costs.degrees[k]), g) for g, k in zip(best, packing.degree_idx) if len(g)]
