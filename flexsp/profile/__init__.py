@@ -1,0 +1,23 @@
+"""``flexsp profile``: fit the cost model to real hardware and measure how well it predicts.
+
+| module | job | torch |
+|---|---|---|
+| ``fit`` | least-squares fits (compute, all-to-all bandwidth), token capacity | no |
+| ``shape`` | model shapes to profile, ``comm_bytes_per_token``, ``check_model_shape`` | no |
+| ``assemble`` | fitted pieces + provenance -> ``flexsp.CostModel`` | no |
+| ``compute`` | forward + backward timings of the runtime model over sequence lengths | yes |
+| ``memory`` | activation bytes per token (GPU measured / CPU estimate), model states by ZeRO stage | yes |
+| ``comm`` | ``all_to_all_single`` timings on every pooled SP group size | yes |
+| ``check`` | run a plan's groups and compare measured to predicted group times | yes |
+| ``cli`` | ``add_parser(subparsers)`` / ``run(args)`` for the ``profile`` subcommand | lazily |
+
+Importing this package does not import torch; the torch modules are imported on use.
+"""
+from .assemble import assemble_cost_model
+from .fit import (MIN_COMM_POINTS, MIN_COMPUTE_POINTS, BandwidthFit, ComputeFit, FitPoint, FitWarning, fit_bandwidth,
+                  fit_compute, token_capacity)
+from .shape import PRESETS, ShapeWarning, check_model_shape, comm_bytes_per_token, model_spec
+
+__all__ = ["assemble_cost_model", "fit_compute", "fit_bandwidth", "token_capacity", "ComputeFit", "BandwidthFit",
+           "FitPoint", "FitWarning", "MIN_COMPUTE_POINTS", "MIN_COMM_POINTS", "check_model_shape", "ShapeWarning",
+           "comm_bytes_per_token", "model_spec", "PRESETS"]

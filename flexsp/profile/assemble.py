@@ -1,0 +1,44 @@
+"""Put the fitted pieces together into one ``flexsp.CostModel`` with its provenance. No torch.
+
+``meta`` records where every number came from: the device, torch version, date, the model shape
+(``meta["model"]``, which ``check_model_shape`` compares), how each part was obtained and which parts
+are estimates, and the per-point fit errors, so a saved profile explains itself.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Mapping, Sequence
+
+from ..analytic import ModelSpec
+from ..cost import CostModel
+from .fit import BandwidthFit, ComputeFit
+from .shape import comm_bytes_per_token, shape_dict
+
+
+def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: float, *,
+                        bandwidths: Sequence[BandwidthFit] = (), bytes_per_element: int = 2,
+                        gpus_per_node: int | None = None, memory: Mapping[str, Any] | None = None,
+                        environment: Mapping[str, Any] | None = None,
+                        estimates: Sequence[str] = ()) -> CostModel:
+    """A cost model from the three profiles; ``estimates`` names the parts that were not measured."""
+    links = {}
+    if gpus_per_node is not None:
+        links = {str(b.degree): "intra-node" if b.degree <= gpus_per_node else "inter-node" for b in bandwidths}
+    meta: dict[str, Any] = {
+        "source": "flexsp profile",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **dict(environment or {}),
+        "model": shape_dict(spec),
+        "params": spec.params,
+        "bytes_per_element": bytes_per_element,
+        "estimates": sorted(set(estimates)),
+        "compute": compute.to_dict(),
+        "memory": dict(memory or {}),
+        "comm": {"gpus_per_node": gpus_per_node, "links": links,
+                 "fits": {str(b.degree): b.to_dict() for b in bandwidths},
+                 "comm_bytes_per_token": "2 * layers * (2 * hidden + 2 * kv_dim) * bytes_per_element"},
+    }
+    return CostModel(alpha1=compute.alpha1, alpha2=compute.alpha2, beta1=compute.beta1,
+                     comm_bytes_per_token=comm_bytes_per_token(spec, bytes_per_element),
+                     alltoall_bandwidth={b.degree: b.bandwidth for b in bandwidths},
+                     token_capacity=token_capacity, meta=meta)

@@ -1,0 +1,309 @@
+"""The ``flexsp profile`` subcommand: ``add_parser(subparsers)`` registers it, ``run(args)`` runs it.
+
+One process profiles compute and memory; under ``torchrun`` every rank joins the all-to-all sweep
+and the check, rank 0 fits, prints and writes. torch is imported inside ``run``, so registering the
+subcommand costs a planner-only install nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..errors import FlexSPError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
+
+
+def _count(text: str) -> int:
+    """``4096``, ``4K`` (x1024), ``1M`` (x1024^2), ``1G``."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a count like 4096, 4K or 1M, got {text!r}")
+    return int(float(match.group(1)) * 1024 ** "_kmg".index(match.group(2).lower() or "_"))
+
+
+def _counts(text: str) -> list[int]:
+    values = [_count(t) for t in str(text).split(",") if t.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive counts like 256,1K,4K, got {text!r}")
+    return values
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``profile`` on an ``argparse`` subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "profile", help="measure this hardware, fit a cost model JSON, report its error",
+        description="Fit alpha1/alpha2/beta1 (compute), activation memory -> token_capacity, and all-to-all "
+                    "bandwidth per SP degree (under torchrun) to this machine; save as a CostModel JSON that "
+                    "--cost, plan_batch and CostModel.load accept. --check validates predictions on real steps.")
+    m = p.add_argument_group("model (real layer shapes)")
+    m.add_argument("--model", default="tiny", help="shape preset: tiny, small, llama-7b, llama-13b, llama3-8b, "
+                                                    "llama3-70b (default tiny); flags below override fields")
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+        m.add_argument(f"--{name}", type=int, default=None)
+    m.add_argument("--run-layers", type=int, default=None,
+                   help="run only this many blocks and scale up to --layers (for models that do not fit)")
+    d = p.add_argument_group("device")
+    d.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
+    d.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
+    d.add_argument("--attention", default="auto", help="attention backend: auto, flash, sdpa")
+    d.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default torch's; 1 is steadier on a shared machine)")
+    s = p.add_argument_group("sweeps")
+    s.add_argument("--lengths", type=_counts, default=None,
+                   help="sequence lengths for the compute sweep (default CPU 128..4K, GPU 1K..32K)")
+    s.add_argument("--memory-lengths", type=_counts, default=None, help="lengths for the memory profile "
+                                                                        "(default: the 3 longest sweep lengths)")
+    s.add_argument("--comm-sizes", type=_counts, default=None,
+                   help="per-rank all-to-all bytes (default CPU 64K..4M, GPU 1M..256M)")
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--warmup", type=int, default=1)
+    s.add_argument("--statistic", default="median", choices=("median", "min"),
+                   help="one time per point from its repeats: median, or min on a shared/noisy machine")
+    s.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="wall (default), or cpu: this process's CPU time, for a shared CPU box with --threads 1")
+    s.add_argument("--skip-comm", action="store_true", help="no all-to-all sweep even under torchrun")
+    c = p.add_argument_group("memory model")
+    c.add_argument("--memory-gb", type=float, default=None, help="memory per GPU in GiB (default: the device's)")
+    c.add_argument("--usable", type=float, default=0.9, help="usable fraction of it (default 0.9)")
+    c.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3))
+    c.add_argument("--num-gpus", type=int, default=None, help="GPUs sharding model states (default: world size)")
+    c.add_argument("--gpus-per-node", type=int, default=None,
+                   help="topology for intra/inter-node labels (default: LOCAL_WORLD_SIZE or world size)")
+    v = p.add_argument_group("validation")
+    v.add_argument("--check", default=None, metavar="PLAN.json|auto",
+                   help="run a plan's groups and compare measured to predicted times; 'auto' plans a few "
+                        "held-out batches with the fitted model")
+    v.add_argument("--check-lengths", type=Path, default=None, help="the lengths file the plan was made for")
+    v.add_argument("--cost", type=Path, default=None,
+                   help="check this saved cost model instead of profiling (needs --check)")
+    v.add_argument("--allow-shape-mismatch", action="store_true",
+                   help="warn instead of failing when --cost was profiled on another model shape")
+    p.add_argument("-o", "--output", type=Path, default=Path("cost_profile.json"), help="cost model JSON to write")
+    p.add_argument("--report", type=Path, default=None, help="also write every measurement as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except FlexSPError as exc:
+        print(f"flexsp profile: error: {exc}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------------------------------------
+def _init_distributed(device_type: str):
+    import torch
+    import torch.distributed as dist
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from ..cost import CostModel
+    from ..errors import CostModelError
+    from ..runtime.groups import GroupPool
+    from .compute import DeviceSetup, GroupRunner
+    from .shape import check_model_shape, model_spec
+
+    if args.cost is not None and args.check is None:
+        raise CostModelError("--cost only makes sense with --check (validate a saved profile)")
+    for name in ("repeats", "warmup"):
+        if getattr(args, name) < (1 if name == "repeats" else 0):
+            raise CostModelError(f"--{name} must be >= {1 if name == 'repeats' else 0}, got {getattr(args, name)}")
+    requested = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    _init_distributed("cuda" if requested.startswith("cuda") else "cpu")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CostModelError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    setup = DeviceSetup.resolve(args.device, args.dtype, args.attention)
+    spec = model_spec(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                      kv_heads=getattr(args, "kv_heads"), ffn=args.ffn, vocab=args.vocab)
+    pool = GroupPool()
+    rank0 = pool.rank == 0
+    say = (lambda msg: None) if args.quiet or not rank0 else (lambda msg: print(msg, flush=True))
+    gpus_per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", pool.world_size))
+    runner = GroupRunner(spec, setup, args.run_layers, seed=args.seed, clock=args.clock)
+    say(f"flexsp profile: {spec.name} (layers {spec.layers}, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, "
+        f"ffn {spec.ffn}, vocab {spec.vocab}; {spec.params / 1e6:.1f} M params), running {runner.run_layers} "
+        f"block(s) x{runner.scale:g}, on {setup.name}, {str(setup.dtype).replace('torch.', '')}, "
+        f"world {pool.world_size}")
+
+    report: dict[str, Any] = {}
+    if args.cost is not None:
+        cost = CostModel.load(args.cost)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_model_shape(cost, spec, strict=not args.allow_shape_mismatch)
+        for w in caught:
+            say(f"warning: {w.message}")
+    else:
+        cost = _profile(args, spec, setup, runner, pool, gpus_per_node, say, report)
+
+    if args.check is not None:
+        check = _check(args, cost, runner, pool, gpus_per_node, say)
+        report["check"] = check.to_dict()
+        meta = dict(cost.meta, check={"plan": args.check, "mean_abs_rel_error": check.mean_abs_error,
+                                      "max_abs_rel_error": check.max_abs_error, "groups": len(check.groups),
+                                      "skipped_groups": len(check.skipped)})
+        cost = CostModel.from_dict(dict(cost.to_dict(), meta=meta))
+    if rank0:
+        if args.cost is None:
+            cost.save(args.output)
+            say(f"wrote {args.output}")
+        if args.report is not None:
+            args.report.write_text(json.dumps(dict(report, cost_model=cost.to_dict()), indent=1) + "\n")
+            say(f"wrote {args.report}")
+    if dist.is_initialized():
+        dist.barrier()
+    return 0
+
+
+def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
+    import torch
+    import torch.distributed as dist
+
+    from ..cost import CostModel
+    from .assemble import assemble_cost_model
+    from .compute import compute_sweep
+    from .fit import fit_bandwidth, fit_compute
+
+    on_gpu = setup.device.type == "cuda"
+    lengths = sorted(set(args.lengths or ([1024, 2048, 4096, 8192, 16384, 32768] if on_gpu
+                                          else [128, 256, 512, 768, 1024, 1536, 2048])))
+    estimates = []
+    payload = [None]
+    if pool.rank == 0:   # compute and memory on one device; the others wait (no interference)
+        from .memory import activation_profile, capacity, device_memory_bytes
+        sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compute = fit_compute(sweep.lengths, sweep.seconds, statistic=args.statistic)
+        for w in caught:
+            say(f"warning: {w.message}")
+        mem = activation_profile(runner, args.memory_lengths or lengths[-3:])
+        memory_bytes = args.memory_gb * 2**30 if args.memory_gb else device_memory_bytes(setup.device)
+        cap = capacity(spec.params, mem.bytes_per_token, memory_bytes, zero_stage=args.zero_stage,
+                       num_gpus=args.num_gpus or pool.world_size, usable_fraction=args.usable)
+        if mem.estimate:
+            estimates.append("activation memory (CPU saved-tensor estimate)")
+        if not on_gpu:
+            estimates.append("device memory (CPU RAM stands in for GPU memory)" if not args.memory_gb
+                             else "device memory (given, CPU run)")
+        payload = [(compute, mem, cap, estimates)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(payload, src=0)
+    compute, mem, cap, estimates = payload[0]
+    _print_compute(compute, say)
+    say(f"memory: {mem.bytes_per_token / 2**10:.2f} KiB activations per token "
+        f"({'ESTIMATE: ' if mem.estimate else ''}{mem.method}), model states {cap.model_state_bytes / 2**30:.3f} GiB "
+        f"(ZeRO-{cap.zero_stage} over {cap.num_gpus}), {cap.memory_bytes / 2**30:.1f} GiB x {cap.usable_fraction} "
+        f"-> token_capacity {cap.token_capacity}")
+
+    bandwidths = []
+    if pool.world_size > 1 and not args.skip_comm:
+        from .comm import alltoall_sweep, link_kind
+        sizes = args.comm_sizes or ([2**20, 2**22, 2**24, 2**26, 2**28] if on_gpu else [2**16, 2**18, 2**20, 2**22])
+        samples = alltoall_sweep(pool, setup, sizes, repeats=max(args.repeats, 3), warmup=args.warmup + 1, progress=say)
+        for degree in sorted({s.degree for s in samples}):
+            mine = [s for s in samples if s.degree == degree]
+            bandwidths.append(fit_bandwidth(degree, [s.payload_bytes for s in mine], [s.seconds for s in mine],
+                                            statistic=args.statistic))
+        _print_comm(bandwidths, gpus_per_node, say, link_kind)
+    elif pool.world_size == 1:
+        say("all-to-all: world of 1 process, nothing to measure (run under torchrun for bandwidths)")
+
+    environment = {"device": setup.name, "device_type": setup.device.type, "torch": torch.__version__,
+                   "dtype": str(setup.dtype).replace("torch.", ""), "attention": setup.backend,
+                   "world_size": pool.world_size, "run_layers": runner.run_layers,
+                   "layer_scale": runner.scale, "lengths": lengths, "repeats": args.repeats,
+                   "statistic": args.statistic, "clock": args.clock, "threads": torch.get_num_threads() if not on_gpu else None,
+                   "label": "CPU profile: not representative of GPU training" if not on_gpu else "GPU profile"}
+    cost: CostModel = assemble_cost_model(
+        spec, compute, cap.token_capacity, bandwidths=bandwidths, bytes_per_element=setup.bytes_per_element,
+        gpus_per_node=gpus_per_node if bandwidths else None, memory=dict(mem.to_dict(), **cap.to_dict()),
+        environment=environment, estimates=estimates)
+    report.update(compute=compute.to_dict(), memory=mem.to_dict(), capacity=cap.to_dict(),
+                  comm=[b.to_dict() for b in bandwidths])
+    return cost
+
+
+def _check(args, cost, runner, pool, gpus_per_node, say):
+    import numpy as np
+
+    from ..cluster import Cluster
+    from ..errors import CostModelError
+    from ..lengths import load_lengths
+    from ..plan import Plan
+    from ..planner import plan_batch
+    from .check import CheckReport, check_plan
+
+    if args.check == "auto":
+        # Held-out batches: random lengths inside the swept range, planned by the real planner.
+        swept = cost.meta.get("lengths") or [256, 4096]
+        rng = np.random.default_rng(args.seed + 1)
+        cluster = Cluster(pool.world_size, min(gpus_per_node, pool.world_size))
+        plans = []
+        for _ in range(6):
+            n = int(rng.integers(1, 5))
+            lengths = np.exp(rng.uniform(np.log(min(swept)), np.log(max(swept)), n)).astype(int)
+            plans.append((plan_batch(lengths, cost, cluster, "flexsp", time_limit=0.5), lengths.tolist()))
+    else:
+        if args.check_lengths is None:
+            raise CostModelError("--check PLAN.json needs --check-lengths FILE: the lengths the plan was made for")
+        plans = [(Plan.load(args.check), load_lengths(args.check_lengths).tolist())]
+    reports = [check_plan(plan, lengths, cost, runner, pool, repeats=args.repeats, warmup=args.warmup,
+                          statistic=args.statistic, progress=say)
+               for plan, lengths in plans]
+    merged = CheckReport(tuple(g for r in reports for g in r.groups), tuple(s for r in reports for s in r.skipped))
+    if merged.skipped:
+        say(f"check: {len(merged.skipped)} group(s) wider than this world of {pool.world_size} were skipped")
+    if merged.groups:
+        say(f"check: {len(merged.groups)} groups, |relative error| mean {merged.mean_abs_error:.1%}, "
+            f"max {merged.max_abs_error:.1%} (the paper reports < 6% on A100s)")
+    return merged
+
+
+def _print_compute(fit, say) -> None:
+    say("compute fit: time(s) = alpha1*s^2 + alpha2*s + beta1  (one sequence, SP degree 1, fwd+bwd)")
+    say(f"  {'tokens':>8} {'measured ms':>12} {'fitted ms':>12} {'rel err':>8}")
+    for p in fit.points:
+        say(f"  {int(p.x):>8} {p.measured * 1e3:>12.3f} {p.predicted * 1e3:>12.3f} {p.rel_error:>+8.2%}")
+    say(f"  alpha1 = {fit.alpha1:.4e} s/token^2, alpha2 = {fit.alpha2:.4e} s/token, beta1 = {fit.beta1:.4e} s")
+    say(f"  |relative error| mean {fit.mean_abs_error:.2%}, max {fit.max_abs_error:.2%}")
+
+
+def _print_comm(fits, gpus_per_node, say, link_kind) -> None:
+    say(f"all-to-all fit: time = latency + bytes / bandwidth  (bytes = one rank's payload; {gpus_per_node} per node)")
+    say(f"  {'degree':>6} {'link':>10} {'latency us':>11} {'GB/s':>9} {'max err':>8}")
+    for f in fits:
+        say(f"  {f.degree:>6} {link_kind(f.degree, gpus_per_node):>10} {f.latency * 1e6:>11.1f} "
+            f"{f.bandwidth / 1e9:>9.3f} {f.max_abs_error:>8.2%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m flexsp.profile.cli``) until ``flexsp profile`` is wired in."""
+    parser = argparse.ArgumentParser(prog="flexsp")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Compute profile: time forward + backward of the runtime's model over a sweep of sequence lengths.
+
+The model is ``flexsp.runtime.TinyLM`` built at the real layer shapes (hidden, heads, FFN, vocab).
+A big model need not fit: run ``run_layers`` of its ``layers`` blocks and extrapolate,
+``T_full(s) = T_0(s) + layers / run_layers * (T_k(s) - T_0(s))``, where ``T_0`` is the same model with
+no blocks (embedding, LM head, loss): blocks are identical, so their time is additive.
+
+GPU path (not exercised in CI, which has no GPU; correct by construction): bf16 weights, the
+device is synchronised before and after every timed region, so the timer sees finished kernels.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..analytic import ModelSpec
+from ..runtime.model import ModelConfig, TinyLM
+from ..runtime.packing import IGNORE_INDEX, Shard, pack
+from ..runtime.ulysses import AttentionContext
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# wall: what training sees (GPU: after a device sync). cpu: this process's CPU seconds, which leave out
+# the time other processes took the cores - on a shared CPU box with --threads 1 it is what a dedicated
+# core would take; meaningless for GPUs (kernels run off the CPU) and for several threads (it sums them).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass(frozen=True)
+class DeviceSetup:
+    """Where and how the model runs: device, parameter dtype, attention backend."""
+
+    device: torch.device
+    dtype: torch.dtype
+    backend: str = "auto"
+
+    @classmethod
+    def resolve(cls, device: str = "auto", dtype: str = "auto", backend: str = "auto") -> "DeviceSetup":
+        """``auto``: the local CUDA device in bf16 when there is one, else the CPU in fp32 (bf16 matmuls
+        on CPU are slow and unrepresentative)."""
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dtype == "auto":
+            dtype = "bf16" if dev.type == "cuda" else "fp32"
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or auto")
+        return cls(dev, DTYPES[dtype], backend)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def name(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        import platform
+        return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+    @property
+    def bytes_per_element(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def model_config(spec: ModelSpec, layers: int) -> ModelConfig:
+    """The runtime model at ``spec``'s shapes with ``layers`` blocks (untied head, as ``ModelSpec.params`` counts)."""
+    return ModelConfig(vocab_size=spec.vocab, hidden=spec.hidden, num_layers=layers, num_heads=spec.heads,
+                       num_kv_heads=spec.kv_heads, mlp_hidden=spec.ffn, tie_embeddings=False)
+
+
+def make_shard(lengths: Sequence[int], degree: int, local_rank: int, vocab: int, device: torch.device,
+               group: dist.ProcessGroup | None, backend: str, seed: int = 0) -> tuple[Shard, AttentionContext]:
+    """Random token ids for ``lengths`` packed for a group of ``degree``; this rank's shard and context."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1, vocab, (int(n),), generator=gen) for n in lengths]
+    packed = pack(seqs, degree)
+    shard = packed.shard(local_rank)
+    shard = Shard(shard.input_ids.to(device), shard.position_ids.to(device), shard.labels.to(device),
+                  shard.real_tokens)
+    ctx = AttentionContext(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen, group=group, backend=backend)
+    return shard, ctx
+
+
+def forward_backward(model: TinyLM, shard: Shard, ctx: AttentionContext) -> None:
+    """One training micro-step on a shard, as ``StepExecutor`` runs it (no optimizer step)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(shard.input_ids, shard.position_ids, ctx)
+    loss = F.cross_entropy(logits.float(), shard.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    loss.backward()
+
+
+class GroupRunner:
+    """Times one SP group's forward + backward of the full model (extrapolated from ``run_layers``)."""
+
+    def __init__(self, spec: ModelSpec, setup: DeviceSetup, run_layers: int | None = None, seed: int = 0,
+                 clock: str = "wall") -> None:
+        if clock not in CLOCKS:
+            raise ValueError(f"unknown clock {clock!r}; choose one of {sorted(CLOCKS)}")
+        if clock == "cpu" and setup.device.type != "cpu":
+            raise ValueError(f"clock 'cpu' only measures CPU runs; the model runs on {setup.device}")
+        self.clock = CLOCKS[clock]
+        run_layers = spec.layers if run_layers is None else int(run_layers)
+        if not 1 <= run_layers:
+            raise ValueError(f"run_layers must be >= 1, got {run_layers}")
+        self.spec, self.setup = spec, setup
+        self.run_layers = min(run_layers, spec.layers)
+        torch.manual_seed(seed)
+        self.model = TinyLM(model_config(spec, self.run_layers)).to(setup.device, setup.dtype)
+        # Blocks are identical, so the rest of the model is measured once without any.
+        self.base = (None if self.run_layers == spec.layers
+                     else TinyLM(model_config(spec, 0)).to(setup.device, setup.dtype))
+
+    @property
+    def scale(self) -> float:
+        return self.spec.layers / self.run_layers
+
+    def models(self) -> list[tuple[TinyLM, float]]:
+        """(model, weight) pairs whose weighted sum of measurements is the full model's:
+        full = k-block model * scale + base * (1 - scale)."""
+        if self.base is None:
+            return [(self.model, 1.0)]
+        return [(self.model, self.scale), (self.base, 1.0 - self.scale)]
+
+    def _time_once(self, model: TinyLM, shard: Shard, ctx: AttentionContext) -> float:
+        if ctx.group is not None:
+            dist.barrier(group=ctx.group)   # start together: the group's time is its slowest rank's
+        self.setup.sync()
+        start = self.clock()
+        forward_backward(model, shard, ctx)
+        self.setup.sync()
+        return self.clock() - start
+
+    def time_group(self, lengths: Sequence[int], *, group: dist.ProcessGroup | None = None, local_rank: int = 0,
+                   repeats: int = 3, warmup: int = 1, seed: int = 0) -> list[float]:
+        """Seconds of each of ``repeats`` runs of the group (slowest member), after ``warmup`` runs."""
+        degree = 1 if group is None else dist.get_world_size(group)
+        shard, ctx = make_shard(lengths, degree, local_rank, self.spec.vocab, self.setup.device, group,
+                                self.setup.backend, seed)
+        parts = self.models()
+        for _ in range(warmup):
+            for model, _w in parts:
+                forward_backward(model, shard, ctx)
+        times = []
+        for _ in range(repeats):
+            total = sum(w * self._time_once(m, shard, ctx) for m, w in parts)
+            if group is not None:
+                slowest = torch.tensor([total], dtype=torch.float64, device=self.setup.device)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+                total = float(slowest.item())
+            times.append(total)
+        return times
+
+
+@dataclass(frozen=True)
+class ComputeSweep:
+    lengths: tuple[int, ...]    # one entry per timed run (lengths repeat)
+    seconds: tuple[float, ...]
+
+
+def compute_sweep(runner: GroupRunner, lengths: Sequence[int], *, repeats: int = 3, warmup: int = 1,
+                  progress=None) -> ComputeSweep:
+    """Time one sequence of every length at SP degree 1, ``repeats`` times each."""
+    xs, ts = [], []
+    for i, n in enumerate(lengths):
+        times = runner.time_group([int(n)], repeats=repeats, warmup=warmup, seed=i)
+        xs.extend([int(n)] * len(times))
+        ts.extend(times)
+        if progress is not None:
+            ordered = sorted(times)
+            progress(f"compute: {int(n):>7} tokens  min {ordered[0] * 1e3:9.2f} ms  median "
+                     f"{ordered[len(ordered) // 2] * 1e3:9.2f} ms")
+    return ComputeSweep(tuple(xs), tuple(ts))

@@ -1,0 +1,94 @@
+"""Model shapes for profiling, and the guard against planning with a profile of another model.
+
+A profiled cost model is only valid for the model it was measured on: alpha1/alpha2 scale with
+layers x hidden, the activation memory with hidden x layers, the all-to-all bytes with the head
+layout. The profile records the shape in ``CostModel.meta["model"]`` (the same layout
+``flexsp.analytic`` uses), and ``check_model_shape`` compares it with the model being planned.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, replace
+from typing import Any, Mapping
+
+from ..analytic import MODELS, ModelSpec
+from ..cost import CostModel
+from ..errors import CostModelError
+
+SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+
+# Small shapes for profiling on a CPU or a laptop; the big ones are flexsp.analytic's.
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, name="tiny"),
+    "small": ModelSpec(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=1024, name="small"),
+    **MODELS,
+}
+
+
+class ShapeWarning(UserWarning):
+    """A cost model's shape could not be verified, or differs and the caller asked for a warning."""
+
+
+def model_spec(name: str | None = None, **overrides: int | None) -> ModelSpec:
+    """A preset by name, with any of ``SHAPE_FIELDS`` overridden (None = keep); ``name=None`` needs all six."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(given) - set(SHAPE_FIELDS))
+    if unknown:
+        raise CostModelError(f"unknown model shape fields {unknown}; valid are {list(SHAPE_FIELDS)}")
+    if name is None:
+        missing = [f for f in SHAPE_FIELDS if f not in given]
+        if missing:
+            raise CostModelError(f"without a preset name the model needs {', '.join(missing)}; "
+                                 f"or pick a preset: {sorted(PRESETS)}")
+        spec = ModelSpec(**{f: int(given[f]) for f in SHAPE_FIELDS}, name="custom")
+    else:
+        if name not in PRESETS:
+            raise CostModelError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or give the shape")
+        spec = PRESETS[name]
+        if given:
+            spec = replace(spec, **{k: int(v) for k, v in given.items()}, name=f"{name} (modified)")
+    for f in SHAPE_FIELDS:
+        if getattr(spec, f) < 1:
+            raise CostModelError(f"model {f} must be >= 1, got {getattr(spec, f)}")
+    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+        raise CostModelError(f"hidden ({spec.hidden}) must be a multiple of heads ({spec.heads}) and heads a "
+                             f"multiple of kv_heads ({spec.kv_heads})")
+    return spec
+
+
+def kv_dim(spec: ModelSpec) -> int:
+    return spec.hidden * spec.kv_heads // spec.heads
+
+
+def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
+    """All-to-all bytes per token over a step (``flexsp.analytic``'s formula): fwd + bwd, every layer,
+    Q and the output at ``hidden`` width, K and V at ``kv_dim`` width."""
+    return 2 * spec.layers * (2 * spec.hidden + 2 * kv_dim(spec)) * bytes_per_element
+
+
+def shape_dict(spec: ModelSpec) -> dict[str, Any]:
+    return asdict(spec)
+
+
+def check_model_shape(cost: CostModel, spec: ModelSpec, *, strict: bool = True) -> None:
+    """Make sure ``cost`` was measured (or derived) for the model ``spec`` being planned.
+
+    Compares ``cost.meta["model"]`` field by field (layers, hidden, heads, kv_heads, ffn, vocab; the
+    name is ignored). A mismatch raises ``CostModelError`` naming every differing field, or with
+    ``strict=False`` warns (``ShapeWarning``) and returns. A cost model without a recorded shape (the
+    paper presets, a hand-written JSON) cannot be checked: always a ``ShapeWarning``, never an error.
+    """
+    recorded = cost.meta.get("model") if isinstance(cost.meta, Mapping) else None
+    if not isinstance(recorded, Mapping) or not any(f in recorded for f in SHAPE_FIELDS):
+        warnings.warn(f"cost model ({cost.meta.get('source', 'unknown source')}) records no model shape; cannot "
+                      f"check it matches {spec.name}", ShapeWarning, stacklevel=2)
+        return
+    diffs = [f"{f}: profile {recorded[f]} vs planned {getattr(spec, f)}" for f in SHAPE_FIELDS
+             if f in recorded and int(recorded[f]) != getattr(spec, f)]
+    if not diffs:
+        return
+    message = (f"cost model was measured for model {recorded.get('name', '?')!r}, not the planned {spec.name!r} "
+               f"({'; '.join(diffs)}); re-run `flexsp profile` for this model")
+    if strict:
+        raise CostModelError(message)
+    warnings.warn(message, ShapeWarning, stacklevel=2)
