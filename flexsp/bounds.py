@@ -9,12 +9,13 @@ from .cluster import Cluster
 from .cost import CostModel
 
 
-def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None) -> float:
+def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None,
+                degrees=None) -> float:
     """Every sequence at its cheapest degree (GPU-seconds) spread perfectly over all GPUs, plus
     beta1 for each of the fewest micro-batches whose memory could hold the batch."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    degrees = [d for d in cluster.degrees if max_degree is None or d <= max_degree]
-    costs = cost.degree_costs(degrees)
+    from .planner import usable_degrees
+    costs = cost.degree_costs(usable_degrees(cluster, max_degree, degrees))
     area = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
     micro_batches = max(1, math.ceil(lengths.sum() / (cost.token_capacity * cluster.num_gpus) - 1e-12))
     return float(area.sum()) / cluster.num_gpus + cost.beta1 * micro_batches

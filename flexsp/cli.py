@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--batch-size", type=int, default=512, help="sequences per global batch (default 512)")
     sim.add_argument("--steps", type=int, default=10, help="simulated steps (default 10)")
     sim.add_argument("--strategies", default=None,
-                     help="comma list, e.g. flexsp,batchada,static:64 (default: all, static at N and N/2)")
+                     help="comma list, e.g. flexsp,batchada,static:64,flexsp[1,8,64] (a [...] suffix restricts "
+                          "the SP degrees; default: all strategies, static at N and N/2)")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", type=Path, help="write the full results as JSON")
     sim.add_argument("--plot", type=Path, help="write step times per strategy as PNG")
@@ -68,11 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_simulate(args) -> int:
-    from .simulate import default_strategies, describe, format_table, simulate
+    from .simulate import default_strategies, describe, format_table, parse_strategy_list, simulate
     cluster = Cluster(args.gpus, args.gpus_per_node)
     cost = _cost(args)
     distribution = get_distribution(args.dataset)
-    strategies = (args.strategies.split(",") if args.strategies else default_strategies(cluster))
+    strategies = parse_strategy_list(args.strategies) if args.strategies else default_strategies(cluster)
     sim = simulate(distribution, cost, cluster, strategies, steps=args.steps, batch_size=args.batch_size,
                    context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet)
     print(describe(sim))

@@ -27,13 +27,22 @@ from .plan import Group, MicroBatch, Plan
 STRATEGIES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
 
 
-def usable_degrees(cluster: Cluster, max_degree: int | None = None) -> tuple[int, ...]:
-    degrees = cluster.degrees
+def usable_degrees(cluster: Cluster, max_degree: int | None = None,
+                   degrees: Iterable[int] | None = None) -> tuple[int, ...]:
+    """The SP degrees a plan may use: powers of two up to N, optionally at most ``max_degree`` and
+    only those in ``degrees`` (each degree in use costs every member rank a communicator)."""
+    usable = cluster.degrees
+    if degrees is not None:
+        wanted = sorted(set(int(d) for d in degrees))
+        bad = [d for d in wanted if d not in cluster.degrees]
+        if bad or not wanted:
+            raise PlanError(f"degrees {bad or wanted} are not usable: choose powers of two from {list(cluster.degrees)}")
+        usable = tuple(wanted)
     if max_degree is not None:
-        degrees = tuple(d for d in degrees if d <= max_degree)
-        if not degrees:
+        usable = tuple(d for d in usable if d <= max_degree)
+        if not usable:
             raise PlanError(f"max_degree={max_degree} leaves no SP degree (need >= 1)")
-    return degrees
+    return usable
 
 
 def place(schedule: Schedule) -> tuple[MicroBatch, ...]:
@@ -53,7 +62,7 @@ def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, 
     if strategy == "static":
         degree = sp_degree if sp_degree is not None else costs.degrees[-1]
         if degree not in costs.degrees:
-            raise PlanError(f"static sp_degree={degree} must be a power of two between 1 and {costs.degrees[-1]}")
+            raise PlanError(f"static sp_degree={degree} must be one of the usable degrees {list(costs.degrees)}")
         return single_degree(lengths, costs, num_gpus, degree)
     if strategy == "batchada":
         return batchada(lengths, costs, num_gpus)
@@ -70,13 +79,15 @@ def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, 
 
 def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str = "flexsp", *,
                sp_degree: int | None = None, time_limit: float = 2.0, num_buckets: int = 16,
-               max_degree: int | None = None, validate: bool = True) -> Plan:
+               max_degree: int | None = None, degrees: Iterable[int] | None = None, validate: bool = True) -> Plan:
     """Plan one global batch: micro-batches of SP groups on ranks, with the predicted step time.
 
     ``strategy``: "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
     "batchada" (best single degree for this batch), "static" (``sp_degree`` for every group, default
     the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` bounds the
-    search; the best plan found by then is returned. ``max_degree`` keeps groups at or below it.
+    search; the best plan found by then is returned. ``max_degree`` keeps groups at or below it;
+    ``degrees`` (e.g. ``(1, 8, 64)``) restricts every strategy to those SP degrees, which bounds the
+    communicators each rank must hold (``flexsp.runtime.GroupPool(degrees=...)``).
     """
     started = time.perf_counter()
     lengths = as_lengths(lengths)
@@ -86,13 +97,13 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
         raise PlanError(f"cost must be a flexsp.CostModel, got {type(cost).__name__}")
     if time_limit <= 0:
         raise PlanError(f"time_limit must be > 0 seconds, got {time_limit}")
-    degrees = usable_degrees(cluster, max_degree)
-    costs = cost.degree_costs(degrees)   # CostModelError names a degree without bandwidth
+    costs = cost.degree_costs(usable_degrees(cluster, max_degree, degrees))   # CostModelError names a degree without bandwidth
     longest = int(lengths.argmax())
     if lengths[longest] > costs.capacity[-1]:
         raise PlanError(
             f"sequence {longest} has {int(lengths[longest])} tokens, more than the whole cluster can hold: "
-            f"{costs.degrees[-1]} GPUs x {cost.token_capacity:.0f} tokens = {costs.capacity[-1]:.0f}")
+            f"{costs.degrees[-1]} GPUs x {cost.token_capacity:.0f} tokens = {costs.capacity[-1]:.0f}"
+            + ("" if costs.degrees[-1] == cluster.degrees[-1] else " (largest allowed degree)"))
     options = SearchOptions(num_buckets=num_buckets, time_limit=time_limit)
     try:
         schedule = _run(strategy, lengths, costs, cluster.num_gpus, options, sp_degree)

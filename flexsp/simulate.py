@@ -1,10 +1,13 @@
 """Offline simulation: plan many sampled global batches with several strategies and compare.
 
-A strategy is named as ``plan_batch`` names it, and ``static:D`` pins the static degree (the
-paper's DeepSpeed baseline is the better of ``static:64`` and ``static:32``).
+A strategy is named as ``plan_batch`` names it; ``static:D`` pins the static degree (the paper's
+DeepSpeed baseline is the better of ``static:64`` and ``static:32``), and a suffix ``[1,8,64]``
+restricts a strategy to those SP degrees, e.g. ``flexsp[1,8,64]``, to see what bounding the
+communicators per rank costs.
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -63,13 +66,39 @@ class Simulation:
         }
 
 
+@dataclass(frozen=True)
+class StrategySpec:
+    strategy: str
+    sp_degree: int | None = None
+    degrees: tuple[int, ...] | None = None
+
+
 def split_strategy(name: str) -> tuple[str, int | None]:
+    """``flexsp`` / ``static:32`` -> (strategy, static degree)."""
+    spec = parse_strategy(name)
+    return spec.strategy, spec.sp_degree
+
+
+def parse_strategy_list(text: str) -> list[str]:
+    """Comma-separated names, commas inside ``[...]`` kept: ``flexsp,flexsp[1,8,64]``."""
+    return [m.strip() for m in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if m.strip()]
+
+
+def parse_strategy(name: str) -> StrategySpec:
+    """``flexsp`` / ``static:32`` / ``flexsp[1,8,64]`` -> what to pass to ``plan_batch``."""
+    degrees = None
+    if name.endswith("]") and "[" in name:
+        name, inside = name[:-1].split("[", 1)
+        try:
+            degrees = tuple(int(d) for d in inside.split(",") if d.strip())
+        except ValueError:
+            raise PlanError(f"degrees in [{inside}] must be integers, e.g. flexsp[1,8,64]") from None
     if name.startswith("static:"):
         try:
-            return "static", int(name.split(":", 1)[1])
+            return StrategySpec("static", int(name.split(":", 1)[1]), degrees)
         except ValueError:
             raise PlanError(f"static degree in {name!r} must be an integer, e.g. static:32") from None
-    return name, None
+    return StrategySpec(name, None, degrees)
 
 
 def default_strategies(cluster: Cluster, include_dynamic_cp: bool = True) -> list[str]:
@@ -104,11 +133,12 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
             bar.update(1)
             if run.error:
                 continue
-            strategy, degree = split_strategy(name)
+            spec = parse_strategy(name)
             try:
-                plan = plan_batch(lengths, cost, cluster, strategy, sp_degree=degree, time_limit=time_limit)
+                plan = plan_batch(lengths, cost, cluster, spec.strategy, sp_degree=spec.sp_degree,
+                                  degrees=spec.degrees, time_limit=time_limit)
             except PlanError as exc:
-                if strategy != "static":
+                if spec.strategy != "static" and spec.degrees is None:
                     raise
                 run.error = str(exc)
                 continue
@@ -126,18 +156,25 @@ def format_table(sim: Simulation, reference: str = "flexsp") -> str:
     """Markdown table: one row per strategy."""
     lb_total = sum(sim.lower_bounds)
     head = ("| strategy | total time (s) | mean step (s) | / lower bound | "
-            f"{reference} speedup | mean micro-batches | SP degrees used (groups) | solve mean / max (s) |")
-    lines = [head, "|" + "---|" * 8]
+            f"{reference} speedup | mean micro-batches | SP degrees used (groups) | communicators per rank | "
+            "solve mean / max (s) |")
+    lines = [head, "|" + "---|" * 9]
     for name, run in sim.runs.items():
         if run.error:
-            lines.append(f"| {name} | infeasible: {run.error} | | | | | | |")
+            lines.append(f"| {name} | infeasible: {run.error} | | | | | | | |")
             continue
         hist = " ".join(f"{d}x{c}" for d, c in sorted(run.degrees.items()))
         speed = sim.speedup(reference, name) if reference in sim.runs and not sim.runs[reference].error else float("nan")
         lines.append(f"| {name} | {run.total:.2f} | {run.total / len(run.step_times):.3f} | {run.total / lb_total:.3f} | "
-                     f"{speed:.2f}x | {np.mean(run.micro_batches):.2f} | {hist} | "
+                     f"{speed:.2f}x | {np.mean(run.micro_batches):.2f} | {hist} | {communicators(run.degrees)} | "
                      f"{np.mean(run.solve_times):.3f} / {np.max(run.solve_times):.3f} |")
     return "\n".join(lines)
+
+
+def communicators(degrees_used) -> int:
+    """Communicators each rank holds when the pool creates only the degrees a strategy used
+    (every rank is in one aligned group per degree above 1)."""
+    return sum(1 for d in degrees_used if d > 1)
 
 
 def describe(sim: Simulation) -> str:
