@@ -15,6 +15,9 @@ Formulas (bf16 training, fwd + bwd = 3x the forward FLOPs, FlashAttention so no 
   with full recomputation. Model states per GPU with mixed-precision Adam (16 bytes per parameter):
   ZeRO-0 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
   ``token_capacity = (memory * usable_fraction - model states) / activation bytes per token``.
+* Beyond the Ulysses limit (``heads``), groups are Ulysses x ring hybrids (``flexsp.cost``): the
+  ring passes K and V (``2 * kv_dim * 2`` bytes per token per layer) three times per step (forward,
+  and K/V plus their gradients backward) at the inter-node point-to-point bandwidth.
 * All-to-all bandwidth per degree ``d`` (bytes of a rank's payload per second): each rank keeps
   ``1/d`` of its payload and sends the rest. Inside a node all of it crosses NVLink:
   ``bw[d] = intra_bw * d / (d - 1)``. Across nodes (``d > g``, ``g`` GPUs per node), the share
@@ -129,6 +132,10 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
         alltoall_bandwidth={d: alltoall_bandwidth(d, gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
                             for d in degrees},
         token_capacity=math.floor(free / act_per_token),
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        ring_bytes_per_token=3 * model.layers * 2 * kv_dim * 2,
+        ring_bandwidth=gpu.inter_node_bandwidth,
         meta={"source": "analytic", "model": asdict(model), "gpu": asdict(gpu), "num_gpus": num_gpus,
               "gpus_per_node": gpus_per_node, "zero_stage": zero_stage, "recompute": recompute},
     )

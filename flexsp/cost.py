@@ -4,6 +4,19 @@
     group_time(S, d) = sum(seq_time(s, d) for s in S) + beta1
     fits(S, d)       = sum(S)/d <= token_capacity
 
+Ulysses cannot split a sequence over more ranks than the model has attention heads. When the model
+knows its ``heads``, a degree ``d`` above the Ulysses limit ``U`` (the largest power of two dividing
+``heads``) is costed as the USP-style hybrid practitioners run: Ulysses over ``u = U`` ranks (the
+all-to-all at ``bandwidth[u]`` on a ``s/d`` payload) times a ring of ``r = d/u`` ranks passing K/V
+blocks point to point, overlapped with the attention compute:
+
+    seq_time(s, d) = alpha2*s/d + comm_bytes_per_token*s/d / bandwidth[u]
+                     + max(alpha1*s^2/d,  ring_bytes_per_token*s*(r-1) / (r*min(u, kv_heads)) / ring_bandwidth)
+
+``ring_bytes_per_token`` is the K+V bytes of one token over all layers, forward plus backward (the
+backward passes K/V and their gradients: 3 passes); each rank holds ``1/min(u, kv_heads)`` of the
+KV width after the Ulysses split (GQA kv heads are replicated, never split, below one per rank).
+
 Constructors for the paper's presets and for a model + hardware description live in
 ``flexsp.presets`` and ``flexsp.analytic``; they all build this one object.
 """
@@ -17,7 +30,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from solver.costs import DegreeCosts
+from solver.costs import DegreeCosts, seconds
 
 from .cluster import is_power_of_two
 from .errors import CostModelError
@@ -38,6 +51,10 @@ class CostModel:
     alltoall_bandwidth: Mapping[int, float]  # degree -> bytes/s
     token_capacity: float               # activation tokens one GPU can hold
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)  # provenance, free-form
+    heads: int | None = None            # attention heads: sets the Ulysses limit (None: no limit)
+    kv_heads: int | None = None         # KV heads (GQA); None: as many as heads
+    ring_bytes_per_token: float = 0.0   # K+V bytes per token, all layers, fwd+bwd (ring axis)
+    ring_bandwidth: float | None = None  # point-to-point bytes/s per GPU for the ring axis
 
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
@@ -65,6 +82,16 @@ class CostModel:
             bandwidth[degree] = float(value)
         object.__setattr__(self, "alltoall_bandwidth", dict(sorted(bandwidth.items())))
         object.__setattr__(self, "meta", dict(self.meta or {}))
+        for name in ("heads", "kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise CostModelError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.heads is not None and self.kv_heads is not None and self.heads % self.kv_heads:
+            raise CostModelError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if not (math.isfinite(float(self.ring_bytes_per_token)) and self.ring_bytes_per_token >= 0):
+            raise CostModelError(f"ring_bytes_per_token must be finite and >= 0, got {self.ring_bytes_per_token}")
+        if self.ring_bandwidth is not None and not (math.isfinite(self.ring_bandwidth) and self.ring_bandwidth > 0):
+            raise CostModelError(f"ring_bandwidth must be a finite number > 0, got {self.ring_bandwidth}")
 
     # --- time ---------------------------------------------------------------------------------
     def bandwidth(self, degree: int) -> float:
@@ -78,18 +105,37 @@ class CostModel:
                 f"no all-to-all bandwidth for SP degree {degree}; the cost model knows degrees {known}. "
                 f"Add alltoall_bandwidth[{degree}] or keep plans below it") from None
 
-    def coefficients(self, degree: int) -> tuple[float, float]:
-        """(s^2, s) coefficients of one sequence's time at ``degree``."""
+    @property
+    def ulysses_limit(self) -> int | None:
+        """Largest Ulysses degree: the largest power of two dividing ``heads`` (None: unlimited)."""
+        return None if self.heads is None else self.heads & -self.heads
+
+    def split(self, degree: int) -> tuple[int, int]:
+        """(Ulysses degree, ring degree) of a group of ``degree`` GPUs."""
+        limit = self.ulysses_limit
+        ulysses = degree if limit is None else min(degree, limit)
+        return ulysses, degree // ulysses
+
+    def coefficients(self, degree: int) -> tuple[float, float, float]:
+        """(s^2, s, ring) coefficients of one sequence's time at ``degree`` (see the module docstring)."""
         if not is_power_of_two(int(degree)):
             raise CostModelError(f"SP degree must be a power of two, got {degree}")
-        comm = 0.0 if degree == 1 else self.comm_bytes_per_token / self.bandwidth(degree)
-        return self.alpha1 / degree, (self.alpha2 + comm) / degree
+        ulysses, ring = self.split(degree)
+        comm = 0.0 if ulysses == 1 else self.comm_bytes_per_token / self.bandwidth(ulysses)
+        ring_coefficient = 0.0
+        if ring > 1:
+            if self.ring_bandwidth is None:
+                raise CostModelError(
+                    f"SP degree {degree} exceeds the Ulysses limit of {self.ulysses_limit} ({self.heads} heads) and "
+                    f"needs a ring axis: give ring_bandwidth (and ring_bytes_per_token), or keep plans within the "
+                    f"limit (plan_batch(..., ulysses_only=True))")
+            width = min(ulysses, self.kv_heads or ulysses)
+            ring_coefficient = self.ring_bytes_per_token * (ring - 1) / (ring * width) / self.ring_bandwidth
+        return self.alpha1 / degree, (self.alpha2 + comm) / degree, ring_coefficient
 
     def seq_time(self, length, degree: int):
         """Seconds for sequence(s) of ``length`` tokens in a group of ``degree`` GPUs (no beta1)."""
-        quad, lin = self.coefficients(degree)
-        s = np.asarray(length, dtype=np.float64)
-        out = quad * s * s + lin * s
+        out = seconds(length, *self.coefficients(degree))
         return float(out) if out.ndim == 0 else out
 
     def group_time(self, lengths: Iterable[int], degree: int) -> float:
@@ -112,15 +158,18 @@ class CostModel:
     # --- solver view --------------------------------------------------------------------------
     def degree_costs(self, degrees: Iterable[int]) -> DegreeCosts:
         degrees = tuple(sorted(set(int(d) for d in degrees)))
-        coeffs = [self.coefficients(d) for d in degrees]
-        return DegreeCosts(degrees=degrees, quad=tuple(q for q, _ in coeffs), lin=tuple(l for _, l in coeffs),
-                           capacity=tuple(self.group_capacity(d) for d in degrees), beta1=self.beta1)
+        quad, lin, ring = zip(*(self.coefficients(d) for d in degrees))
+        return DegreeCosts(degrees=degrees, quad=quad, lin=lin, capacity=tuple(self.group_capacity(d) for d in degrees),
+                           beta1=self.beta1, ring=ring)
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in _COEFFICIENTS}
         out["alltoall_bandwidth"] = {str(d): bw for d, bw in self.alltoall_bandwidth.items()}
         out["meta"] = dict(self.meta)
+        if self.heads is not None:
+            out.update(heads=self.heads, kv_heads=self.kv_heads, ring_bytes_per_token=self.ring_bytes_per_token,
+                       ring_bandwidth=self.ring_bandwidth)
         return out
 
     @classmethod
@@ -138,7 +187,9 @@ class CostModel:
         except ValueError:
             raise CostModelError(f"alltoall_bandwidth keys must be integer degrees, got {list(bandwidth)}") from None
         return cls(**{k: data[k] for k in _COEFFICIENTS}, alltoall_bandwidth=bandwidth,
-                   meta=data.get("meta") or {})
+                   meta=data.get("meta") or {}, heads=data.get("heads"), kv_heads=data.get("kv_heads"),
+                   ring_bytes_per_token=data.get("ring_bytes_per_token") or 0.0,
+                   ring_bandwidth=data.get("ring_bandwidth"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from solver.costs import seconds
+
 from .cluster import is_power_of_two
 from .errors import PlanError
 
@@ -28,10 +30,15 @@ class Group:
 
     ranks: tuple[int, ...]
     seq_ids: tuple[int, ...]
+    ring: int = 1    # ranks of the ring-attention axis; degree / ring run Ulysses (1: pure Ulysses)
 
     @property
     def degree(self) -> int:
         return len(self.ranks)
+
+    @property
+    def ulysses(self) -> int:
+        return self.degree // self.ring
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,8 @@ class Plan:
             sizes = [len(g.seq_ids) for g in mb.groups]
             owner = np.repeat(np.arange(len(mb.groups)), sizes)
             s = lengths[np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64, count=sum(sizes))]
-            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 2)[owner]
-            per_seq = coeffs[:, 0] * s * s + coeffs[:, 1] * s
+            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 3)[owner]
+            per_seq = seconds(s, coeffs[:, 0], coeffs[:, 1], coeffs[:, 2])
             out.append((np.bincount(owner, weights=per_seq, minlength=len(mb.groups)) + cost.beta1).tolist())
         return out
 
@@ -156,6 +163,8 @@ class Plan:
 
         fail((degrees < 1) | (degrees & (degrees - 1) != 0), lambda j: f"degree {degrees[j]} is not a power of two")
         fail(np.array([not g.seq_ids for g in mb.groups]), lambda j: "group has no sequences")
+        fail(np.array([not is_power_of_two(g.ring) or g.ring > g.degree for g in mb.groups]),
+             lambda j: f"ring degree {mb.groups[j].ring} must be a power of two dividing the group's {degrees[j]} GPUs")
         outside = (ranks < 0) | (ranks >= n)
         fail(np.bincount(owner, weights=outside, minlength=len(degrees)) > 0,
              lambda j: f"rank {ranks[owner == j][outside[owner == j]][0]} is outside 0..{n - 1}")
@@ -184,8 +193,7 @@ class Plan:
             "strategy": self.strategy,
             "gpus_per_node": self.gpus_per_node,
             "solve_time": self.solve_time,
-            "micro_batches": [{"groups": [{"ranks": list(g.ranks), "seq_ids": list(g.seq_ids)} for g in mb.groups]}
-                              for mb in self.micro_batches],
+            "micro_batches": [{"groups": [_group_dict(g) for g in mb.groups]} for mb in self.micro_batches],
         }
 
     @classmethod
@@ -213,7 +221,8 @@ class Plan:
                 if not isinstance(g, Mapping) or not isinstance(g.get("ranks"), list) or not isinstance(g.get("seq_ids"), list):
                     raise PlanError(f"{where} must be an object with 'ranks' and 'seq_ids' lists")
                 groups.append(Group(ranks=tuple(_int(r, f"{where}.ranks") for r in g["ranks"]),
-                                    seq_ids=tuple(_int(s, f"{where}.seq_ids") for s in g["seq_ids"])))
+                                    seq_ids=tuple(_int(s, f"{where}.seq_ids") for s in g["seq_ids"]),
+                                    ring=_int(g.get("ring", 1), f"{where}.ring")))
             micro_batches.append(MicroBatch(tuple(groups)))
         gpn = data.get("gpus_per_node")
         return cls(num_gpus=num_gpus, micro_batches=tuple(micro_batches), predicted_time=predicted,
@@ -245,6 +254,13 @@ class Plan:
             return cls.from_json(text)
         except PlanError as exc:
             raise PlanError(f"{path}: {exc}") from None
+
+
+def _group_dict(group: Group) -> dict[str, Any]:
+    out: dict[str, Any] = {"ranks": list(group.ranks), "seq_ids": list(group.seq_ids)}
+    if group.ring > 1:      # only hybrid groups carry the split; the contract's keys stay as they are
+        out["ring"] = group.ring
+    return out
 
 
 def _int(value: Any, what: str) -> int:

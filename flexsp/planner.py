@@ -45,13 +45,16 @@ def usable_degrees(cluster: Cluster, max_degree: int | None = None,
     return usable
 
 
-def place(schedule: Schedule) -> tuple[MicroBatch, ...]:
-    """Aligned rank blocks, largest group first: block ``[k*d, (k+1)*d)`` for a group of degree ``d``."""
+def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch, ...]:
+    """Aligned rank blocks, largest group first: block ``[k*d, (k+1)*d)`` for a group of degree ``d``.
+    With ``cost``, each group records its Ulysses x ring split."""
     micro_batches = []
     for groups in schedule.micro_batches:
         offset, placed = 0, []
         for g in sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0)):
-            placed.append(Group(ranks=tuple(range(offset, offset + g.degree)), seq_ids=tuple(g.seq_ids.tolist())))
+            ring = 1 if cost is None else cost.split(g.degree)[1]
+            placed.append(Group(ranks=tuple(range(offset, offset + g.degree)), seq_ids=tuple(g.seq_ids.tolist()),
+                                ring=ring))
             offset += g.degree
         micro_batches.append(MicroBatch(tuple(placed)))
     return tuple(micro_batches)
@@ -79,7 +82,8 @@ def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, 
 
 def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str = "flexsp", *,
                sp_degree: int | None = None, time_limit: float = 2.0, num_buckets: int = 16,
-               max_degree: int | None = None, degrees: Iterable[int] | None = None, validate: bool = True) -> Plan:
+               max_degree: int | None = None, degrees: Iterable[int] | None = None, ulysses_only: bool = False,
+               validate: bool = True) -> Plan:
     """Plan one global batch: micro-batches of SP groups on ranks, with the predicted step time.
 
     ``strategy``: "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
@@ -87,7 +91,9 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` bounds the
     search; the best plan found by then is returned. ``max_degree`` keeps groups at or below it;
     ``degrees`` (e.g. ``(1, 8, 64)``) restricts every strategy to those SP degrees, which bounds the
-    communicators each rank must hold (``flexsp.runtime.GroupPool(degrees=...)``).
+    communicators each rank must hold (``flexsp.runtime.GroupPool(degrees=...)``). A degree above the
+    cost model's Ulysses limit (its ``heads``) is a Ulysses x ring hybrid, recorded as ``Group.ring``;
+    ``ulysses_only=True`` keeps every group within the limit (the runtime runs only those today).
     """
     started = time.perf_counter()
     lengths = as_lengths(lengths)
@@ -97,6 +103,8 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
         raise PlanError(f"cost must be a flexsp.CostModel, got {type(cost).__name__}")
     if time_limit <= 0:
         raise PlanError(f"time_limit must be > 0 seconds, got {time_limit}")
+    if ulysses_only and cost.ulysses_limit is not None:
+        max_degree = min(max_degree or cost.ulysses_limit, cost.ulysses_limit)
     costs = cost.degree_costs(usable_degrees(cluster, max_degree, degrees))   # CostModelError names a degree without bandwidth
     longest = int(lengths.argmax())
     if lengths[longest] > costs.capacity[-1]:
@@ -109,7 +117,7 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
         schedule = _run(strategy, lengths, costs, cluster.num_gpus, options, sp_degree)
     except (InfeasibleDegree, Infeasible) as exc:
         raise PlanError(f"{strategy}: {exc}") from None
-    micro_batches = place(schedule)
+    micro_batches = place(schedule, cost)
     plan = Plan(num_gpus=cluster.num_gpus, micro_batches=micro_batches,
                 predicted_time=schedule.time(lengths, costs), strategy=strategy,
                 gpus_per_node=cluster.gpus_per_node, solve_time=time.perf_counter() - started)

@@ -18,8 +18,6 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
     """Deal each bucket's real sequences (longest first) round-robin over the groups that hold it,
     least-loaded group first, so the rounding-up of bucketing is spread evenly. Vectorised per bucket."""
     num_groups = len(packing.degree_idx)
-    quad = np.asarray(costs.quad)[packing.degree_idx]
-    lin = np.asarray(costs.lin)[packing.degree_idx]
     load = np.zeros(num_groups)
     buckets = bucket_of[seq_ids]
     by_bucket = seq_ids[np.lexsort((-lengths[seq_ids], buckets))]        # bucket, then longest first
@@ -34,8 +32,8 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
         slot_rank = np.arange(len(slot_group)) - first_slot               # k-th sequence of its group
         slot_group = slot_group[np.lexsort((load[slot_group], slot_rank))]
         assert len(slot_group) == len(ids), "packing counts must match the micro-batch's sequences"
-        s = lengths[ids].astype(np.float64)
-        load += np.bincount(slot_group, weights=quad[slot_group] * s * s + lin[slot_group] * s, minlength=num_groups)
+        load += np.bincount(slot_group, weights=costs.seconds(lengths[ids], packing.degree_idx[slot_group]),
+                            minlength=num_groups)
         owners.append(slot_group)
         members.append(ids)
     owner, member = np.concatenate(owners), np.concatenate(members)
@@ -46,10 +44,7 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
 def group_loads(groups: list[np.ndarray], degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
     ids = np.concatenate(groups)
     owner = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    s = lengths[ids].astype(np.float64)
-    k = degree_idx[owner]
-    per_seq = np.asarray(costs.quad)[k] * s * s + np.asarray(costs.lin)[k] * s
-    return np.bincount(owner, weights=per_seq, minlength=len(groups))
+    return np.bincount(owner, weights=costs.seconds(lengths[ids], degree_idx[owner]), minlength=len(groups))
 
 
 def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> list[np.ndarray] | None:
@@ -61,15 +56,13 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
     if len(seq_ids) * num_groups > MAX_REBALANCE_PAIRS or len(seq_ids) > MAX_REBALANCE_SEQUENCES:
         return None
     caps = np.asarray(costs.capacity)[degree_idx]
-    quad = np.asarray(costs.quad)[degree_idx]
-    lin = np.asarray(costs.lin)[degree_idx]
     load = np.zeros(num_groups)
     tokens = np.zeros(num_groups)
     owner = np.empty(len(seq_ids), dtype=np.int64)
     order = np.argsort(-lengths[seq_ids], kind="stable")
     for pos in order:
         s = float(lengths[seq_ids[pos]])
-        finish = load + quad * s * s + lin * s
+        finish = load + costs.seconds(s, degree_idx)
         finish[tokens + s > caps] = np.inf
         j = int(finish.argmin())
         if not np.isfinite(finish[j]):

@@ -22,8 +22,7 @@ def group_times(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs:
     sizes = [len(g.seq_ids) for g in groups]
     owner = np.repeat(np.arange(len(groups)), sizes)
     k = np.array([costs.index(g.degree) for g in groups])[owner]
-    s = lengths[np.concatenate([g.seq_ids for g in groups])].astype(np.float64)
-    per_seq = np.asarray(costs.quad)[k] * s * s + np.asarray(costs.lin)[k] * s
+    per_seq = costs.seconds(lengths[np.concatenate([g.seq_ids for g in groups])], k)
     return np.bincount(owner, weights=per_seq, minlength=len(groups)) + costs.beta1
 
 

@@ -91,3 +91,63 @@ def test_json_round_trip_is_exact(tmp_path):
     path.write_text("{not json")
     with pytest.raises(flexsp.CostModelError, match="not valid JSON"):
         flexsp.CostModel.load(path)
+
+
+def hybrid_model(**change) -> flexsp.CostModel:
+    return flexsp.CostModel(**{**CONTRACT, "heads": 8, "kv_heads": 2, "ring_bytes_per_token": 3 * 32 * 2 * 1024 * 2,
+                               "ring_bandwidth": 5e9, **change})
+
+
+def test_hybrid_ulysses_ring_matches_hand_computed_values():
+    cost = hybrid_model()
+    assert cost.ulysses_limit == 8 and cost.split(8) == (8, 1) and cost.split(64) == (8, 8)
+    ring_bytes = 3 * 32 * 2 * 1024 * 2
+    for s, d in [(100_000, 64), (2_000_000, 64), (300_000, 16)]:
+        u, r = cost.split(d)
+        compute = 5.128e-9 * s * s / d
+        ring = ring_bytes * s * (r - 1) / (r * min(u, 2)) / 5e9     # each rank holds 1/2 of the KV width
+        expected = 1.839576e-4 * s / d + CONTRACT["comm_bytes_per_token"] * s / d / CONTRACT["alltoall_bandwidth"][u] \
+            + max(compute, ring)
+        assert cost.seq_time(s, d) == pytest.approx(expected, rel=1e-12)
+    # both regimes of the overlap occur: short sequences wait on KV passing, long ones compute
+    ring_per_token = ring_bytes * 7 / (8 * 2) / 5e9
+    assert ring_per_token * 200 > 5.128e-9 * 200 ** 2 / 64
+    assert ring_per_token * 2_000_000 < 5.128e-9 * 2_000_000 ** 2 / 64
+    for s in (200, 2_000_000):
+        assert cost.seq_time(s, 64) == pytest.approx(
+            1.839576e-4 * s / 64 + CONTRACT["comm_bytes_per_token"] * s / 64 / CONTRACT["alltoall_bandwidth"][8]
+            + max(5.128e-9 * s * s / 64, ring_per_token * s), rel=1e-12)
+    # within the limit nothing changes
+    plain = flexsp.CostModel(**CONTRACT)
+    assert cost.seq_time(50_000, 8) == pytest.approx(plain.seq_time(50_000, 8))
+
+
+def test_hybrid_needs_ring_bandwidth_and_round_trips():
+    with pytest.raises(flexsp.CostModelError, match="exceeds the Ulysses limit of 8"):
+        hybrid_model(ring_bandwidth=None).seq_time(1000, 16)
+    with pytest.raises(flexsp.CostModelError, match="multiple of kv_heads"):
+        hybrid_model(heads=6, kv_heads=4)
+    cost = hybrid_model(heads=40)                                   # 40 heads: Ulysses limit 8
+    assert cost.ulysses_limit == 8
+    assert flexsp.CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+def test_plans_record_the_split_and_can_stay_within_the_ulysses_limit():
+    cost = hybrid_model(token_capacity=4000)
+    cluster = flexsp.Cluster(64, 8)
+    lengths = [200_000, 3000, 1500, 800]                            # 200K needs 64 GPUs of memory
+    plan = flexsp.plan_batch(lengths, cost, cluster)
+    big = [g for mb in plan.micro_batches for g in mb.groups if g.degree > 8]
+    assert big and all(g.ring == g.degree // 8 and g.ulysses == 8 for g in big)
+    assert flexsp.Plan.from_json(plan.to_json()) == plan
+    small = flexsp.plan_batch([20_000, 3000, 1500, 800], cost, cluster, ulysses_only=True)
+    assert max(g.degree for mb in small.micro_batches for g in mb.groups) <= 8
+    with pytest.raises(flexsp.PlanError, match="more than the whole cluster can hold.*largest allowed degree"):
+        flexsp.plan_batch(lengths, cost, cluster, ulysses_only=True)
+
+
+def test_analytic_model_knows_its_heads():
+    cost = analytic_cost_model("llama3-8b", "h100-80gb", num_gpus=16384)
+    assert cost.heads == 32 and cost.kv_heads == 8 and cost.ulysses_limit == 32
+    assert max(cost.alltoall_bandwidth) == 16384
+    assert cost.seq_time(2_000_000, 512) > 0 and cost.split(512) == (32, 16)

@@ -48,6 +48,10 @@ def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *,
     plan.validate(lengths=lengths)
     for m, mb in enumerate(plan.micro_batches):
         for j, g in enumerate(mb.groups):
+            if g.ring > 1:
+                raise PlanError(f"micro-batch {m} group {j}: a Ulysses x ring group ({g.ulysses} x {g.ring} of "
+                                f"{g.degree} GPUs) cannot run yet: the runtime has no ring-attention axis; plan with "
+                                f"plan_batch(..., ulysses_only=True)")
             try:
                 pool.check(g.ranks)
                 if num_heads is not None:

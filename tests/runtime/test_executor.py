@@ -137,6 +137,9 @@ def _bad_plan_worker(rank, world_size):
         (pool, model, _plan([((1, 2), tuple(range(10)))]), r"ranks \[1, 2\] are not an aligned block"),
         (only_1_and_4, model, _plan([((0, 1), tuple(range(10)))]), r"ranks \[0, 1\] is not in the pool"),
         (pool, two_heads, ok, r"degree 4 does not divide the 2 attention heads.*\[1, 2\]"),
+        (pool, model, Plan(num_gpus=4, predicted_time=0.0, micro_batches=(MicroBatch((
+            Group(ranks=(0, 1, 2, 3), seq_ids=tuple(range(10)), ring=2),)),)),
+         r"Ulysses x ring group \(2 x 2 of 4 GPUs\) cannot run yet"),
     ]
     calls = []
     real = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", "barrier", "broadcast")}
@@ -161,7 +164,7 @@ def test_bad_plans_fail_before_any_collective():
     results = run_distributed(_bad_plan_worker, 4)
     for res in results:
         assert res["collectives"] == []
-        assert len(res["messages"]) == 7
+        assert len(res["messages"]) == 8
     assert len({tuple(r["messages"]) for r in results}) == 1   # every rank says the same
 
 
