@@ -1,0 +1,67 @@
+"""``flexsp profile`` end to end on CPU through ``flexsp.profile.cli`` (add_parser + run), tiny model."""
+import argparse
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flexsp import CostModel  # noqa: E402
+from flexsp.profile import cli  # noqa: E402
+
+TINY = ["--model", "tiny", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
+        "--vocab", "64", "--device", "cpu", "--threads", "1", "--clock", "cpu", "--statistic", "min",
+        "--repeats", "2", "--warmup", "1", "--quiet"]
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser(prog="flexsp")
+    cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["profile", *argv])
+    assert args.func is cli.run
+    threads = torch.get_num_threads()
+    try:
+        return cli.run(args)
+    finally:
+        torch.set_num_threads(threads)   # --threads is process-wide; leave later tests as they were
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    rc = _run([*TINY, "--lengths", "32,64,128,192,256", "--memory-lengths", "64,128", "--memory-gb", "1",
+               "--check", "auto", "-o", str(out / "cost.json"), "--report", str(out / "report.json")])
+    assert rc == 0
+    return out
+
+
+def test_profile_writes_a_loadable_cost_model_with_provenance(profiled):
+    cost = CostModel.load(profiled / "cost.json")
+    meta = cost.meta
+    assert meta["source"] == "flexsp profile" and meta["device_type"] == "cpu"
+    assert meta["model"]["hidden"] == 32 and meta["torch"]
+    assert "activation memory (CPU saved-tensor estimate)" in meta["estimates"]
+    assert meta["label"].startswith("CPU profile")
+    assert meta["check"]["groups"] >= 6 and meta["check"]["mean_abs_rel_error"] >= 0
+    assert cost.alltoall_bandwidth == {}                 # one process: no all-to-all to measure
+    assert cost.comm_bytes_per_token == 2 * 2 * (2 * 32 + 2 * 16) * 4   # fp32 on CPU
+    report = json.loads((profiled / "report.json").read_text())
+    assert len(report["compute"]["points"]) == 5 and report["check"]["groups"]
+
+
+def test_check_a_saved_profile_and_refuse_another_model_shape(profiled, tmp_path, capsys):
+    cost = str(profiled / "cost.json")
+    assert _run([*TINY, "--cost", cost, "--check", "auto"]) == 0
+    other = [*TINY[:TINY.index("--hidden") + 1], "64", *TINY[TINY.index("--hidden") + 2:]]
+    assert _run([*other, "--cost", cost, "--check", "auto"]) == 2
+    assert "hidden: profile 32 vs planned 64" in capsys.readouterr().err
+    assert _run([*other, "--cost", cost, "--check", "auto", "--allow-shape-mismatch"]) == 0
+
+
+def test_bad_options_fail_with_a_message(tmp_path, capsys):
+    assert _run([*TINY, "--lengths", "32,64,128", "-o", str(tmp_path / "c.json")]) == 2
+    assert "at least 4 distinct sequence lengths" in capsys.readouterr().err
+    assert _run([*TINY, "--cost", str(tmp_path / "c.json")]) == 2
+    assert "--cost only makes sense with --check" in capsys.readouterr().err
+    assert _run([*TINY, "--check", "plan.json", "--lengths", "32,64,96,128", "-o", str(tmp_path / "c.json")]) == 2
+    assert "needs --check-lengths" in capsys.readouterr().err
