@@ -260,11 +260,19 @@ def _check(args, cost, runner, pool, gpus_per_node, say):
         swept = cost.meta.get("lengths") or [256, 4096]
         rng = np.random.default_rng(args.seed + 1)
         cluster = Cluster(pool.world_size, min(gpus_per_node, pool.world_size))
-        plans = []
-        for _ in range(6):
-            n = int(rng.integers(1, 5))
-            lengths = np.exp(rng.uniform(np.log(min(swept)), np.log(max(swept)), n)).astype(int)
-            plans.append((plan_batch(lengths, cost, cluster, "flexsp", time_limit=0.5), lengths.tolist()))
+        plans = [None]
+        if pool.rank == 0:   # a time-limited search may differ between ranks: plan once, broadcast
+            plans = []
+            for _ in range(6):
+                n = int(rng.integers(1, 5))
+                lengths = np.exp(rng.uniform(np.log(min(swept)), np.log(max(swept)), n)).astype(int)
+                plans.append((plan_batch(lengths, cost, cluster, "flexsp", time_limit=0.5).to_dict(), lengths.tolist()))
+        if pool.world_size > 1:
+            import torch.distributed as dist
+            box = [plans]
+            dist.broadcast_object_list(box, src=0)
+            plans = box[0]
+        plans = [(Plan.from_dict(p), lengths) for p, lengths in plans]
     else:
         if args.check_lengths is None:
             raise CostModelError("--check PLAN.json needs --check-lengths FILE: the lengths the plan was made for")
