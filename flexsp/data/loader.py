@@ -141,7 +141,7 @@ class FlexSPLoader:
         degree = c.sp_degree if c.strategy == "static" and c.sp_degree else max(usable_degrees(self.cluster, c.max_degree))
         return self.cost.group_capacity(degree)
 
-    def _planned(self) -> PlannedBatch:
+    def _ensure_planner(self) -> AsyncPlanner:
         cursor = (self._epoch, self._index)
         if self._planner is None or self._planner_next != cursor:
             self._close_planner()
@@ -149,7 +149,22 @@ class FlexSPLoader:
             self._planner = AsyncPlanner(self.batches.iterate(*cursor), self.lengths, self._solve,
                                          lookahead=self.config.lookahead, fallback=self._fallback,
                                          fallback_after=self.config.fallback_after)
-        result = self._planner.next()
+            self._planner_next = cursor
+        return self._planner
+
+    def start(self) -> None:
+        """Start planning the next batches now (e.g. while the model is built); iterating does it anyway.
+
+        Local and non-blocking; errors (a too-long sequence) wait for the first step, where every rank sees them.
+        """
+        if self.plans_here and self.config.lookahead > 0:
+            try:
+                self._ensure_planner()
+            except Exception:
+                pass   # raised again, on every rank, by the first step
+
+    def _planned(self) -> PlannedBatch:
+        result = self._ensure_planner().next()
         if result.batch is not None:
             b = result.batch
             self._planner_next = (b.epoch + 1, 0) if b.last else (b.epoch, b.index + 1)
