@@ -139,3 +139,29 @@ def test_unknown_strategy_and_static_degree():
         flexsp.plan_batch([10], cost, flexsp.Cluster(8), "fast")
     with pytest.raises(flexsp.PlanError, match="cannot hold a sequence|holds at most"):
         flexsp.plan_batch([5000], cost, flexsp.Cluster(8), "static", sp_degree=2)
+
+
+@pytest.mark.parametrize("num_gpus", [4096, 16384])
+@pytest.mark.parametrize("degrees", [None, (1, 8, 64, 512)])
+def test_large_clusters_small_batches_every_strategy(num_gpus, degrees):
+    from flexsp.analytic import analytic_cost_model
+    cost = analytic_cost_model("llama-7b", "h100-80gb", num_gpus=num_gpus)
+    cluster = flexsp.Cluster(num_gpus, 8)
+    rng = np.random.default_rng(num_gpus)
+    lengths = np.concatenate([rng.integers(1, 8000, size=30), [2 * 1024 * 1024 - 5, 700_000]])
+    allowed = set(degrees or cluster.degrees)
+    for strategy in ("flexsp", "greedy", "batchada", "dynamic-cp"):
+        plan = flexsp.plan_batch(lengths, cost, cluster, strategy, degrees=degrees)
+        check_plan(plan.to_dict(), lengths, cost, num_gpus, 8)
+        used = {g.degree for mb in plan.micro_batches for g in mb.groups}
+        assert used <= allowed, (strategy, used)
+    static = flexsp.plan_batch(lengths, cost, cluster, "static", degrees=degrees)
+    assert {g.degree for mb in static.micro_batches for g in mb.groups} == {max(allowed)}
+
+
+def test_a_2m_sequence_on_too_small_a_cluster_names_length_and_capacity():
+    from flexsp.analytic import analytic_cost_model
+    cost = analytic_cost_model("llama-7b", "h100-80gb", num_gpus=64)
+    with pytest.raises(flexsp.PlanError, match=r"sequence 1 has 2097152 tokens, more than the whole cluster can hold: "
+                                               r"64 GPUs x \d+ tokens = \d+"):
+        flexsp.plan_batch([1000, 2 * 1024 * 1024], cost, flexsp.Cluster(64, 8))

@@ -32,10 +32,17 @@ def check_plan(plan_dict: dict, lengths, cost, num_gpus: int, gpus_per_node: int
             tokens = sum(lengths[i] for i in seqs)
             assert tokens <= cost.token_capacity * d + 1e-9, f"{tokens} tokens overflow {d} GPUs"
             time = cost.beta1
+            u = d if cost.heads is None else min(d, cost.heads & -cost.heads)   # Ulysses part
+            r = d // u                                                          # ring part
+            assert group.get("ring", 1) == r, f"group of {d} should record ring {r}"
             for i in seqs:
                 s = lengths[i]
-                comm = 0.0 if d == 1 else cost.comm_bytes_per_token * s / d / cost.alltoall_bandwidth[d]
-                time += (cost.alpha1 * s * s + cost.alpha2 * s) / d + comm
+                comm = 0.0 if u == 1 else cost.comm_bytes_per_token * s / d / cost.alltoall_bandwidth[u]
+                attention = cost.alpha1 * s * s / d
+                if r > 1:
+                    width = min(u, cost.kv_heads or u)
+                    attention = max(attention, cost.ring_bytes_per_token * s * (r - 1) / (r * width) / cost.ring_bandwidth)
+                time += cost.alpha2 * s / d + comm + attention
             slowest = max(slowest, time)
             seen.extend(seqs)
         assert len(ranks_used) <= num_gpus
