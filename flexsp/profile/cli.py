@@ -109,7 +109,9 @@ def _init_distributed(device_type: str):
         return
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    from datetime import timedelta
+    # Other ranks wait while rank 0 sweeps compute and memory: longer than the default 10 minutes on big models.
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(hours=2))
 
 
 def _run(args: argparse.Namespace) -> int:
