@@ -28,6 +28,10 @@ def _cost_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--model", default="gpt-7b", help="paper preset: gpt-7b, gpt-13b, gpt-30b (default gpt-7b)")
     group.add_argument("--cost", type=Path, help="cost model JSON (from CostModel.save or flexsp profile)")
+    group.add_argument("--analytic", metavar="MODEL:GPU",
+                       help="analytic cost model, e.g. llama-7b:h100-80gb (models: llama-7b, llama-13b, llama3-8b, "
+                            "llama3-70b; GPUs: a100-40gb, a100-80gb, h100-80gb); degrees above the head count are "
+                            "Ulysses x ring hybrids")
     parser.add_argument("--gpus", type=int, default=64, help="number of GPUs (default 64)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--context", type=parse_tokens, default=384 * 1024, help="context limit (default 384K)")
@@ -37,6 +41,9 @@ def _cost_args(parser: argparse.ArgumentParser) -> None:
 def _cost(args) -> CostModel:
     if args.cost is not None:
         return CostModel.load(args.cost)
+    if args.analytic is not None:
+        model, _, gpu = args.analytic.partition(":")
+        return CostModel.from_hardware(model, gpu or "h100-80gb", num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     return CostModel.from_preset(args.model, context=args.context, num_gpus=args.gpus)
 
 

@@ -26,7 +26,7 @@ from .costs import DegreeCosts
 from .materialize import to_groups
 from .milp import solve_milp
 from .packing import BinPacking, MicroBatchPacker
-from .schedule import Schedule
+from .schedule import Schedule, group_times
 
 
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
@@ -290,6 +290,32 @@ class BatchSearch:
                 micro_batches[m] = groups
         return Schedule(tuple(micro_batches))
 
+    def refine(self, schedule: Schedule) -> Schedule:
+        """Re-pack each micro-batch on buckets of its own sequences: a micro-batch spans a narrower
+        range of lengths than the batch, so its own 16 buckets round far less (the paper buckets
+        per micro-batch). Keeps a micro-batch's new groups only when they are faster."""
+        micro_batches = list(schedule.micro_batches)
+        for m, groups in enumerate(micro_batches):
+            if self.out_of_time():
+                break
+            ids = np.concatenate([g.seq_ids for g in groups])
+            local = dp_buckets(self.lengths[ids], self.options.num_buckets)
+            if len(local.upper) == 1 and len(groups) == 1:
+                continue
+            counts = local.counts
+            times = np.stack([np.bincount(local.index, weights=self.costs.seq_time(self.lengths[ids], k),
+                                          minlength=len(local.upper)) / np.maximum(counts, 1)
+                              for k in range(self.costs.num_degrees)], axis=1)
+            packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(counts)
+            if packing is None:
+                continue
+            bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
+            bucket_of[ids] = local.index
+            new = tuple(to_groups(packing, ids, bucket_of, self.lengths, self.costs))
+            if group_times(new, self.lengths, self.costs).max() < group_times(groups, self.lengths, self.costs).max():
+                micro_batches[m] = new
+        return Schedule(tuple(micro_batches))
+
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
 
@@ -320,6 +346,8 @@ def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
             # local search improves the bucketed estimate; keep both, real lengths decide
             candidates.append(search.schedule(search.improve(split)))
     best = min(candidates, key=lambda s: s.time(search.lengths, costs))
+    if not search.out_of_time():
+        best = search.refine(best)
     if len(lengths) <= options.exact_max_sequences or options.milp_time_limit > 0:
         polished = search.milp(best)
         if polished is not None and polished.time(search.lengths, costs) < best.time(search.lengths, costs):
