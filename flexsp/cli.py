@@ -11,6 +11,7 @@ from .cluster import Cluster
 from .cost import CostModel
 from .errors import FlexSPError
 from .lengths import get_distribution, load_lengths
+from .profile import cli as profile_cli
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", default="flexsp")
     plan.add_argument("--sp-degree", type=int, help="degree for --strategy static")
     plan.add_argument("-o", "--output", type=Path, default=Path("plan.json"))
+    profile_cli.add_parser(sub)
     return parser
 
 
@@ -115,7 +117,7 @@ def run_plan(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"simulate": run_simulate, "plan": run_plan}[args.command](args)
+        return {"simulate": run_simulate, "plan": run_plan, "profile": profile_cli.run}[args.command](args)
     except FlexSPError as exc:
         print(f"flexsp {args.command}: error: {exc}", file=sys.stderr)
         return 2
