@@ -41,11 +41,9 @@ class FitPoint:
         return (self.predicted - self.measured) / self.measured
 
 
-@dataclass(frozen=True)
-class ComputeFit:
-    alpha1: float     # s per token^2
-    alpha2: float     # s per token
-    beta1: float      # s, fixed per group per micro-batch
+class _FitErrors:
+    """Relative-error summaries over a fit's ``points``."""
+
     points: tuple[FitPoint, ...]
 
     @property
@@ -55,6 +53,14 @@ class ComputeFit:
     @property
     def max_abs_error(self) -> float:
         return float(np.max([abs(p.rel_error) for p in self.points]))
+
+
+@dataclass(frozen=True)
+class ComputeFit(_FitErrors):
+    alpha1: float     # s per token^2
+    alpha2: float     # s per token
+    beta1: float      # s, fixed per group per micro-batch
+    points: tuple[FitPoint, ...]
 
     def predict(self, length: float) -> float:
         return self.alpha1 * length * length + self.alpha2 * length + self.beta1
@@ -66,19 +72,11 @@ class ComputeFit:
 
 
 @dataclass(frozen=True)
-class BandwidthFit:
+class BandwidthFit(_FitErrors):
     degree: int
     latency: float     # s per all-to-all
     bandwidth: float   # bytes of one rank's payload per second
     points: tuple[FitPoint, ...]
-
-    @property
-    def mean_abs_error(self) -> float:
-        return float(np.mean([abs(p.rel_error) for p in self.points]))
-
-    @property
-    def max_abs_error(self) -> float:
-        return float(np.max([abs(p.rel_error) for p in self.points]))
 
     def to_dict(self) -> dict:
         return {"degree": self.degree, "latency": self.latency, "bandwidth": self.bandwidth,
