@@ -1,13 +1,16 @@
-"""FlexSP's planner: blaster candidates x per-micro-batch bisection, then a local search.
+"""FlexSP's planner: split the batch into micro-batches and pack each, searching over both.
 
-1. Bucket the batch (DP, ``num_buckets``) so every later step costs O(buckets x groups).
-2. For micro-batch counts from the memory bound upwards, split the sorted batch (``blaster``) and
-   pack each micro-batch by bisection on its makespan (``packing``).
-3. Improve the best split by moving sequences of one bucket between micro-batches while the sum of
-   makespans drops (a deterministic, budgeted first-improvement search).
-4. Back to real sequences, rebalanced on real lengths (``materialize``); optionally polished by the
-   MILP (``milp``); and the better of that and every baseline's plan is returned, so FlexSP is
-   never slower than a plan it could have chosen.
+1. Bucket the batch (DP, ``num_buckets``) so every later step costs O(buckets x group classes).
+2. Candidate splits: the sequence blaster's (``blaster``: the paper's consecutive chunks of sorted
+   lengths, an interleaved and a critical-path-aware split, at micro-batch counts from the memory
+   bound upwards), each micro-batch packed by bisection on its makespan (``packing``); and a sweep
+   that packs the whole batch at a target makespan and deals the groups into micro-batches
+   (``arranged_split``), which picks the micro-batch count and the split together.
+3. A budgeted first-improvement local search moves sequences of one bucket between micro-batches.
+4. Back to real sequences, rebalanced on real lengths (``materialize``); each micro-batch re-packed
+   on buckets of its own; the MILP (``milp``) proves tiny batches optimal or polishes micro-batches;
+   the best of all candidates and the baselines' plans (``fallbacks``), scored on real lengths, wins,
+   so FlexSP is never slower than a plan it could have chosen.
 
 Results depend only on the inputs and options; the wall-clock ``time_limit`` stops the search
 early (keeping the best valid plan so far) only when it binds.
