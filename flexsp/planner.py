@@ -61,7 +61,7 @@ def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch
 
 
 def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions,
-         sp_degree: int | None) -> Schedule:
+         sp_degree: int | None, deadline: float) -> Schedule:
     if strategy == "static":
         degree = sp_degree if sp_degree is not None else costs.degrees[-1]
         if degree not in costs.degrees:
@@ -73,8 +73,8 @@ def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, 
         return greedy(lengths, costs, num_gpus, options)
     if strategy == "flexsp":
         # every baseline's plan is a candidate, so FlexSP is never slower than any of them
-        fallbacks = (batchada(lengths, costs, num_gpus), dynamic_cp(lengths, costs, num_gpus))
-        return flexsp(lengths, costs, num_gpus, options, fallbacks=fallbacks)
+        fallbacks = (lambda: batchada(lengths, costs, num_gpus), lambda: dynamic_cp(lengths, costs, num_gpus))
+        return flexsp(lengths, costs, num_gpus, options, fallbacks=fallbacks, deadline=deadline)
     if strategy == "dynamic-cp":
         return dynamic_cp(lengths, costs, num_gpus)
     raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -114,7 +114,7 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
             + ("" if costs.degrees[-1] == cluster.degrees[-1] else " (largest allowed degree)"))
     options = SearchOptions(num_buckets=num_buckets, time_limit=time_limit)
     try:
-        schedule = _run(strategy, lengths, costs, cluster.num_gpus, options, sp_degree)
+        schedule = _run(strategy, lengths, costs, cluster.num_gpus, options, sp_degree, started + time_limit)
     except (InfeasibleDegree, Infeasible) as exc:
         raise PlanError(f"{strategy}: {exc}") from None
     micro_batches = place(schedule, cost)

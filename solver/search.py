@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -121,16 +122,22 @@ class BatchSearch:
                                         self.num_gpus, self.cluster_tokens)
 
     def first_split(self) -> Split:
-        """The greedy plan: the paper's consecutive split at the fewest micro-batches that pack."""
+        """The greedy plan: the paper's consecutive split at the fewest micro-batches that pack,
+        or a few points of the makespan sweep, whichever estimates faster."""
         num_mb = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
-        while True:
+        best = None
+        while best is None:
             for assignment in (blaster.consecutive(self.order, self.seq_tokens, num_mb),
                                blaster.consecutive(self.order, self.seq_area, num_mb)):
-                if assignment is not None:
-                    split = self.evaluate(assignment)
-                    if split is not None:
-                        return split
+                split = self.evaluate(assignment)
+                if split is not None:
+                    best = split
+                    break
             num_mb += 1
+        for split in self.arranged_candidates(points=3, low_points=0):
+            if split.makespan < best.makespan:
+                best = split
+        return best
 
     def arranged_split(self, makespan: float) -> Split | None:
         """Pack the whole batch into groups of at most ``makespan`` (any number of GPUs), then deal
@@ -172,14 +179,15 @@ class BatchSearch:
             rows.append(row)
         return Split(self.assign_from_counts(np.array(rows)), packings)
 
-    def arranged_candidates(self, points: int = 24):
+    def arranged_candidates(self, points: int = 24, low_points: int | None = None):
         beta1 = self.costs.beta1
         loose = self.packer.pack(self.buckets.counts, math.inf, max_gpus=math.inf)
         hi = loose.makespan - beta1
         critical = min(float(self.packer.min_time[self.buckets.counts > 0].max()), hi)
         # dense between the slowest sequence and the memory-only packing (where plans usually
         # land), sparse below it (a lone long sequence gets its own, longer micro-batch)
-        budgets = np.concatenate([np.geomspace(critical, hi, points), np.geomspace(0.1 * hi, critical, points // 3 + 1)[:-1]])
+        low_points = points // 3 if low_points is None else low_points
+        budgets = np.concatenate([np.geomspace(critical, hi, points), np.geomspace(0.1 * hi, critical, low_points + 1)[:-1]])
         for budget in budgets:
             makespan = beta1 + float(budget)
             split = self.arranged_split(makespan)
@@ -337,17 +345,29 @@ def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
 
 
 def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
-           fallbacks: tuple[Schedule, ...] = ()) -> Schedule:
-    """The best of: the searched split, the greedy split, the MILP where it runs, and ``fallbacks``
-    (plans of other strategies), all scored on real lengths."""
-    search = BatchSearch(lengths, costs, num_gpus, options)
-    candidates = [search.schedule(search.first_split()), *fallbacks]
+           fallbacks: tuple[Callable[[], Schedule], ...] = (), deadline: float | None = None) -> Schedule:
+    """The best of: the greedy split, the searched splits, the MILP where it runs, and the plans of
+    ``fallbacks`` (other strategies), all scored on real lengths.
+
+    The best split on bucketed estimates is turned into real groups first (the costly step on big
+    batches), the runners-up while time remains. The greedy split always runs (it is the floor);
+    everything after it, fallbacks included, only while time remains, so a binding ``time_limit``
+    returns the best plan so far.
+    """
+    search = BatchSearch(lengths, costs, num_gpus, options, deadline)
+    splits = [search.first_split()]
     if not search.out_of_time():
-        split = search.best_split()
-        candidates.append(search.schedule(split))
+        splits.append(search.best_split())
         if not search.out_of_time() and options.max_moves > 0:
-            # local search improves the bucketed estimate; keep both, real lengths decide
-            candidates.append(search.schedule(search.improve(split)))
+            splits.append(search.improve(splits[-1]))
+    splits.sort(key=lambda split: split.makespan)
+    candidates = [search.schedule(splits[0])]
+    for split in splits[1:]:               # real lengths may rank the runners-up first
+        if not search.out_of_time():
+            candidates.append(search.schedule(split))
+    for fallback in fallbacks:
+        if not search.out_of_time():
+            candidates.append(fallback())
     best = min(candidates, key=lambda s: s.time(search.lengths, costs))
     if not search.out_of_time():
         best = search.refine(best)
