@@ -63,15 +63,3 @@ class DegreeCosts:
 
     def group_time(self, lengths: np.ndarray, k: int) -> float:
         return float(self.seq_time(lengths, k).sum()) + self.beta1
-
-    def min_memory_degree(self, lengths: np.ndarray) -> np.ndarray:
-        """Index of the smallest degree whose group can hold each sequence alone (-1: none can)."""
-        s = np.asarray(lengths, dtype=np.float64)
-        fits = s[:, None] <= np.asarray(self.capacity)[None, :]
-        return np.where(fits.any(axis=1), fits.argmax(axis=1), -1)
-
-    def restricted(self, max_degree: int) -> "DegreeCosts":
-        keep = [i for i, d in enumerate(self.degrees) if d <= max_degree]
-        return DegreeCosts(tuple(self.degrees[i] for i in keep), tuple(self.quad[i] for i in keep),
-                           tuple(self.lin[i] for i in keep), tuple(self.capacity[i] for i in keep),
-                           self.beta1, tuple(self.ring[i] for i in keep))
