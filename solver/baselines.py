@@ -7,11 +7,9 @@ the least-loaded group with room), then groups sorted by load and cut into micro
 """
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
-from .blaster import min_micro_batches
+from .blaster import interleaved, min_micro_batches
 from .costs import DegreeCosts
 from .schedule import GroupAssignment, Schedule
 
@@ -25,39 +23,31 @@ class InfeasibleDegree(ValueError):
 MAX_LPT_SEQUENCES = 16384
 
 
+def _members(order: np.ndarray, owner: np.ndarray, num_groups: int) -> list[np.ndarray]:
+    """Sequence ids of each group, from each sequence's group (``owner`` aligned with ``order``)."""
+    members = order[np.argsort(owner, kind="stable")]
+    return np.split(members, np.cumsum(np.bincount(owner, minlength=num_groups))[:-1])
+
+
 def _snake_groups(lengths: np.ndarray, capacity: float, num_groups: int) -> list[np.ndarray] | None:
     order = np.argsort(-lengths, kind="stable")
     lap, pos = np.divmod(np.arange(len(order)), num_groups)
     owner = np.where(lap % 2 == 0, pos, num_groups - 1 - pos)
     if (np.bincount(owner, weights=lengths[order], minlength=num_groups) > capacity).any():
         return None
-    members = order[np.argsort(owner, kind="stable")]
-    return np.split(members, np.cumsum(np.bincount(owner, minlength=num_groups))[:-1])
+    return _members(order, owner, num_groups)
 
 
-def _lpt_groups(lengths: np.ndarray, times: np.ndarray, capacity: float, num_groups: int) -> list[list[int]] | None:
+def _lpt_groups(lengths: np.ndarray, times: np.ndarray, capacity: float, num_groups: int) -> list[np.ndarray] | None:
+    """Longest first, each sequence to the least-loaded group with room (the blaster's interleaved
+    split, with groups for micro-batches)."""
     if len(lengths) > MAX_LPT_SEQUENCES:
         snake = _snake_groups(lengths, capacity, num_groups)
         if snake is not None:
             return snake
-    heap = [(0.0, j) for j in range(num_groups)]
-    tokens = np.zeros(num_groups)
-    members: list[list[int]] = [[] for _ in range(num_groups)]
-    for i in np.argsort(-lengths, kind="stable"):
-        skipped = []
-        while heap:
-            load, j = heapq.heappop(heap)
-            if tokens[j] + lengths[i] <= capacity:
-                break
-            skipped.append((load, j))
-        else:
-            return None
-        members[j].append(int(i))
-        tokens[j] += lengths[i]
-        heapq.heappush(heap, (load + times[i], j))
-        for item in skipped:
-            heapq.heappush(heap, item)
-    return members
+    order = np.argsort(-lengths, kind="stable")
+    owner = interleaved(order, times, lengths.astype(np.float64), num_groups, capacity)
+    return None if owner is None else _members(order, owner[order], num_groups)
 
 
 def single_degree(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, degree: int) -> Schedule:
@@ -77,7 +67,7 @@ def single_degree(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, degree
         if members is not None:
             break
         num_mb += 1
-    members = [np.asarray(m, dtype=np.int64) for m in members if len(m)]
+    members = [m for m in members if len(m)]
     loads = [times[m].sum() for m in members]
     ranked = [members[j] for j in np.argsort(loads, kind="stable")[::-1]]
     micro_batches = tuple(
