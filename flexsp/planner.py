@@ -8,7 +8,7 @@ keeps every group of at most a node's size inside one node.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from solver.search import Infeasible, SearchOptions, flexsp, greedy
 
 from .cluster import Cluster
 from .cost import CostModel
-from .errors import CostModelError, PlanError
+from .errors import PlanError
 from .lengths import as_lengths
 from .plan import Group, MicroBatch, Plan
 
@@ -126,4 +126,4 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     return plan
 
 
-__all__ = ["plan_batch", "place", "STRATEGIES", "usable_degrees", "CostModelError"]
+__all__ = ["plan_batch", "place", "STRATEGIES", "usable_degrees"]

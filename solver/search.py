@@ -63,6 +63,15 @@ class Split:
         return float(sum(p.makespan for p in self.packings))
 
 
+def mean_bucket_times(lengths: np.ndarray, buckets: Buckets, costs: DegreeCosts) -> np.ndarray:
+    """``[B, D]`` average real time of each bucket's sequences per degree: unbiased, unlike the
+    time of the bucket's upper bound."""
+    nb = len(buckets.upper)
+    counts = np.maximum(buckets.counts, 1)
+    return np.stack([np.bincount(buckets.index, weights=costs.seq_time(lengths, k), minlength=nb) / counts
+                     for k in range(costs.num_degrees)], axis=1)
+
+
 class BatchSearch:
     def __init__(self, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions,
                  deadline: float | None = None):
@@ -76,20 +85,14 @@ class BatchSearch:
             raise Infeasible(f"a sequence of {longest} tokens is longer than the whole cluster can hold "
                              f"({costs.capacity[-1]:.0f} tokens on {costs.degrees[-1]} GPUs)")
         self.buckets: Buckets = dp_buckets(self.lengths, options.num_buckets)
-        self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus, self._mean_times())
+        self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
+                                       mean_bucket_times(self.lengths, self.buckets, costs))
         self.order = np.argsort(-self.lengths, kind="stable")
         self.seq_area = self.packer.min_area[self.buckets.index]
         self.seq_critical = self.packer.min_time[self.buckets.index]
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
         self.cluster_tokens = costs.capacity[0] * num_gpus   # capacity is linear in degree
         self.num_buckets = len(self.buckets.upper)
-
-    def _mean_times(self) -> np.ndarray:
-        """Average real time of each bucket's sequences per degree: unbiased, unlike the upper bound."""
-        nb = len(self.buckets.upper)
-        counts = np.maximum(self.buckets.counts, 1)
-        return np.stack([np.bincount(self.buckets.index, weights=self.costs.seq_time(self.lengths, k), minlength=nb) / counts
-                         for k in range(self.costs.num_degrees)], axis=1)
 
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -194,9 +197,10 @@ class BatchSearch:
             if split is not None:
                 yield split
 
-    def best_split(self) -> Split:
-        """The best bucketed split over blaster candidates and makespan sweeps (before local search)."""
-        best = self.first_split()
+    def best_split(self, start: Split | None = None) -> Split:
+        """The best bucketed split over ``start`` (default: the greedy split), blaster candidates and
+        makespan sweeps (before local search)."""
+        best = start if start is not None else self.first_split()
         for split in self.arranged_candidates():
             if self.out_of_time():
                 return best
@@ -230,40 +234,41 @@ class BatchSearch:
         improved = True
         while improved and len(packings) > 1 and trials < self.options.max_moves and not self.out_of_time():
             improved = False
-            waste = np.array([p.makespan - self.packer.lower_bound(c) for p, c in zip(packings, counts)])
-            for src in np.argsort(-waste, kind="stable"):
-                for b in np.flatnonzero(counts[src])[::-1]:           # longest buckets first
-                    for dst in np.argsort(waste, kind="stable"):
-                        if dst == src:
-                            continue
-                        for qty in sorted({1, int(counts[src, b] + 1) // 2}):
-                            trials += 1
-                            new_src, new_dst = counts[src].copy(), counts[dst].copy()
-                            new_src[b] -= qty
-                            new_dst[b] += qty
-                            p_dst = self.packer.solve(new_dst)
-                            if p_dst is None:
-                                continue
-                            p_src = self.packer.solve(new_src) if new_src.any() else None
-                            if new_src.any() and p_src is None:
-                                continue
-                            before = packings[src].makespan + packings[dst].makespan
-                            after = p_dst.makespan + (p_src.makespan if p_src is not None else 0.0)
-                            if after < before * (1 - 1e-9):
-                                counts[src], counts[dst] = new_src, new_dst
-                                packings[src], packings[dst] = p_src, p_dst
-                                if p_src is None:          # the source micro-batch is now empty
-                                    counts = np.delete(counts, src, axis=0)
-                                    del packings[src]
-                                improved = True
-                                break
-                        if improved or trials >= self.options.max_moves or self.out_of_time():
-                            break
-                    if improved or trials >= self.options.max_moves or self.out_of_time():
-                        break
-                if improved or trials >= self.options.max_moves or self.out_of_time():
+            for src, b, dst, qty in self._moves(packings, counts):
+                if trials >= self.options.max_moves or self.out_of_time():
+                    break
+                trials += 1
+                new_src, new_dst = counts[src].copy(), counts[dst].copy()
+                new_src[b] -= qty
+                new_dst[b] += qty
+                p_dst = self.packer.solve(new_dst)
+                if p_dst is None:
+                    continue
+                p_src = self.packer.solve(new_src) if new_src.any() else None
+                if new_src.any() and p_src is None:
+                    continue
+                before = packings[src].makespan + packings[dst].makespan
+                after = p_dst.makespan + (p_src.makespan if p_src is not None else 0.0)
+                if after < before * (1 - 1e-9):
+                    counts[src], counts[dst] = new_src, new_dst
+                    packings[src], packings[dst] = p_src, p_dst
+                    if p_src is None:          # the source micro-batch is now empty
+                        counts = np.delete(counts, src, axis=0)
+                        del packings[src]
+                    improved = True
                     break
         return Split(self.assign_from_counts(counts), packings)
+
+    def _moves(self, packings: list[BinPacking], counts: np.ndarray):
+        """Candidate moves (source, bucket, destination, count): the most wasteful micro-batch's
+        longest buckets first, to the least wasteful micro-batches first."""
+        waste = np.array([p.makespan - self.packer.lower_bound(c) for p, c in zip(packings, counts)])
+        for src in np.argsort(-waste, kind="stable"):
+            for b in np.flatnonzero(counts[src])[::-1]:
+                for dst in np.argsort(waste, kind="stable"):
+                    if dst != src:
+                        for qty in sorted({1, int(counts[src, b] + 1) // 2}):
+                            yield int(src), int(b), int(dst), qty
 
     def assign_from_counts(self, counts: np.ndarray) -> np.ndarray:
         """Give each micro-batch the right number of each bucket's sequences (longest to the first)."""
@@ -313,11 +318,8 @@ class BatchSearch:
             local = dp_buckets(self.lengths[ids], self.options.num_buckets)
             if len(local.upper) == 1 and len(groups) == 1:
                 continue
-            counts = local.counts
-            times = np.stack([np.bincount(local.index, weights=self.costs.seq_time(self.lengths[ids], k),
-                                          minlength=len(local.upper)) / np.maximum(counts, 1)
-                              for k in range(self.costs.num_degrees)], axis=1)
-            packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(counts)
+            times = mean_bucket_times(self.lengths[ids], local, self.costs)
+            packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
             if packing is None:
                 continue
             bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
@@ -357,7 +359,7 @@ def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     splits = [search.first_split()]
     if not search.out_of_time():
-        splits.append(search.best_split())
+        splits.append(search.best_split(splits[0]))
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(splits[-1]))
     splits.sort(key=lambda split: split.makespan)
