@@ -5,7 +5,7 @@ import numpy as np
 
 from .costs import DegreeCosts
 from .packing import BinPacking
-from .schedule import GroupAssignment
+from .schedule import GroupAssignment, group_loads
 
 # LPT rebalancing loops over sequences in Python at O(groups) each: skip it on big micro-batches,
 # where many sequences per group make the dealt version balanced anyway.
@@ -39,12 +39,6 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
     owner, member = np.concatenate(owners), np.concatenate(members)
     order = np.argsort(owner, kind="stable")
     return np.split(member[order], np.cumsum(np.bincount(owner, minlength=num_groups))[:-1])
-
-
-def group_loads(groups: list[np.ndarray], degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
-    ids = np.concatenate(groups)
-    owner = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    return np.bincount(owner, weights=costs.seconds(lengths[ids], degree_idx[owner]), minlength=len(groups))
 
 
 def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> list[np.ndarray] | None:

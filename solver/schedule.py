@@ -17,13 +17,18 @@ class GroupAssignment:
         return costs.group_time(lengths[self.seq_ids], costs.index(self.degree))
 
 
+def group_loads(members: list[np.ndarray], degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
+    """Seconds of sequences in each group (no beta1); ``degree_idx`` indexes ``costs.degrees``.
+    Vectorised over all sequences at once."""
+    owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    per_seq = costs.seconds(lengths[np.concatenate(members)], np.asarray(degree_idx)[owner])
+    return np.bincount(owner, weights=per_seq, minlength=len(members))
+
+
 def group_times(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
-    """Seconds of every group of a micro-batch, beta1 included (vectorised over all sequences)."""
-    sizes = [len(g.seq_ids) for g in groups]
-    owner = np.repeat(np.arange(len(groups)), sizes)
-    k = np.array([costs.index(g.degree) for g in groups])[owner]
-    per_seq = costs.seconds(lengths[np.concatenate([g.seq_ids for g in groups])], k)
-    return np.bincount(owner, weights=per_seq, minlength=len(groups)) + costs.beta1
+    """Seconds of every group of a micro-batch, beta1 included."""
+    degree_idx = [costs.index(g.degree) for g in groups]
+    return group_loads([g.seq_ids for g in groups], degree_idx, lengths, costs) + costs.beta1
 
 
 @dataclass(frozen=True)
