@@ -18,7 +18,7 @@ import numpy as np
 import flexsp
 from flexsp.errors import PlanError
 from flexsp.lengths import LengthDistribution, get_distribution, preprocess
-from flexsp.simulate import split_strategy
+from flexsp.simulate import parse_strategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASETS = ("github", "commoncrawl", "wikipedia")
@@ -65,10 +65,12 @@ def batches(dist: LengthDistribution, count: int, batch_size: int, context: int,
 
 def plan_time(lengths: np.ndarray, cost: flexsp.CostModel, cluster: flexsp.Cluster, name: str,
               time_limit: float) -> flexsp.Plan | None:
-    """A plan for strategy ``name`` (``static:D`` pins the degree), or None when it cannot hold the batch."""
-    strategy, degree = split_strategy(name)
+    """A plan for strategy ``name`` (``static:D`` pins the degree, ``[1,8,64]`` restricts degrees), or None
+    when it cannot hold the batch."""
+    spec = parse_strategy(name)
     try:
-        return flexsp.plan_batch(lengths, cost, cluster, strategy, sp_degree=degree, time_limit=time_limit)
+        return flexsp.plan_batch(lengths, cost, cluster, spec.strategy, sp_degree=spec.sp_degree,
+                                 degrees=spec.degrees, time_limit=time_limit)
     except PlanError:
         return None
 

@@ -73,12 +73,6 @@ class StrategySpec:
     degrees: tuple[int, ...] | None = None
 
 
-def split_strategy(name: str) -> tuple[str, int | None]:
-    """``flexsp`` / ``static:32`` -> (strategy, static degree)."""
-    spec = parse_strategy(name)
-    return spec.strategy, spec.sp_degree
-
-
 def parse_strategy_list(text: str) -> list[str]:
     """Comma-separated names, commas inside ``[...]`` kept: ``flexsp,flexsp[1,8,64]``."""
     return [m.strip() for m in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if m.strip()]
