@@ -1,4 +1,4 @@
-"""An independent plan checker for the tests: re-derives every rule of DESIGN.md from the plan's
+"""An independent plan checker for the tests: re-derives every plan rule of docs/design.md from the plan's
 JSON form, without calling ``Plan.validate`` or the solver, and recomputes the step time."""
 from __future__ import annotations
 
