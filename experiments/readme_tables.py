@@ -1,0 +1,94 @@
+"""Regenerate the README's generated blocks from the commands and result files that own them.
+
+A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``. ``simulate``
+is the output of the README's default command (``flexsp simulate``); ``results:FILE`` copies the block
+of the same name out of ``experiments/results/FILE``, where the benchmark script that owns the
+figures wrote it. ``--check`` exits 1 when the README differs (solve-time columns, which vary from run
+to run, are ignored for ``simulate``).
+
+    python experiments/readme_tables.py            # rewrite README.md in place
+    python experiments/readme_tables.py --check    # what CI's test does
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w:.\-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)", re.S)
+
+
+def default_simulation() -> str:
+    """What ``flexsp simulate`` prints on the bundled default, inside a text fence."""
+    from flexsp.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["simulate", "--quiet"])
+    if status:
+        raise SystemExit(f"flexsp simulate exited with {status}")
+    return "```\n" + out.getvalue().rstrip("\n") + "\n```\n"
+
+
+def results_block(file_name: str, name: str) -> str:
+    """The block ``name`` that a benchmark script wrote into its results file."""
+    text = (ROOT / "experiments" / "results" / file_name).read_text()
+    for match in BLOCK.finditer(text):
+        if match.group("name") == name:
+            return match.group("body")
+    raise SystemExit(f"experiments/results/{file_name} has no generated block {name!r}")
+
+
+def render(name: str) -> str:
+    if name == "simulate":
+        return default_simulation()
+    if name.startswith("results:"):
+        file_name, _, block = name.split(":", 1)[1].partition("#")
+        return results_block(file_name, block or "readme")
+    raise SystemExit(f"README has a generated block {name!r} that no source owns")
+
+
+def without_timings(text: str) -> str:
+    """Drop the last column of table rows (the simulate table's solve time, which varies per run)."""
+    return "\n".join(re.sub(r"\|[^|]*\|\s*$", "|", line) if line.startswith("|") else line
+                     for line in text.splitlines())
+
+
+def update(text: str) -> tuple[str, list[str]]:
+    """README text with every block regenerated, and the names of blocks whose content changed."""
+    changed: list[str] = []
+
+    def replace(match: re.Match) -> str:
+        name, body = match.group("name"), match.group("body")
+        fresh = render(name)
+        compare = without_timings if name == "simulate" else (lambda s: s)
+        if compare(fresh).strip() != compare(body).strip():
+            changed.append(name)
+        return match.group(1) + fresh + match.group(4)
+
+    return BLOCK.sub(replace, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the README is out of date; write nothing")
+    args = parser.parse_args(argv)
+    fresh, changed = update(README.read_text())
+    if args.check:
+        if changed:
+            print(f"README.md is out of date in blocks {changed}: run python experiments/readme_tables.py")
+            return 1
+        print("README.md generated blocks are up to date")
+        return 0
+    README.write_text(fresh)
+    print(f"README.md: regenerated; changed blocks: {changed or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The README's generated blocks equal what their owning commands print today."""
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_tables():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "experiments" / "readme_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["readme_tables"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_generated_blocks_are_current():
+    tables = _readme_tables()
+    _, changed = tables.update((ROOT / "README.md").read_text())
+    assert not changed, f"README blocks {changed} differ from their commands: run python experiments/readme_tables.py"
+
+
+def test_check_catches_a_stale_table():
+    tables = _readme_tables()
+    text = (ROOT / "README.md").read_text()
+    assert "<!-- generated: simulate -->" in text
+    stale = text.replace("| flexsp | ", "| flexsp | 1", 1)   # a figure that no longer matches
+    _, changed = tables.update(stale)
+    assert changed == ["simulate"]
+
+
+def test_timing_column_is_ignored():
+    tables = _readme_tables()
+    row = "| flexsp | 39.14 | 3.914 | 0.708 / 0.966 |"
+    assert tables.without_timings(row) == tables.without_timings(row.replace("0.708", "0.901"))
+    assert tables.without_timings(row) != tables.without_timings(row.replace("39.14", "39.15"))
