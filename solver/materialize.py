@@ -68,12 +68,13 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
 
 
 def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
-              costs: DegreeCosts) -> list[GroupAssignment]:
-    """Real-length groups for one micro-batch: the better of the dealt and the rebalanced version."""
+              costs: DegreeCosts, rebalanced: bool = True) -> list[GroupAssignment]:
+    """Real-length groups for one micro-batch: the better of the dealt and (``rebalanced``) the
+    rebalanced version."""
     packing = packing.expanded()
     dealt = fill_groups(packing, seq_ids, bucket_of, lengths, costs)
     best = dealt
-    lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs)
+    lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs) if rebalanced else None
     if lpt is not None:
         dealt_max = group_loads(dealt, packing.degree_idx, lengths, costs).max()
         if group_loads(lpt, packing.degree_idx, lengths, costs).max() < dealt_max:
