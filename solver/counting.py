@@ -22,15 +22,15 @@ def check_deadline(deadline: float | None) -> None:
 
 def search_count(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     """A count in ``[lo, hi]`` for which ``fits`` holds, near the smallest: gallop up from ``lo``
-    (steps 1, 2, 4, ...), then bisect the last step. ``fits(hi)`` is assumed; O(log(answer - lo))
-    calls. ``fits`` need not be monotone; the answer then is a count that fits, not the least."""
+    (steps 1, 2, 4, ...), then bisect the last step; ``hi`` is returned even if ``fits(hi)`` is
+    false (it is the caller's known fallback). O(log(answer - lo)) calls. ``fits`` need not be monotone; the answer then is a count that fits, not the least."""
     lo = max(1, min(lo, hi))
     if fits(lo):
         return lo
     step, bad = 1, lo
     while True:
         probe = min(bad + step, hi)
-        if probe == hi or fits(probe):
+        if fits(probe) or probe == hi:
             good = probe
             break
         bad, step = probe, 2 * step

@@ -72,6 +72,8 @@ def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, l
     """Real-length groups for one micro-batch: the better of the dealt and (``rebalanced``) the
     rebalanced version."""
     packing = packing.expanded()
+    if len(packing.degree_idx) == 1:                    # one group: nothing to deal or balance
+        return [GroupAssignment(int(costs.degrees[packing.degree_idx[0]]), np.sort(seq_ids))]
     dealt = fill_groups(packing, seq_ids, bucket_of, lengths, costs)
     best = dealt
     lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs) if rebalanced else None

@@ -34,6 +34,9 @@ from .packing import BinPacking, MicroBatchPacker
 from .schedule import Schedule, group_times
 
 
+# Share of the time left after the greedy plan that the split search may use; the rest turns its
+# splits into real groups.
+SEARCH_SHARE = 0.5
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
 MAX_PER_SEQUENCE_SPLITS = 8192
 
@@ -385,30 +388,41 @@ def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
     """The best of: the greedy split, the searched splits, the MILP where it runs, and the plans of
     ``fallbacks`` (other strategies), all scored on real lengths.
 
-    The best split on bucketed estimates is turned into real groups first (the costly step on big
-    batches), the runners-up while time remains. The greedy split always runs (it is the floor);
-    everything after it, fallbacks included, only while time remains, so a binding ``time_limit``
-    returns the best plan so far.
+    The greedy split is turned into real groups and refined first, so a good plan exists early
+    (bucketed estimates can rank splits wrongly by a few percent; real lengths decide). The search
+    then runs on part of the remaining time, keeping the rest to materialise what it found; every
+    step after the greedy split runs only while time remains, so a binding ``time_limit`` returns
+    the best plan so far.
     """
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
-    splits = [search.first_split()]
+    score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
+    first = search.first_split()
+    best = search.refine(search.schedule(first))
+    best_time = score(best)
     if not search.out_of_time():
-        splits.append(search.best_split(splits[0]))
+        spent = time.perf_counter()
+        # the search gets half of what is left: materialising and refining its result costs
+        # about as much as it took to do the same for the greedy split
+        search.deadline, final = spent + SEARCH_SHARE * search.remaining(), search.deadline
+        splits = [search.best_split(first)]
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(splits[-1]))
-    splits.sort(key=lambda split: split.makespan)
-    candidates = [search.schedule(splits[0])]
-    for split in splits[1:]:               # real lengths may rank the runners-up first
-        if not search.out_of_time():
-            candidates.append(search.schedule(split))
+        search.deadline = final
+        for split in sorted(splits, key=lambda split: split.makespan):
+            if search.out_of_time():
+                break
+            if split is first:
+                continue
+            candidate = search.refine(search.schedule(split))
+            if score(candidate) < best_time:
+                best, best_time = candidate, score(candidate)
     for fallback in fallbacks:
         if not search.out_of_time():
-            candidates.append(fallback())
-    best = min(candidates, key=lambda s: s.time(search.lengths, costs))
-    if not search.out_of_time():
-        best = search.refine(best)
+            candidate = fallback()
+            if score(candidate) < best_time:
+                best, best_time = candidate, score(candidate)
     if len(lengths) <= options.exact_max_sequences or options.milp_time_limit > 0:
         polished = search.milp(best)
-        if polished is not None and polished.time(search.lengths, costs) < best.time(search.lengths, costs):
+        if polished is not None and score(polished) < best_time:
             best = polished
     return best
