@@ -13,7 +13,9 @@ holds at most ``N x capacity`` tokens and at most ``N tau_j <= N S / j`` GPU-sec
 them at most ``N S``. The smallest ``S`` for which a fractional assignment of tokens to micro-batch
 ranks meets all of that (a small LP over length buckets, each costed at its shortest length) plus
 ``M beta1``, minimised over the micro-batch count ``M``, is a bound no plan can beat, and never
-below the simple one.
+below the simple one. Counts up to a few above the memory bound get one LP each; all larger counts
+share one LP whose last rank pools every rank beyond (no memory limit there), so the minimum is
+over every count.
 """
 from __future__ import annotations
 
@@ -66,8 +68,13 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     shortest, tokens = _buckets(lengths)
     per_token = costs.times(shortest) * np.asarray(costs.degrees)[None, :] / shortest[:, None]   # [B, D]
     seq_time = costs.times(shortest)                                 # [B, D]
-    best = (fewest + EXTRA_COUNTS + 1) * costs.beta1 + floor         # any count above those tried
-    for count in range(fewest, min(fewest + EXTRA_COUNTS, len(lengths)) + 1):
+    last = min(fewest + EXTRA_COUNTS, len(lengths))
+    best = math.inf
+    if last < len(lengths):
+        # every count above ``last``: ranks beyond it pooled into one tail without memory limit
+        best = (last + 1) * costs.beta1 + _least_span(last + 1, per_token, seq_time, tokens,
+                                                      n * cost.token_capacity, n, floor, tail=True)
+    for count in range(fewest, last + 1):
         if count * costs.beta1 + floor >= best:
             break
         span = _least_span(count, per_token, seq_time, tokens, n * cost.token_capacity, n, floor)
@@ -102,8 +109,9 @@ def _rates(span: float, count: int, per_token: np.ndarray, seq_time: np.ndarray)
 
 
 def _least_span(count: int, per_token: np.ndarray, seq_time: np.ndarray, tokens: np.ndarray,
-                memory: float, num_gpus: int, floor: float) -> float:
-    """Least ``S`` for which the token assignment LP is feasible with ``count`` micro-batches.
+                memory: float, num_gpus: int, floor: float, tail: bool = False) -> float:
+    """Least ``S`` for which the token assignment LP is feasible with ``count`` micro-batches
+    (``tail``: the last rank stands for all ranks from ``count`` on, with no memory limit).
 
     The rates change only at breakpoints ``j x seq_time[b, d]``; bisect them for the first
     feasible one, then solve the LP for ``S`` itself on the interval below it."""
@@ -114,22 +122,22 @@ def _least_span(count: int, per_token: np.ndarray, seq_time: np.ndarray, tokens:
         (tokens * np.where(np.isfinite(per_token), per_token, np.inf).min(axis=1)).sum()) / num_gpus
     points = np.concatenate([[floor], points, [top]])
     lo, hi = 0, len(points) - 1
-    if _solve(points[0], points[0], count, per_token, seq_time, tokens, memory, num_gpus) is not None:
+    if _solve(points[0], points[0], count, per_token, seq_time, tokens, memory, num_gpus, tail) is not None:
         return float(points[0])
-    if _solve(points[hi], points[hi], count, per_token, seq_time, tokens, memory, num_gpus) is None:
+    if _solve(points[hi], points[hi], count, per_token, seq_time, tokens, memory, num_gpus, tail) is None:
         return float(points[hi])      # not even then: memory; the counts above take over
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _solve(points[mid], points[mid], count, per_token, seq_time, tokens, memory, num_gpus) is not None:
+        if _solve(points[mid], points[mid], count, per_token, seq_time, tokens, memory, num_gpus, tail) is not None:
             hi = mid
         else:
             lo = mid
-    inside = _solve(points[lo], points[hi], count, per_token, seq_time, tokens, memory, num_gpus)
+    inside = _solve(points[lo], points[hi], count, per_token, seq_time, tokens, memory, num_gpus, tail)
     return float(points[hi] if inside is None else inside)
 
 
 def _solve(rate_at: float, upper: float, count: int, per_token: np.ndarray, seq_time: np.ndarray,
-           tokens: np.ndarray, memory: float, num_gpus: int) -> float | None:
+           tokens: np.ndarray, memory: float, num_gpus: int, tail: bool = False) -> float | None:
     """Least ``S`` in ``[rate_at, upper]`` with the rates at ``rate_at``; None if infeasible.
 
     Variables: ``z[b, j]``, the share of bucket ``b``'s tokens in micro-batch rank ``j``, then ``S``;
@@ -145,7 +153,7 @@ def _solve(rate_at: float, upper: float, count: int, per_token: np.ndarray, seq_
         a_eq[b, b * count:(b + 1) * count] = 1.0
     a_ub = np.zeros((2 * count + 1, nvar))
     b_ub = np.zeros(2 * count + 1)
-    for j in range(count):
+    for j in range(count - 1 if tail else count):
         a_ub[j, j:nb * count:count] = tokens / memory                 # memory of micro-batch j
         b_ub[j] = 1.0
         a_ub[count + j, j:nb * count:count] = work[:, j]              # its GPU-seconds <= N S / (j+1)
