@@ -32,11 +32,14 @@ from .materialize import to_groups
 from .milp import solve_milp
 from .packing import BinPacking, MicroBatchPacker
 from .schedule import Schedule, group_times
+from .tighten import tighten
 
 
 # Share of the time left after the greedy plan that the split search may use; the rest turns its
 # splits into real groups.
 SEARCH_SHARE = 0.5
+# Per-micro-batch re-packing in ``refine``: (buckets at the default num_buckets=16, estimate).
+REFINE_VARIANTS = ((16, "mean"), (16, "upper"), (48, "upper"), (48, "mean"))
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
 MAX_PER_SEQUENCE_SPLITS = 8192
 
@@ -339,25 +342,32 @@ class BatchSearch:
 
     def refine(self, schedule: Schedule) -> Schedule:
         """Re-pack each micro-batch on buckets of its own sequences: a micro-batch spans a narrower
-        range of lengths than the batch, so its own 16 buckets round far less (the paper buckets
-        per micro-batch). Keeps a micro-batch's new groups only when they are faster."""
+        range of lengths than the batch, so its own buckets round far less (the paper buckets per
+        micro-batch). Two estimates per bucket count: mean times (unbiased for groups of many
+        sequences) and upper times (never below the real time, so the bisected makespan holds for
+        groups of one or two long sequences). Keeps a micro-batch's new groups only when faster,
+        then ``tighten``s its slowest groups (larger degree, merge, or move a sequence)."""
         micro_batches = list(schedule.micro_batches)
         for m, groups in enumerate(micro_batches):
-            if self.out_of_time():
-                break
             ids = np.concatenate([g.seq_ids for g in groups])
-            local = dp_buckets(self.lengths[ids], self.options.num_buckets)
-            if len(local.upper) == 1 and len(groups) == 1:
-                continue
-            times = mean_bucket_times(self.lengths[ids], local, self.costs)
-            packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
-            if packing is None:
-                continue
-            bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
-            bucket_of[ids] = local.index
-            new = tuple(to_groups(packing, ids, bucket_of, self.lengths, self.costs))
-            if group_times(new, self.lengths, self.costs).max() < group_times(groups, self.lengths, self.costs).max():
-                micro_batches[m] = new
+            current = group_times(groups, self.lengths, self.costs).max()
+            for num_buckets, estimate in REFINE_VARIANTS:
+                if self.out_of_time():
+                    return Schedule(tuple(micro_batches))
+                local = dp_buckets(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
+                if len(local.upper) == 1 and len(groups) == 1:
+                    break
+                times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
+                packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
+                if packing is None:
+                    continue
+                bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
+                bucket_of[ids] = local.index
+                new = tuple(to_groups(packing, ids, bucket_of, self.lengths, self.costs))
+                new_time = group_times(new, self.lengths, self.costs).max()
+                if new_time < current:
+                    micro_batches[m], current = new, new_time
+            micro_batches[m] = tighten(micro_batches[m], self.lengths, self.costs, self.num_gpus, self.deadline)
         return Schedule(tuple(micro_batches))
 
     def remaining(self) -> float:
