@@ -13,6 +13,7 @@ import numpy as np
 
 from .blaster import interleaved, min_micro_batches
 from .costs import DegreeCosts
+from .materialize import split_at
 from .schedule import GroupAssignment, Schedule
 from .counting import OutOfTime, check_deadline, search_count
 
@@ -29,7 +30,7 @@ MAX_LPT_SEQUENCES = 16384
 def _members(order: np.ndarray, owner: np.ndarray, num_groups: int) -> list[np.ndarray]:
     """Sequence ids of each group, ascending, from each sequence's group (``owner`` aligned with ``order``)."""
     members = order[np.lexsort((order, owner))]
-    return np.split(members, np.cumsum(np.bincount(owner, minlength=num_groups))[:-1])
+    return split_at(members, np.bincount(owner, minlength=num_groups))
 
 
 def _snake_groups(lengths: np.ndarray, capacity: float, num_groups: int) -> list[np.ndarray] | None:

@@ -406,9 +406,13 @@ def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
     """
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
+    started = time.perf_counter()
     first = search.first_split()
     best = search.refine(search.schedule(first))
     best_time = score(best)
+    # what one whole plan cost: a fallback (another strategy's full plan) is started only when
+    # at least that much time is left, so it cannot run far past the deadline
+    plan_cost = time.perf_counter() - started
     if not search.out_of_time():
         spent = time.perf_counter()
         # the search gets half of what is left: materialising and refining its result costs
@@ -427,7 +431,7 @@ def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
             if score(candidate) < best_time:
                 best, best_time = candidate, score(candidate)
     for fallback in fallbacks:
-        if not search.out_of_time():
+        if search.remaining() > plan_cost:
             candidate = fallback()
             if score(candidate) < best_time:
                 best, best_time = candidate, score(candidate)

@@ -34,7 +34,8 @@ def tighten(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: Deg
     degrees = np.asarray(costs.degrees)
     capacity = np.asarray(costs.capacity)
     loads = group_loads(members, deg, lengths, costs)
-    tokens = np.array([float(lengths[m].sum()) for m in members])
+    owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    tokens = np.bincount(owner, weights=lengths[np.concatenate(members)].astype(np.float64), minlength=len(members))
     for _ in range(MAX_STEPS):
         if deadline is not None and time.perf_counter() > deadline:
             break
