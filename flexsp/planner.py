@@ -88,8 +88,11 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
 
     ``strategy``: "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
     "batchada" (best single degree for this batch), "static" (``sp_degree`` for every group, default
-    the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` bounds the
-    search; the best plan found by then is returned. ``max_degree`` keeps groups at or below it;
+    the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` (wall-clock
+    seconds) bounds every strategy: a first valid plan is built in one pass, everything after it
+    runs only while time remains, and the best plan by then is returned; turning it into ranks and
+    validating it comes on top (the constant past the limit, measured in
+    ``experiments/scale_benchmark.py``). ``max_degree`` keeps groups at or below it;
     ``degrees`` (e.g. ``(1, 8, 64)``) restricts every strategy to those SP degrees, which bounds the
     communicators each rank must hold (``flexsp.runtime.GroupPool(degrees=...)``). A degree above the
     cost model's Ulysses limit (its ``heads``) is a Ulysses x ring hybrid, recorded as ``Group.ring``;
