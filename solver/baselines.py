@@ -15,7 +15,7 @@ from .blaster import interleaved, min_micro_batches
 from .costs import DegreeCosts
 from .materialize import split_at
 from .schedule import GroupAssignment, Schedule
-from .counting import OutOfTime, check_deadline, search_count
+from .counting import OutOfTime, search_count
 
 
 class InfeasibleDegree(ValueError):
@@ -60,8 +60,9 @@ def single_degree(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, degree
     """Every group of every micro-batch has ``degree`` GPUs.
 
     The micro-batch count is searched (galloping from the memory bound, then bisection), not
-    stepped; one sequence per group always fits, so that count is the fallback when the search
-    stops at ``deadline`` (``time.perf_counter()`` seconds)."""
+    stepped. Each count tries the vectorised snake deal first, then LPT while time remains: past
+    ``deadline`` (``time.perf_counter()`` seconds) only the snake deal runs, O(sequences) per count,
+    and one sequence per group (always fits) is the last resort."""
     k = costs.index(degree)
     capacity = costs.capacity[k]
     if lengths.max() > capacity:
@@ -80,23 +81,22 @@ def single_degree(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, degree
         if num_mb == hi:
             found[hi] = [np.array([i]) for i in range(len(lengths))]
             return True
-        snake = _snake_groups(lengths, capacity, num_mb * per_mb)     # vectorised: tried first
+        snake = _snake_groups(lengths, capacity, num_mb * per_mb)     # vectorised: tried first, even late
         if snake is not None:
             found[num_mb] = snake
             dealt.add(num_mb)
             return True
-        check_deadline(deadline)
-        members = _lpt_groups(lengths, times, capacity, num_mb * per_mb, deadline)
+        if deadline is not None and time.perf_counter() > deadline:
+            return False                                     # past the deadline: only the snake deal
+        try:
+            members = _lpt_groups(lengths, times, capacity, num_mb * per_mb, deadline)
+        except OutOfTime:
+            return False
         if members is not None:
             found[num_mb] = members
         return members is not None
 
-    try:
-        num_mb = search_count(fits, lo, hi)
-    except OutOfTime:
-        num_mb = min(found) if found else hi
-        if num_mb == hi:
-            fits(hi)
+    num_mb = search_count(fits, lo, hi)
     best = _schedule(found[num_mb], times, degree, per_mb)
     if num_mb in dealt and len(lengths) <= MAX_LPT_SEQUENCES:   # LPT balances better when it has time
         try:
