@@ -49,12 +49,12 @@ def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch
     """Aligned rank blocks, largest group first: block ``[k*d, (k+1)*d)`` for a group of degree ``d``.
     With ``cost``, each group records its Ulysses x ring split."""
     micro_batches = []
+    rings = {d: 1 if cost is None else cost.split(d)[1] for d in {g.degree for mb in schedule.micro_batches for g in mb}}
     for groups in schedule.micro_batches:
         offset, placed = 0, []
         for g in sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0)):
-            ring = 1 if cost is None else cost.split(g.degree)[1]
             placed.append(Group(ranks=tuple(range(offset, offset + g.degree)), seq_ids=tuple(g.seq_ids.tolist()),
-                                ring=ring))
+                                ring=rings[g.degree]))
             offset += g.degree
         micro_batches.append(MicroBatch(tuple(placed)))
     return tuple(micro_batches)
@@ -66,14 +66,14 @@ def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, 
         degree = sp_degree if sp_degree is not None else costs.degrees[-1]
         if degree not in costs.degrees:
             raise PlanError(f"static sp_degree={degree} must be one of the usable degrees {list(costs.degrees)}")
-        return single_degree(lengths, costs, num_gpus, degree)
+        return single_degree(lengths, costs, num_gpus, degree, deadline)
     if strategy == "batchada":
-        return batchada(lengths, costs, num_gpus)
+        return batchada(lengths, costs, num_gpus, deadline)
     if strategy == "greedy":
-        return greedy(lengths, costs, num_gpus, options)
+        return greedy(lengths, costs, num_gpus, options, deadline)
     if strategy == "flexsp":
         # every baseline's plan is a candidate, so FlexSP is never slower than any of them
-        fallbacks = (lambda: batchada(lengths, costs, num_gpus), lambda: dynamic_cp(lengths, costs, num_gpus))
+        fallbacks = (lambda: batchada(lengths, costs, num_gpus, deadline), lambda: dynamic_cp(lengths, costs, num_gpus))
         return flexsp(lengths, costs, num_gpus, options, fallbacks=fallbacks, deadline=deadline)
     if strategy == "dynamic-cp":
         return dynamic_cp(lengths, costs, num_gpus)
@@ -88,8 +88,11 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
 
     ``strategy``: "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
     "batchada" (best single degree for this batch), "static" (``sp_degree`` for every group, default
-    the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` bounds the
-    search; the best plan found by then is returned. ``max_degree`` keeps groups at or below it;
+    the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` (wall-clock
+    seconds) bounds every strategy: a first valid plan is built in one pass, everything after it
+    runs only while time remains, and the best plan by then is returned; turning it into ranks and
+    validating it comes on top (the constant past the limit, measured in
+    ``experiments/scale_benchmark.py``). ``max_degree`` keeps groups at or below it;
     ``degrees`` (e.g. ``(1, 8, 64)``) restricts every strategy to those SP degrees, which bounds the
     communicators each rank must hold (``flexsp.runtime.GroupPool(degrees=...)``). A degree above the
     cost model's Ulysses limit (its ``heads``) is a Ulysses x ring hybrid, recorded as ``Group.ring``;

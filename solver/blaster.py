@@ -12,6 +12,8 @@ import heapq
 
 import numpy as np
 
+from .counting import check_deadline
+
 
 def min_micro_batches(tokens: float, cluster_capacity: float) -> int:
     """Fewest micro-batches whose memory could hold ``tokens`` (a bound, not always reachable)."""
@@ -29,17 +31,22 @@ def consecutive(order: np.ndarray, weights: np.ndarray, num_micro_batches: int) 
 
 
 def interleaved(order: np.ndarray, weights: np.ndarray, tokens: np.ndarray, num_micro_batches: int,
-                token_limit: float) -> np.ndarray | None:
+                token_limit: float, deadline: float | None = None) -> np.ndarray | None:
     """Longest first, each sequence to the micro-batch with the least weight that still has memory.
 
-    Returns None when some sequence finds no micro-batch with room.
+    Returns None when some sequence finds no micro-batch with room. Skipping full micro-batches
+    can make one call quadratic, so it raises ``OutOfTime`` once past ``deadline``.
     """
     heap = [(0.0, m) for m in range(num_micro_batches)]
     used = np.zeros(num_micro_batches)
     out = np.empty(len(order), dtype=np.int64)
+    pops = 0
     for i in order:
         skipped = []
         while heap:
+            pops += 1
+            if pops % 4096 == 0:
+                check_deadline(deadline)
             load, m = heapq.heappop(heap)
             if used[m] + tokens[i] <= token_limit:
                 break

@@ -38,7 +38,15 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
         members.append(ids)
     owner, member = np.concatenate(owners), np.concatenate(members)
     order = np.argsort(owner, kind="stable")
-    return np.split(member[order], np.cumsum(np.bincount(owner, minlength=num_groups))[:-1])
+    return split_at(member[order], np.bincount(owner, minlength=num_groups))
+
+
+def split_at(values: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
+    """``values`` cut into consecutive pieces of ``sizes`` (``np.split`` without its per-piece
+    overhead, which dominates with tens of thousands of groups)."""
+    ends = np.cumsum(sizes).tolist()
+    starts = [0] + ends[:-1]
+    return [values[a:b] for a, b in zip(starts, ends)]
 
 
 def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> list[np.ndarray] | None:
@@ -68,12 +76,15 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
 
 
 def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
-              costs: DegreeCosts) -> list[GroupAssignment]:
-    """Real-length groups for one micro-batch: the better of the dealt and the rebalanced version."""
+              costs: DegreeCosts, rebalanced: bool = True) -> list[GroupAssignment]:
+    """Real-length groups for one micro-batch: the better of the dealt and (``rebalanced``) the
+    rebalanced version."""
     packing = packing.expanded()
+    if len(packing.degree_idx) == 1:                    # one group: nothing to deal or balance
+        return [GroupAssignment(int(costs.degrees[packing.degree_idx[0]]), np.sort(seq_ids))]
     dealt = fill_groups(packing, seq_ids, bucket_of, lengths, costs)
     best = dealt
-    lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs)
+    lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs) if rebalanced else None
     if lpt is not None:
         dealt_max = group_loads(dealt, packing.degree_idx, lengths, costs).max()
         if group_loads(lpt, packing.degree_idx, lengths, costs).max() < dealt_max:

@@ -175,6 +175,14 @@ class MicroBatchPacker:
         return (packing.counts * np.where(packing.counts > 0, per_seq, 0.0)).sum(axis=1)
 
     # --- search -------------------------------------------------------------------------------
+    def pack_memory(self, counts: np.ndarray) -> BinPacking | None:
+        """The packing at an unbounded makespan (memory alone): one pass, cached; the upper end of
+        ``solve``'s bisection, and a valid packing when there is no time to bisect."""
+        key = b"m" + np.asarray(counts, dtype=np.int64).tobytes()
+        if key not in self._cache:
+            self._cache[key] = self.pack(counts, math.inf)
+        return self._cache[key]
+
     def solve(self, counts: np.ndarray, rel_tol: float = 2e-3, max_iter: int = 40) -> BinPacking | None:
         """Bisect the makespan; None when no makespan fits the micro-batch into N GPUs (memory).
 
@@ -189,7 +197,7 @@ class MicroBatchPacker:
         lo = self.lower_bound(counts)
         if lo == 0.0:
             return None
-        best = self.pack(counts, math.inf)   # memory alone decides whether any makespan works
+        best = self.pack_memory(counts)      # memory alone decides whether any makespan works
         if best is None:
             return None
         hi = best.makespan

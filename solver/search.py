@@ -27,12 +27,20 @@ import numpy as np
 from . import blaster
 from .bucketing import Buckets, dp_buckets
 from .costs import DegreeCosts
+from .counting import OutOfTime, search_count
 from .materialize import to_groups
 from .milp import solve_milp
 from .packing import BinPacking, MicroBatchPacker
 from .schedule import Schedule, group_times
+from .tighten import tighten
 
 
+# Share of the time left after the greedy plan that the split search may use; the rest turns its
+# splits into real groups.
+SEARCH_SHARE = 0.5
+# Per-micro-batch re-packing in ``refine``: (buckets at the default num_buckets=16, estimate).
+# Measured on the scale settings: 48 buckets with upper times fix most long-sequence groups.
+REFINE_VARIANTS = ((16, "mean"), (48, "upper"))
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
 MAX_PER_SEQUENCE_SPLITS = 8192
 
@@ -102,16 +110,24 @@ class BatchSearch:
         flat = assignment * self.num_buckets + self.buckets.index
         return np.bincount(flat, minlength=num_mb * self.num_buckets).reshape(num_mb, self.num_buckets)
 
-    def evaluate(self, assignment: np.ndarray) -> Split | None:
+    def evaluate(self, assignment: np.ndarray, memory_only: bool = False) -> Split | None:
+        """Pack every micro-batch (identical micro-batches once); None when one does not fit.
+
+        ``memory_only`` (or a deadline that has passed) packs at an unbounded makespan: one pass
+        per micro-batch instead of a bisection, still a valid split, used to find the count."""
         num_mb = int(assignment.max()) + 1
-        packings = []
-        for row in self.counts(assignment, num_mb):
+        rows, inverse = np.unique(self.counts(assignment, num_mb), axis=0, return_inverse=True)
+        solved = []
+        for row in rows:
             if not row.any():
+                solved.append(None)
                 continue
-            packing = self.packer.solve(row)
+            fast = memory_only or self.out_of_time()
+            packing = self.packer.pack_memory(row) if fast else self.packer.solve(row)
             if packing is None:
                 return None
-            packings.append(packing)
+            solved.append(packing)
+        packings = [solved[i] for i in inverse.ravel() if solved[i] is not None]
         # renumber micro-batches densely (an empty one may have been dropped)
         used = np.unique(assignment)
         return Split(np.searchsorted(used, assignment), packings)
@@ -125,27 +141,41 @@ class BatchSearch:
                                         self.num_gpus, self.cluster_tokens)
 
     def first_split(self) -> Split:
-        """The greedy plan: the paper's consecutive split at the fewest micro-batches that pack,
-        or a few points of the makespan sweep, whichever estimates faster."""
-        num_mb = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
-        best = None
-        while best is None:
-            for assignment in (blaster.consecutive(self.order, self.seq_tokens, num_mb),
-                               blaster.consecutive(self.order, self.seq_area, num_mb)):
-                split = self.evaluate(assignment)
-                if split is not None:
-                    best = split
-                    break
-            num_mb += 1
+        """The greedy plan: the best of the makespan sweep's memory-only point (one pass, found
+        first so a plan exists however soon the deadline falls), the paper's consecutive split at
+        the fewest micro-batches that pack, and a few more sweep points, while time remains.
+
+        The consecutive split's count is searched, not stepped: galloping up from the memory
+        bound, then bisection, on memory-only packings (O(log gap) splits); only the chosen split
+        is packed by bisection."""
+        best = self.arranged_split(math.inf, must_finish=True)
+        lo = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
+
+        def fits(num_mb: int) -> bool:
+            if self.out_of_time():
+                raise OutOfTime
+            return self.evaluate(blaster.consecutive(self.order, self.seq_tokens, num_mb), memory_only=True) is not None
+
+        try:
+            count = search_count(fits, lo, len(best.packings))
+        except OutOfTime:
+            return best
+        for weights in (self.seq_tokens, self.seq_area):
+            if self.out_of_time():
+                return best
+            split = self.evaluate(blaster.consecutive(self.order, weights, count))
+            if split is not None and split.makespan < best.makespan:
+                best = split
         for split in self.arranged_candidates(points=3, low_points=0):
             if split.makespan < best.makespan:
                 best = split
         return best
 
-    def arranged_split(self, makespan: float) -> Split | None:
+    def arranged_split(self, makespan: float, must_finish: bool = False) -> Split | None:
         """Pack the whole batch into groups of at most ``makespan`` (any number of GPUs), then deal
         the groups, slowest first, into micro-batches of N GPUs (first fit). One pass finds the
-        micro-batch count and the split together; sweeping ``makespan`` trades the two.
+        micro-batch count and the split together; sweeping ``makespan`` trades the two. Past the
+        deadline it gives up (None) unless ``must_finish``, and skips re-packing micro-batches.
 
         First fit runs on group classes: per degree, a pointer to the first micro-batch with room
         only moves forward (room only shrinks), so dealing costs O(classes + micro-batches)."""
@@ -173,11 +203,14 @@ class BatchSearch:
             first_with_room[d] = m
         rows, packings = [], []
         for mine in pieces:
+            late = self.out_of_time()
+            if late and not must_finish:
+                return None
             cls = np.array([c for c, _ in mine])
             mult = np.array([q for _, q in mine])
             arranged = BinPacking(packing.degree_idx[cls], packing.counts[cls], float(times[cls].max()) + self.costs.beta1, mult)
             row = arranged.total_counts()
-            resolved = self.packer.solve(row)
+            resolved = None if late else self.packer.solve(row)
             packings.append(resolved if resolved is not None and resolved.makespan < arranged.makespan else arranged)
             rows.append(row)
         return Split(self.assign_from_counts(np.array(rows)), packings)
@@ -192,6 +225,8 @@ class BatchSearch:
         low_points = points // 3 if low_points is None else low_points
         budgets = np.concatenate([np.geomspace(critical, hi, points), np.geomspace(0.1 * hi, critical, low_points + 1)[:-1]])
         for budget in budgets:
+            if self.out_of_time():
+                return
             makespan = beta1 + float(budget)
             split = self.arranged_split(makespan)
             if split is not None:
@@ -207,8 +242,8 @@ class BatchSearch:
             if split.makespan < best.makespan:
                 best = split
         lo = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
-        first_mb = len(best.packings)
-        for num_mb in range(lo, max(lo, first_mb) + self.options.extra_micro_batches + 1):
+        first_mb, extra = len(best.packings), self.options.extra_micro_batches
+        for num_mb in range(max(lo, first_mb - extra), max(lo, first_mb) + extra + 1):   # a window, not every count
             if num_mb > len(self.lengths):
                 break
             for assignment in self.candidates(num_mb):
@@ -308,25 +343,32 @@ class BatchSearch:
 
     def refine(self, schedule: Schedule) -> Schedule:
         """Re-pack each micro-batch on buckets of its own sequences: a micro-batch spans a narrower
-        range of lengths than the batch, so its own 16 buckets round far less (the paper buckets
-        per micro-batch). Keeps a micro-batch's new groups only when they are faster."""
+        range of lengths than the batch, so its own buckets round far less (the paper buckets per
+        micro-batch). Two variants: its own 16 buckets with mean times (unbiased for groups of
+        many sequences), and 48 with upper times (never below the real time, so the bisected
+        makespan holds for groups of one or two long sequences). Keeps a micro-batch's new groups only when faster,
+        then ``tighten``s its slowest groups (larger degree, merge, or move a sequence)."""
         micro_batches = list(schedule.micro_batches)
         for m, groups in enumerate(micro_batches):
-            if self.out_of_time():
-                break
             ids = np.concatenate([g.seq_ids for g in groups])
-            local = dp_buckets(self.lengths[ids], self.options.num_buckets)
-            if len(local.upper) == 1 and len(groups) == 1:
-                continue
-            times = mean_bucket_times(self.lengths[ids], local, self.costs)
-            packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
-            if packing is None:
-                continue
-            bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
-            bucket_of[ids] = local.index
-            new = tuple(to_groups(packing, ids, bucket_of, self.lengths, self.costs))
-            if group_times(new, self.lengths, self.costs).max() < group_times(groups, self.lengths, self.costs).max():
-                micro_batches[m] = new
+            current = group_times(groups, self.lengths, self.costs).max()
+            for num_buckets, estimate in REFINE_VARIANTS:
+                if self.out_of_time():
+                    return Schedule(tuple(micro_batches))
+                local = dp_buckets(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
+                if len(local.upper) == 1 and len(groups) == 1:
+                    break
+                times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
+                packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
+                if packing is None:
+                    continue
+                bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
+                bucket_of[ids] = local.index
+                new = tuple(to_groups(packing, ids, bucket_of, self.lengths, self.costs))
+                new_time = group_times(new, self.lengths, self.costs).max()
+                if new_time < current:
+                    micro_batches[m], current = new, new_time
+            micro_batches[m] = tighten(micro_batches[m], self.lengths, self.costs, self.num_gpus, self.deadline)
         return Schedule(tuple(micro_batches))
 
     def remaining(self) -> float:
@@ -334,15 +376,21 @@ class BatchSearch:
 
     # --- output -------------------------------------------------------------------------------
     def schedule(self, split: Split) -> Schedule:
+        """Real-length groups for every micro-batch (without the per-sequence rebalancing once the
+        deadline has passed)."""
         micro_batches = []
+        by_mb = np.argsort(split.assignment, kind="stable")
+        bounds = np.searchsorted(split.assignment[by_mb], np.arange(len(split.packings) + 1))
         for m, packing in enumerate(split.packings):
-            seq_ids = np.flatnonzero(split.assignment == m)
-            micro_batches.append(tuple(to_groups(packing, seq_ids, self.buckets.index, self.lengths, self.costs)))
+            seq_ids = by_mb[bounds[m]:bounds[m + 1]]
+            micro_batches.append(tuple(to_groups(packing, seq_ids, self.buckets.index, self.lengths, self.costs,
+                                                 rebalanced=not self.out_of_time())))
         return Schedule(tuple(micro_batches))
 
 
-def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions()) -> Schedule:
-    search = BatchSearch(lengths, costs, num_gpus, options)
+def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
+           deadline: float | None = None) -> Schedule:
+    search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     return search.schedule(search.first_split())
 
 
@@ -351,30 +399,45 @@ def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
     """The best of: the greedy split, the searched splits, the MILP where it runs, and the plans of
     ``fallbacks`` (other strategies), all scored on real lengths.
 
-    The best split on bucketed estimates is turned into real groups first (the costly step on big
-    batches), the runners-up while time remains. The greedy split always runs (it is the floor);
-    everything after it, fallbacks included, only while time remains, so a binding ``time_limit``
-    returns the best plan so far.
+    The greedy split is turned into real groups and refined first, so a good plan exists early
+    (bucketed estimates can rank splits wrongly by a few percent; real lengths decide). The search
+    then runs on part of the remaining time, keeping the rest to materialise what it found; every
+    step after the greedy split runs only while time remains, so a binding ``time_limit`` returns
+    the best plan so far.
     """
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
-    splits = [search.first_split()]
+    score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
+    started = time.perf_counter()
+    first = search.first_split()
+    best = search.refine(search.schedule(first))
+    best_time = score(best)
+    # what one whole plan cost: a fallback (another strategy's full plan) is started only when
+    # at least that much time is left, so it cannot run far past the deadline
+    plan_cost = time.perf_counter() - started
     if not search.out_of_time():
-        splits.append(search.best_split(splits[0]))
+        spent = time.perf_counter()
+        # the search gets half of what is left: materialising and refining its result costs
+        # about as much as it took to do the same for the greedy split
+        search.deadline, final = spent + SEARCH_SHARE * search.remaining(), search.deadline
+        splits = [search.best_split(first)]
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(splits[-1]))
-    splits.sort(key=lambda split: split.makespan)
-    candidates = [search.schedule(splits[0])]
-    for split in splits[1:]:               # real lengths may rank the runners-up first
-        if not search.out_of_time():
-            candidates.append(search.schedule(split))
+        search.deadline = final
+        for split in sorted(splits, key=lambda split: split.makespan):
+            if search.out_of_time():
+                break
+            if split is first:
+                continue
+            candidate = search.refine(search.schedule(split))
+            if score(candidate) < best_time:
+                best, best_time = candidate, score(candidate)
     for fallback in fallbacks:
-        if not search.out_of_time():
-            candidates.append(fallback())
-    best = min(candidates, key=lambda s: s.time(search.lengths, costs))
-    if not search.out_of_time():
-        best = search.refine(best)
+        if search.remaining() > plan_cost:
+            candidate = fallback()
+            if score(candidate) < best_time:
+                best, best_time = candidate, score(candidate)
     if len(lengths) <= options.exact_max_sequences or options.milp_time_limit > 0:
         polished = search.milp(best)
-        if polished is not None and polished.time(search.lengths, costs) < best.time(search.lengths, costs):
+        if polished is not None and score(polished) < best_time:
             best = polished
     return best

@@ -1,0 +1,93 @@
+"""Lower one micro-batch's makespan by working on its slowest group, on real lengths.
+
+The packer bisects a makespan on bucketed estimates; once real sequences are placed, a few groups
+(often one long sequence alone in a small group) run past the rest while most GPUs idle. Each step
+takes the slowest group and tries, costed for every group at once with numpy:
+
+* **promote** it to the next larger degree when the micro-batch has that many GPUs free;
+* **merge** it with the fastest group of its degree into one group of twice the degree (same GPUs,
+  both groups' sequences: the long sequence now runs on twice the GPUs);
+* **move** one of its sequences to the group that would finish earliest with it and has memory.
+
+A step is kept only when every group it changes ends faster than the slowest group did, so the
+makespan never rises; it stops when the slowest group cannot be helped or at the deadline.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .costs import DegreeCosts
+from .schedule import GroupAssignment, group_loads
+
+MAX_STEPS = 256             # steps per micro-batch (each O(groups x moved candidates))
+MAX_MOVE_CANDIDATES = 16    # longest sequences of the slowest group considered for a move
+
+
+def tighten(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: DegreeCosts, num_gpus: int,
+            deadline: float | None = None) -> tuple[GroupAssignment, ...]:
+    """The micro-batch with its slowest groups promoted, merged or relieved while that helps."""
+    index = {d: k for k, d in enumerate(costs.degrees)}
+    members = [np.asarray(g.seq_ids) for g in groups]
+    deg = np.array([index[g.degree] for g in groups], dtype=np.int64)
+    degrees = np.asarray(costs.degrees)
+    capacity = np.asarray(costs.capacity)
+    loads = group_loads(members, deg, lengths, costs)
+    owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    tokens = np.bincount(owner, weights=lengths[np.concatenate(members)].astype(np.float64), minlength=len(members))
+    for _ in range(MAX_STEPS):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        s = int(loads.argmax())
+        worst = loads[s] * (1 - 1e-9)
+        best = None                                            # (new max of changed groups, action)
+        free = num_gpus - int(degrees[deg].sum())
+        k = deg[s]
+        if k + 1 < len(degrees) and free >= degrees[k + 1] - degrees[k]:
+            t = float(costs.seconds(lengths[members[s]], k + 1).sum())
+            if t < worst:
+                best = (t, ("promote", s))
+        if k + 1 < len(degrees) and degrees[k + 1] == 2 * degrees[k]:
+            same = np.flatnonzero(deg == k)
+            same = same[same != s]
+            if same.size:
+                h = int(same[loads[same].argmin()])
+                t = float(costs.seconds(lengths[np.concatenate([members[s], members[h]])], k + 1).sum())
+                if t < worst and (best is None or t < best[0]):
+                    best = (t, ("merge", s, h))
+        mine = members[s]
+        if len(members) > 1 and len(mine) > 1:
+            cand = mine[np.argsort(-lengths[mine], kind="stable")[:MAX_MOVE_CANDIDATES]]
+            add = costs.seconds(lengths[cand][:, None].astype(np.float64), deg[None, :])     # [C, G]
+            after = loads[None, :] + add
+            room = tokens[None, :] + lengths[cand][:, None] <= capacity[deg][None, :]
+            after[~room] = np.inf
+            after[:, s] = np.inf
+            left = loads[s] - costs.seconds(lengths[cand].astype(np.float64), k)           # [C]
+            score = np.maximum(after, left[:, None])
+            c, j = np.unravel_index(int(score.argmin()), score.shape)
+            if score[c, j] < worst and (best is None or score[c, j] < best[0]):
+                best = (float(score[c, j]), ("move", s, int(j), int(cand[c])))
+        if best is None:
+            break
+        action = best[1]
+        if action[0] == "promote":
+            deg[s] = k + 1
+            loads[s] = best[0]
+        elif action[0] == "merge":
+            h = action[2]
+            members[s] = np.concatenate([members[s], members[h]])
+            deg[s], loads[s], tokens[s] = k + 1, best[0], tokens[s] + tokens[h]
+            del members[h]
+            deg, loads, tokens = np.delete(deg, h), np.delete(loads, h), np.delete(tokens, h)
+        else:
+            _, s, j, seq = action
+            members[s] = members[s][members[s] != seq]
+            members[j] = np.append(members[j], seq)
+            length = float(lengths[seq])
+            loads[s] -= float(costs.seconds(length, deg[s]))
+            loads[j] += float(costs.seconds(length, deg[j]))
+            tokens[s] -= length
+            tokens[j] += length
+    return tuple(GroupAssignment(int(degrees[k]), np.sort(m)) for m, k in zip(members, deg) if len(m))
