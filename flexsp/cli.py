@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from fractions import Fraction
@@ -44,6 +45,16 @@ def _count(minimum: int):
     return parse
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, e.g. 2, got {text!r}")
+    return value
+
+
 def _megabytes(text: str) -> float:
     try:
         value = float(text)
@@ -65,7 +76,7 @@ def _cost_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=_count(1), default=64, help="number of GPUs (default 64)")
     parser.add_argument("--gpus-per-node", type=_count(1), default=8)
     parser.add_argument("--context", type=parse_tokens, default=384 * 1024, help="context limit (default 384K)")
-    parser.add_argument("--time-limit", type=float, default=2.0, help="solver seconds per batch (default 2)")
+    parser.add_argument("--time-limit", type=_seconds, default=2.0, help="solver seconds per batch (default 2)")
     parser.add_argument("--communicator-memory", type=_megabytes, nargs="?", const=COMMUNICATOR_BYTES / 2**20,
                         default=None, metavar="MIB",
                         help="subtract the memory of the SP communicators each rank holds (one per degree > 1 in "
