@@ -149,9 +149,9 @@ def run_simulate(args) -> int:
     from .simulate import describe, format_communicator_memory, format_table, simulate
     _outputs((args.json, "--json"), (args.plot, "--plot"), (args.gantt, "--gantt"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
+    strategies = _strategies(args, cluster)
     cost = _cost(args)
     distribution = get_distribution(args.dataset)
-    strategies = _strategies(args, cluster)
     sim = simulate(distribution, cost, cluster, strategies, steps=args.steps, batch_size=args.batch_size,
                    context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet,
                    communicator_bytes=_communicator_bytes(args))
