@@ -229,9 +229,10 @@ class CostModel:
         out = {name: getattr(self, name) for name in _COEFFICIENTS}
         out["alltoall_bandwidth"] = {str(d): bw for d, bw in self.alltoall_bandwidth.items()}
         out["meta"] = dict(self.meta)
-        if self.heads is not None:
-            out.update(heads=self.heads, kv_heads=self.kv_heads, ring_bytes_per_token=self.ring_bytes_per_token,
-                       ring_bandwidth=self.ring_bandwidth)
+        for name, default in (("heads", None), ("kv_heads", None), ("ring_bytes_per_token", 0.0),
+                              ("ring_bandwidth", None)):
+            if getattr(self, name) != default:      # written when set, so every model round-trips exactly
+                out[name] = getattr(self, name)
         return out
 
     @classmethod

@@ -126,7 +126,7 @@ class Plan:
             raise PlanError(f"sequence {all_ids[first]} is planned twice "
                             f"(micro-batches {mb_of[first]} and {mb_of[second]})")
         if lengths is not None:
-            lengths = as_lengths(lengths)
+            lengths = as_lengths(lengths if isinstance(lengths, (list, tuple, np.ndarray)) else np.asarray(lengths))
             extra = np.sort(all_ids[(all_ids < 0) | (all_ids >= len(lengths))])
             if extra.size:
                 raise PlanError(f"sequence ids {_short(extra.tolist())} do not exist (batch has {len(lengths)})")
@@ -194,9 +194,8 @@ class Plan:
         outside = (ranks < 0) | (ranks >= n)
         fail(np.bincount(owner, weights=outside, minlength=len(degrees)) > 0,
              lambda j: f"rank {ranks[owner == j][outside[owner == j]][0]} is outside 0..{n - 1}")
-        seen = np.zeros(n, dtype=np.int64)
-        np.add.at(seen, ranks, 1)
-        twice = seen[ranks] > 1
+        _, where, counts = np.unique(ranks, return_inverse=True, return_counts=True)   # O(ranks), not O(num_gpus)
+        twice = counts[where] > 1
         fail(np.bincount(owner, weights=twice, minlength=len(degrees)) > 0,
              lambda j: f"rank {ranks[owner == j][twice[owner == j]][0]} is used by two groups of the same micro-batch")
         if aligned:
