@@ -19,6 +19,11 @@ KV width after the Ulysses split (GQA kv heads are replicated, never split, belo
 
 Constructors for the paper's presets and for a model + hardware description live in
 ``flexsp.presets`` and ``flexsp.analytic``; they all build this one object.
+
+Every coefficient is checked when the model is built (a named ``CostModelError``, never a bare
+exception), and so is the range of the times it can produce for the lengths it will see
+(``check_range``): a user's unit slip (ms for s, MB for bytes) is refused before a solver divides
+by a time that underflowed or sums times that overflowed. Capacities are integers of tokens.
 """
 from __future__ import annotations
 
@@ -200,6 +205,7 @@ class CostModel:
 
     def min_degree(self, length: int) -> int:
         """Smallest power-of-two degree whose group holds ``length`` tokens alone."""
+        length = integer(length, "length", CostModelError)
         degree = 1
         while self.group_capacity(degree) < length:
             degree *= 2
