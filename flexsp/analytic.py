@@ -137,5 +137,6 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
         ring_bytes_per_token=3 * model.layers * 2 * kv_dim * 2,
         ring_bandwidth=gpu.inter_node_bandwidth,
         meta={"source": "analytic", "model": asdict(model), "gpu": asdict(gpu), "num_gpus": num_gpus,
-              "gpus_per_node": gpus_per_node, "zero_stage": zero_stage, "recompute": recompute},
+              "gpus_per_node": gpus_per_node, "zero_stage": zero_stage, "recompute": recompute,
+              "activation_bytes_per_token": act_per_token},
     )

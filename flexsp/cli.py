@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
+from fractions import Fraction
 from pathlib import Path
 
+from .checks import writable_file
 from .cluster import Cluster
+from .communicators import COMMUNICATOR_BYTES, describe_reservation, reserve_communicators
 from .cost import CostModel
 from .errors import FlexSPError
 from .lengths import get_distribution, load_lengths
@@ -17,12 +21,48 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
 
 def parse_tokens(text: str) -> int:
-    """``393216``, ``384K`` (x1024) or ``2M`` (x1024^2)."""
+    """``393216``, ``384K`` (x1024) or ``2M`` (x1024^2): a whole, positive number of tokens."""
     match = _SIZE.match(str(text))
     if not match:
         raise argparse.ArgumentTypeError(f"expected a token count like 393216, 384K or 2M, got {text!r}")
-    value, unit = float(match.group(1)), match.group(2).lower()
-    return int(value * {"": 1, "k": 1024, "m": 1024 ** 2}[unit])
+    value = Fraction(match.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[match.group(2).lower()]
+    if value.denominator != 1 or value < 1 or value > 2**62:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens >= 1 (like 393216, 384K or 1.5M), "
+                                         f"got {text!r}")
+    return int(value)
+
+
+def _count(minimum: int):
+    """argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, e.g. 2, got {text!r}")
+    return value
+
+
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB per communicator, e.g. 512, got {text!r}") from None
+    if not (value >= 0 and value < 2**40):
+        raise argparse.ArgumentTypeError(f"MiB per communicator must be >= 0 and finite, got {text!r}")
+    return value
 
 
 def _cost_args(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +73,15 @@ def _cost_args(parser: argparse.ArgumentParser) -> None:
                        help="analytic cost model, e.g. llama-7b:h100-80gb (models: llama-7b, llama-13b, llama3-8b, "
                             "llama3-70b; GPUs: a100-40gb, a100-80gb, h100-80gb); degrees above the head count are "
                             "Ulysses x ring hybrids")
-    parser.add_argument("--gpus", type=int, default=64, help="number of GPUs (default 64)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpus", type=_count(1), default=64, help="number of GPUs (default 64)")
+    parser.add_argument("--gpus-per-node", type=_count(1), default=8)
     parser.add_argument("--context", type=parse_tokens, default=384 * 1024, help="context limit (default 384K)")
-    parser.add_argument("--time-limit", type=float, default=2.0, help="solver seconds per batch (default 2)")
+    parser.add_argument("--time-limit", type=_seconds, default=2.0, help="solver seconds per batch (default 2)")
+    parser.add_argument("--communicator-memory", type=_megabytes, nargs="?", const=COMMUNICATOR_BYTES / 2**20,
+                        default=None, metavar="MIB",
+                        help="subtract the memory of the SP communicators each rank holds (one per degree > 1 in "
+                             f"the pool) from the token capacity; MiB each (default {COMMUNICATOR_BYTES // 2**20}, "
+                             "see flexsp/communicators.py)")
 
 
 def _cost(args) -> CostModel:
@@ -56,12 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--dataset", default="wikipedia",
                      help="wikipedia (bundled), github or commoncrawl (approximations), or a lengths file")
     _cost_args(sim)
-    sim.add_argument("--batch-size", type=int, default=512, help="sequences per global batch (default 512)")
-    sim.add_argument("--steps", type=int, default=10, help="simulated steps (default 10)")
+    sim.add_argument("--batch-size", type=_count(1), default=512, help="sequences per global batch (default 512)")
+    sim.add_argument("--steps", type=_count(1), default=10, help="simulated steps (default 10)")
     sim.add_argument("--strategies", default=None,
                      help="comma list, e.g. flexsp,batchada,static:64,flexsp[1,8,64] (a [...] suffix restricts "
                           "the SP degrees; default: all strategies, static at N and N/2)")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--seed", type=_count(0), default=0)
     sim.add_argument("--json", type=Path, help="write the full results as JSON")
     sim.add_argument("--plot", type=Path, help="write step times per strategy as PNG")
     sim.add_argument("--gantt", type=Path, help="write the first step's FlexSP plan as a Gantt chart PNG")
@@ -71,27 +116,53 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("lengths", type=Path, help="lengths file (.txt, .txt.gz or .npy)")
     _cost_args(plan)
     plan.add_argument("--strategy", default="flexsp")
-    plan.add_argument("--sp-degree", type=int, help="degree for --strategy static")
+    plan.add_argument("--sp-degree", type=_count(1), help="degree for --strategy static")
     plan.add_argument("-o", "--output", type=Path, default=Path("plan.json"))
     profile_cli.add_parser(sub)
     return parser
 
 
+def _strategies(args, cluster: Cluster) -> list[str]:
+    """--strategies, each name checked before any solving."""
+    from .planner import STRATEGIES
+    from .simulate import default_strategies, parse_strategy, parse_strategy_list
+    if args.strategies is None:
+        return default_strategies(cluster)
+    names = parse_strategy_list(args.strategies)
+    if not names:
+        raise FlexSPError(f"--strategies {args.strategies!r} names no strategy; e.g. flexsp,batchada,static:64 "
+                          f"(strategies: {', '.join(STRATEGIES)})")
+    for name in names:
+        if parse_strategy(name).strategy not in STRATEGIES:
+            raise FlexSPError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)} "
+                              f"(static:D pins a degree, a [1,8,64] suffix restricts degrees)")
+    return names
+
+
+def _outputs(*pairs: tuple[Path | None, str]) -> None:
+    for path, what in pairs:
+        if path is not None:
+            writable_file(path, what, FlexSPError)
+
+
 def run_simulate(args) -> int:
-    from .simulate import default_strategies, describe, format_table, parse_strategy_list, simulate
+    from .simulate import describe, format_communicator_memory, format_table, simulate
+    _outputs((args.json, "--json"), (args.plot, "--plot"), (args.gantt, "--gantt"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
+    strategies = _strategies(args, cluster)
     cost = _cost(args)
     distribution = get_distribution(args.dataset)
-    strategies = parse_strategy_list(args.strategies) if args.strategies else default_strategies(cluster)
     sim = simulate(distribution, cost, cluster, strategies, steps=args.steps, batch_size=args.batch_size,
-                   context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet)
+                   context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet,
+                   communicator_bytes=_communicator_bytes(args))
     print(describe(sim))
     print(f"cost model: {cost.meta.get('preset') or cost.meta.get('source') or 'custom'}, "
           f"token capacity {cost.token_capacity:.0f} per GPU")
     print(format_table(sim))
+    if args.communicator_memory is not None:
+        print(format_communicator_memory(sim))
     if args.json:
-        args.json.write_text(json.dumps(sim.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.json}")
+        _write(args.json, json.dumps(sim.to_dict(), indent=1) + "\n")
     if args.plot or args.gantt:
         from .plots import plot_gantt, plot_step_times
         if args.plot:
@@ -104,14 +175,30 @@ def run_simulate(args) -> int:
 
 def run_plan(args) -> int:
     from .planner import plan_batch
+    _outputs((args.output, "-o/--output"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
     lengths = load_lengths(args.lengths)
-    plan = plan_batch(lengths, _cost(args), cluster, args.strategy, sp_degree=args.sp_degree, time_limit=args.time_limit)
-    plan.save(args.output)
+    cost = _cost(args)
+    if args.communicator_memory is not None:
+        cost = reserve_communicators(cost, cluster.degrees, _communicator_bytes(args))
+        print(describe_reservation(cost))
+    plan = plan_batch(lengths, cost, cluster, args.strategy, sp_degree=args.sp_degree, time_limit=args.time_limit)
     print(f"{args.strategy}: {len(lengths)} sequences -> {len(plan.micro_batches)} micro-batches, "
           f"groups {plan.degree_histogram()}, predicted {plan.predicted_time:.3f} s, solved in {plan.solve_time:.2f} s")
-    print(f"wrote {args.output}")
+    _write(args.output, plan.to_json() + "\n")
     return 0
+
+
+def _communicator_bytes(args) -> float | None:
+    return None if args.communicator_memory is None else args.communicator_memory * 2**20
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise FlexSPError(f"cannot write {path}: {exc.strerror or exc}") from None
+    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

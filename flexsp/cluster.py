@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .checks import integer
 from .errors import ClusterError
+
+MAX_GPUS = 2**40    # far above any cluster; keeps every per-rank array the planner builds small
 
 
 def is_power_of_two(value: int) -> bool:
@@ -24,11 +27,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpus_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ClusterError(f"{name} must be an integer, got {value!r}")
-            if value < 1:
-                raise ClusterError(f"{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, integer(getattr(self, name), name, ClusterError, maximum=MAX_GPUS))
         if not is_power_of_two(self.gpus_per_node):
             raise ClusterError(
                 f"gpus_per_node must be a power of two so aligned SP groups stay inside nodes, "

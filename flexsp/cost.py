@@ -19,12 +19,17 @@ KV width after the Ulysses split (GQA kv heads are replicated, never split, belo
 
 Constructors for the paper's presets and for a model + hardware description live in
 ``flexsp.presets`` and ``flexsp.analytic``; they all build this one object.
+
+Every coefficient is checked when the model is built (a named ``CostModelError``, never a bare
+exception), and so is the range of the times it can produce for the lengths it will see
+(``check_range``): a user's unit slip (ms for s, MB for bytes) is refused before a solver divides
+by a time that underflowed or sums times that overflowed. Capacities are integers of tokens.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -32,14 +37,32 @@ import numpy as np
 
 from solver.costs import DegreeCosts, seconds
 
+from .checks import exact_sum, integer, number, read_json
 from .cluster import is_power_of_two
 from .errors import CostModelError
+from .lengths import as_lengths
+
+MAX_GROUP_TOKENS = 2**52      # tokens one group may hold: float64 counts every sum of them exactly
+MAX_SECONDS = 1e150           # longest time one group may take (times, sums and ratios stay finite)
+MIN_SECONDS = 1e-150          # shortest time one token may take
+MIN_SHARE_OF_BETA1 = 2.0**-40  # ... relative to beta1, so that beta1 + t != beta1 in float64
 
 def _as_array(lengths: Iterable[int]) -> np.ndarray:
     return np.asarray(lengths if isinstance(lengths, np.ndarray) else list(lengths), dtype=np.float64)
 
 
 _COEFFICIENTS = ("alpha1", "alpha2", "beta1", "comm_bytes_per_token", "token_capacity")
+
+
+def _degree_key(key: Any) -> int:
+    """An alltoall_bandwidth key: an integer power of two, or its decimal string (JSON keys are strings)."""
+    if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 20:
+        key = int(key)
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+        raise CostModelError(f"alltoall_bandwidth keys must be integer SP degrees, got {key!r}")
+    if not is_power_of_two(int(key)) or key > 2**40:
+        raise CostModelError(f"alltoall_bandwidth has degree {key}, which is not a power of two (1, 2, 4, ...)")
+    return int(key)
 
 
 @dataclass(frozen=True)
@@ -61,37 +84,67 @@ class CostModel:
             value = getattr(self, name)
             if value is None:
                 raise CostModelError(f"cost model coefficient {name} is missing")
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise CostModelError(f"cost model coefficient {name} must be a number, got {value!r}") from None
-            if not math.isfinite(value) or value < 0:
-                raise CostModelError(f"cost model coefficient {name} must be finite and >= 0, got {value}")
-            object.__setattr__(self, name, value)
-        if self.token_capacity <= 0:
-            raise CostModelError(f"token_capacity must be > 0, got {self.token_capacity}")
+            object.__setattr__(self, name, number(value, f"cost model coefficient {name}", CostModelError))
+        if self.token_capacity < 1:
+            raise CostModelError(f"token_capacity must be >= 1 token per GPU, got {self.token_capacity}")
+        if self.token_capacity > MAX_GROUP_TOKENS:
+            raise CostModelError(f"token_capacity {self.token_capacity:.6g} is above 2**52 tokens per GPU, more than "
+                                 f"the planner counts exactly; give the activation tokens one GPU holds")
         if self.alpha1 == 0 and self.alpha2 == 0:
             raise CostModelError("alpha1 and alpha2 are both 0: every sequence would take no time")
+        table = self.alltoall_bandwidth if self.alltoall_bandwidth is not None else {}
+        if not isinstance(table, Mapping):
+            raise CostModelError(f"alltoall_bandwidth must map SP degree -> bytes/s, got {type(table).__name__}")
         bandwidth: dict[int, float] = {}
-        for degree, value in dict(self.alltoall_bandwidth or {}).items():
-            degree = int(degree)
-            if not is_power_of_two(degree):
-                raise CostModelError(f"alltoall_bandwidth has degree {degree}, which is not a power of two")
-            if value is None or not float(value) > 0 or not math.isfinite(float(value)):
-                raise CostModelError(f"alltoall_bandwidth[{degree}] must be a finite number > 0, got {value!r}")
-            bandwidth[degree] = float(value)
+        for key, value in table.items():
+            degree = _degree_key(key)
+            bandwidth[degree] = number(value, f"alltoall_bandwidth[{degree}]", CostModelError, positive=True)
         object.__setattr__(self, "alltoall_bandwidth", dict(sorted(bandwidth.items())))
+        if self.meta is not None and not isinstance(self.meta, Mapping):
+            raise CostModelError(f"meta must be a mapping (a JSON object) of provenance, got {type(self.meta).__name__}")
         object.__setattr__(self, "meta", dict(self.meta or {}))
         for name in ("heads", "kv_heads"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise CostModelError(f"{name} must be a positive integer or None, got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, integer(value, f"{name} (attention heads; or None)", CostModelError,
+                                                       maximum=2**31))
         if self.heads is not None and self.kv_heads is not None and self.heads % self.kv_heads:
             raise CostModelError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if not (math.isfinite(float(self.ring_bytes_per_token)) and self.ring_bytes_per_token >= 0):
-            raise CostModelError(f"ring_bytes_per_token must be finite and >= 0, got {self.ring_bytes_per_token}")
-        if self.ring_bandwidth is not None and not (math.isfinite(self.ring_bandwidth) and self.ring_bandwidth > 0):
-            raise CostModelError(f"ring_bandwidth must be a finite number > 0, got {self.ring_bandwidth}")
+        object.__setattr__(self, "ring_bytes_per_token",
+                           number(self.ring_bytes_per_token, "ring_bytes_per_token", CostModelError))
+        if self.ring_bandwidth is not None:
+            object.__setattr__(self, "ring_bandwidth", number(self.ring_bandwidth, "ring_bandwidth (bytes/s, or None)",
+                                                              CostModelError, positive=True))
+        self.check_range(d for d in (1, *self.alltoall_bandwidth) if self.split(d)[1] == 1 or self.ring_bandwidth)
+
+    def check_range(self, degrees: Iterable[int]) -> None:
+        """Raise ``CostModelError`` unless every time this model gives at these degrees is representable.
+
+        A group of degree ``d`` sees 1 to ``token_capacity * d`` tokens. Its capacity must be at most
+        2**52 tokens (float64 counts it exactly), the time of a full group at most 1e150 s (sums and
+        ratios of times then stay finite), and one token's time at least 1e-150 s and at least 2**-40
+        of ``beta1`` (a smaller time vanishes when added to the per-group overhead).
+        """
+        for degree in degrees:
+            tokens = self.token_capacity * degree
+            if tokens > MAX_GROUP_TOKENS:
+                raise CostModelError(
+                    f"a group of {degree} GPUs holds token_capacity x {degree} = {tokens:.6g} tokens, above 2**52, "
+                    f"more than the planner counts exactly; lower token_capacity or the largest SP degree")
+            quad, lin, ring = self.coefficients(degree)
+            full = float(math.floor(tokens))
+            longest = lin * full + max(quad * full * full, ring * full) + self.beta1
+            if not longest <= MAX_SECONDS:
+                raise CostModelError(
+                    f"a group of {degree} GPUs at its capacity of {full:.0f} tokens would take {longest:.3g} s, above "
+                    f"{MAX_SECONDS:.0e} s: alpha1/alpha2 are seconds per token^2 / per token, comm_bytes_per_token "
+                    f"bytes and bandwidths bytes/s; check their units")
+            shortest = lin + max(quad, ring)
+            if not (shortest >= MIN_SECONDS and shortest >= self.beta1 * MIN_SHARE_OF_BETA1):
+                raise CostModelError(
+                    f"one token in a group of {degree} GPUs takes {shortest:.3g} s, which vanishes beside "
+                    f"beta1 = {self.beta1:.3g} s (a sequence's time must be at least {MIN_SECONDS:.0e} s and "
+                    f"2**-40 of beta1); check the units of alpha1, alpha2 and beta1")
 
     # --- time ---------------------------------------------------------------------------------
     def bandwidth(self, degree: int) -> float:
@@ -143,23 +196,38 @@ class CostModel:
         return float(np.sum(self.seq_time(_as_array(lengths), degree))) + self.beta1
 
     # --- memory -------------------------------------------------------------------------------
-    def group_capacity(self, degree: int) -> float:
-        """Tokens a group of ``degree`` GPUs can hold."""
-        return self.token_capacity * degree
+    def group_capacity(self, degree: int) -> int:
+        """Tokens a group of ``degree`` GPUs can hold, as an integer (lengths are compared exactly)."""
+        return math.floor(self.token_capacity * degree)   # a power-of-two multiple of a float is exact
 
     def fits(self, lengths: Iterable[int], degree: int) -> bool:
-        return float(np.sum(_as_array(lengths))) <= self.group_capacity(degree)
+        return exact_sum(as_lengths(lengths)) <= self.group_capacity(degree)
 
     def min_degree(self, length: int) -> int:
         """Smallest power-of-two degree whose group holds ``length`` tokens alone."""
-        need = max(1, math.ceil(length / self.token_capacity))
-        return 1 << (need - 1).bit_length()
+        length = integer(length, "length", CostModelError)
+        degree = 1
+        while self.group_capacity(degree) < length:
+            degree *= 2
+        return degree
+
+    @property
+    def activation_bytes_per_token(self) -> float | None:
+        """Activation bytes one token takes on a GPU, where the model records it: ``meta`` key
+        ``activation_bytes_per_token`` (presets, analytic) or a profile's ``meta["memory"]["bytes_per_token"]``."""
+        value = self.meta.get("activation_bytes_per_token")
+        if value is None and isinstance(self.meta.get("memory"), Mapping):
+            value = self.meta["memory"].get("bytes_per_token")
+        return None if value is None else number(value, "meta activation_bytes_per_token", CostModelError,
+                                                 positive=True)
 
     # --- solver view --------------------------------------------------------------------------
     def degree_costs(self, degrees: Iterable[int]) -> DegreeCosts:
         degrees = tuple(sorted(set(int(d) for d in degrees)))
+        self.check_range(degrees)
         quad, lin, ring = zip(*(self.coefficients(d) for d in degrees))
-        return DegreeCosts(degrees=degrees, quad=quad, lin=lin, capacity=tuple(self.group_capacity(d) for d in degrees),
+        return DegreeCosts(degrees=degrees, quad=quad, lin=lin,
+                           capacity=tuple(float(self.group_capacity(d)) for d in degrees),
                            beta1=self.beta1, ring=ring)
 
     # --- JSON ---------------------------------------------------------------------------------
@@ -167,50 +235,87 @@ class CostModel:
         out = {name: getattr(self, name) for name in _COEFFICIENTS}
         out["alltoall_bandwidth"] = {str(d): bw for d, bw in self.alltoall_bandwidth.items()}
         out["meta"] = dict(self.meta)
-        if self.heads is not None:
-            out.update(heads=self.heads, kv_heads=self.kv_heads, ring_bytes_per_token=self.ring_bytes_per_token,
-                       ring_bandwidth=self.ring_bandwidth)
+        for name, default in (("heads", None), ("kv_heads", None), ("ring_bytes_per_token", 0.0),
+                              ("ring_bandwidth", None)):
+            if getattr(self, name) != default:      # written when set, so every model round-trips exactly
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CostModel":
         if not isinstance(data, Mapping):
             raise CostModelError(f"a cost model must be a JSON object, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise CostModelError(f"cost model has unknown keys {unknown} (a typo?); valid keys: {', '.join(known)}")
         missing = [k for k in (*_COEFFICIENTS, "alltoall_bandwidth") if k not in data]
         if missing:
             raise CostModelError(f"cost model is missing {', '.join(missing)}")
-        bandwidth = data["alltoall_bandwidth"]
-        if not isinstance(bandwidth, Mapping):
+        if not isinstance(data["alltoall_bandwidth"], Mapping):
             raise CostModelError("alltoall_bandwidth must be an object mapping degree -> bytes/s")
-        try:
-            bandwidth = {int(d): v for d, v in bandwidth.items()}
-        except ValueError:
-            raise CostModelError(f"alltoall_bandwidth keys must be integer degrees, got {list(bandwidth)}") from None
-        return cls(**{k: data[k] for k in _COEFFICIENTS}, alltoall_bandwidth=bandwidth,
-                   meta=data.get("meta") or {}, heads=data.get("heads"), kv_heads=data.get("kv_heads"),
-                   ring_bytes_per_token=data.get("ring_bytes_per_token") or 0.0,
-                   ring_bandwidth=data.get("ring_bandwidth"))
+        values = dict(data)
+        if values.get("ring_bytes_per_token") is None:
+            values["ring_bytes_per_token"] = 0.0
+        return cls(**values)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        try:
+            text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise CostModelError(f"cost model meta cannot be written as JSON: {exc}") from None
+        try:
+            Path(path).write_text(text + "\n")
+        except OSError as exc:
+            raise CostModelError(f"cannot write cost model {path}: {exc.strerror or exc}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
+        data = read_json(path, "cost model", CostModelError)
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise CostModelError(f"{path} is not valid JSON: {exc}") from None
-        except OSError as exc:
-            raise CostModelError(f"cannot read cost model {path}: {exc}") from None
-        return cls.from_dict(data)
+            return cls.from_dict(data)
+        except CostModelError as exc:
+            raise CostModelError(f"{path}: {exc}") from None
 
     # --- constructors (thin wrappers so users find them on the class) -------------------------
     @classmethod
     def from_preset(cls, name: str, context: int = 384 * 1024, num_gpus: int = 64) -> "CostModel":
-        from .presets import paper_preset
+        """The paper's model ``name`` (gpt-7b, gpt-13b, gpt-30b) at ``context`` tokens on ``num_gpus``."""
+        from .presets import PAPER_MODELS, paper_preset
+        if not isinstance(name, str):
+            raise CostModelError(f"preset name must be a string, one of {sorted(PAPER_MODELS)}; got {name!r}")
+        context = integer(context, "context (tokens, e.g. 393216; the CLI also reads 384K)", CostModelError)
+        num_gpus = integer(num_gpus, "num_gpus", CostModelError)
         return paper_preset(name, context=context, num_gpus=num_gpus)
 
     @classmethod
     def from_hardware(cls, model, gpu, num_gpus: int, gpus_per_node: int = 8, **kwargs) -> "CostModel":
-        from .analytic import analytic_cost_model
+        """An analytic model of ``model`` (a name or ``ModelSpec``) on ``gpu`` (a name or ``GPUSpec``)."""
+        import inspect
+
+        from .analytic import GPUS, MODELS, GPUSpec, ModelSpec, analytic_cost_model
+        _spec(model, ModelSpec, MODELS, "model")
+        _spec(gpu, GPUSpec, GPUS, "gpu")
+        num_gpus = integer(num_gpus, "num_gpus", CostModelError)
+        gpus_per_node = integer(gpus_per_node, "gpus_per_node", CostModelError)
+        allowed = [p.name for p in inspect.signature(analytic_cost_model).parameters.values()
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise CostModelError(f"from_hardware got unknown options {unknown}; valid: {', '.join(allowed)}")
         return analytic_cost_model(model, gpu, num_gpus=num_gpus, gpus_per_node=gpus_per_node, **kwargs)
+
+
+def _spec(value: Any, kind: type, known: Mapping[str, Any], what: str) -> None:
+    """A model/GPU argument: a known name or a spec whose numeric fields are numbers."""
+    if isinstance(value, str):
+        return          # the constructor names an unknown one with the list of known names
+    if not isinstance(value, kind):
+        raise CostModelError(f"{what} must be one of {sorted(known)} or a {kind.__name__}, got {value!r}")
+    for f in fields(value):
+        if f.name == "name":
+            continue
+        if f.type in ("int", int):
+            integer(getattr(value, f.name), f"{what} {f.name}", CostModelError)
+        else:
+            number(getattr(value, f.name), f"{what} {f.name}", CostModelError, positive=True)

@@ -128,9 +128,9 @@ _FORMATS = "a .npy array or a text file (.txt or .txt.gz) with one integer per l
 def _read_text(path: Path) -> str:
     try:
         if path.suffix == ".gz":
-            with gzip.open(path, "rt", encoding="utf-8") as f:
+            with gzip.open(path, "rt", encoding="utf-8-sig") as f:
                 return f.read()
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")   # a byte-order mark (Windows editors) is not data
     except (OSError, EOFError, UnicodeDecodeError) as e:  # BadGzipFile is an OSError
         raise LengthsError(f"{path}: cannot read lengths ({e}); expected {_FORMATS}") from None
 
@@ -152,6 +152,9 @@ def _parse_text(path: Path, text: str) -> np.ndarray:
         try:
             value = int(line)
         except ValueError:
+            if line.isdigit():      # beyond Python's digit limit for int()
+                raise LengthsError(f"{path}, line {number}: a {len(line)}-digit number is not a valid sequence "
+                                   f"length: lengths must be between 1 and {_INT64_MAX}") from None
             raise LengthsError(f"{path}, line {number}: {line[:40]!r} is not an integer; "
                                f"expected one sequence length per line") from None
         if not 0 < value <= _INT64_MAX:

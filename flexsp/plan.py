@@ -16,8 +16,10 @@ import numpy as np
 
 from solver.costs import seconds
 
+from .checks import INT64_MAX, exact_sum, integer, number, parse_json, read_json
 from .cluster import is_power_of_two
 from .errors import PlanError
+from .lengths import as_lengths
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -103,9 +105,7 @@ class Plan:
         Checks that need data are skipped without it: exactly-once needs ``lengths``; memory and
         predicted time need ``lengths`` and ``cost``; node containment needs ``cluster``.
         """
-        n = self.num_gpus
-        if not isinstance(n, int) or n < 1:
-            raise PlanError(f"num_gpus must be a positive integer, got {n!r}")
+        n = integer(self.num_gpus, "num_gpus", PlanError)
         if cluster is not None and cluster.num_gpus != n:
             raise PlanError(f"plan is for {n} GPUs but the cluster has {cluster.num_gpus}")
         if not self.micro_batches:
@@ -115,7 +115,8 @@ class Plan:
             if not mb.groups:
                 raise PlanError(f"micro-batch {m} has no groups")
             self._check_ranks(m, mb, cluster, aligned)
-            ids_per_mb.append(np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64))
+            self._check_split(m, mb, cost)
+            ids_per_mb.append(_int_array(m, mb, "seq_ids"))
         all_ids = np.concatenate(ids_per_mb)
         mb_of = np.repeat(np.arange(len(ids_per_mb)), [len(ids) for ids in ids_per_mb])
         order = np.argsort(all_ids, kind="stable")
@@ -125,7 +126,7 @@ class Plan:
             raise PlanError(f"sequence {all_ids[first]} is planned twice "
                             f"(micro-batches {mb_of[first]} and {mb_of[second]})")
         if lengths is not None:
-            lengths = np.asarray(lengths)
+            lengths = as_lengths(lengths if isinstance(lengths, (list, tuple, np.ndarray)) else np.asarray(lengths))
             extra = np.sort(all_ids[(all_ids < 0) | (all_ids >= len(lengths))])
             if extra.size:
                 raise PlanError(f"sequence ids {_short(extra.tolist())} do not exist (batch has {len(lengths)})")
@@ -137,14 +138,37 @@ class Plan:
             if cost is not None:
                 for m, mb in enumerate(self.micro_batches):
                     for j, g in enumerate(mb.groups):
-                        tokens = int(lengths[list(g.seq_ids)].sum())
+                        tokens = exact_sum(lengths[list(g.seq_ids)])     # exact: int64 sums can wrap
                         if tokens > cost.group_capacity(g.degree):
                             raise PlanError(
                                 f"micro-batch {m} group {j}: {tokens} tokens overflow {g.degree} GPUs "
-                                f"(capacity {cost.group_capacity(g.degree):.0f})")
+                                f"(capacity {cost.group_capacity(g.degree)})")
                 actual = self.time(lengths, cost)
-                if not math.isclose(actual, self.predicted_time, rel_tol=rel_tol, abs_tol=1e-9):
+                predicted = number(self.predicted_time, "predicted_time", PlanError)
+                if not math.isclose(actual, predicted, rel_tol=rel_tol, abs_tol=1e-9):
                     raise PlanError(f"predicted_time {self.predicted_time} does not match the cost model's {actual}")
+
+    @staticmethod
+    def _check_split(m: int, mb: MicroBatch, cost: "CostModel | None") -> None:
+        """Ulysses x ring = group size; the Ulysses degree divides the model's heads and the split is
+        the one the cost model costs (when it knows the heads)."""
+        for j, g in enumerate(mb.groups):
+            ring = integer(g.ring, f"micro-batch {m} group {j}: ring", PlanError)
+            if g.degree % ring:
+                raise PlanError(f"micro-batch {m} group {j}: ring degree {ring} must be a power of two dividing "
+                                f"the group's {g.degree} GPUs (Ulysses x ring = group size)")
+            if cost is None:
+                continue
+            limit = cost.ulysses_limit
+            if limit is not None and g.ulysses > limit:
+                raise PlanError(
+                    f"micro-batch {m} group {j}: Ulysses degree {g.ulysses} (= {g.degree} GPUs / ring {ring}) exceeds "
+                    f"the model's {cost.heads} attention heads (at most {limit} ranks split them); "
+                    f"it needs ring = {g.degree // limit}")
+            expected = cost.split(g.degree)
+            if (g.ulysses, ring) != expected:
+                raise PlanError(f"micro-batch {m} group {j}: runs Ulysses {g.ulysses} x ring {ring}, but the cost model "
+                                f"costs {g.degree} GPUs as Ulysses {expected[0]} x ring {expected[1]}")
 
     def _check_ranks(self, m: int, mb: MicroBatch, cluster: "Cluster | None", aligned: bool) -> None:
         """Degrees, rank ranges, overlaps, alignment and node containment of one micro-batch, checked
@@ -153,24 +177,25 @@ class Plan:
         degrees = np.array([g.degree for g in mb.groups])
         starts = np.concatenate([[0], np.cumsum(degrees)[:-1]])
         owner = np.repeat(np.arange(len(degrees)), degrees)
-        ranks = np.fromiter((r for g in mb.groups for r in g.ranks), dtype=np.int64, count=int(degrees.sum()))
-        first = ranks[starts][owner] if len(ranks) else ranks
+        ranks = _int_array(m, mb, "ranks")
 
         def fail(bad_group: np.ndarray, message) -> None:
             if bad_group.any():
                 j = int(np.flatnonzero(bad_group)[0])
                 raise PlanError(f"micro-batch {m} group {j}: {message(j)}")
 
-        fail((degrees < 1) | (degrees & (degrees - 1) != 0), lambda j: f"degree {degrees[j]} is not a power of two")
+        fail(degrees < 1, lambda j: "group has no ranks")
+        fail(degrees & (degrees - 1) != 0, lambda j: f"degree {degrees[j]} is not a power of two")
         fail(np.array([not g.seq_ids for g in mb.groups]), lambda j: "group has no sequences")
-        fail(np.array([not is_power_of_two(g.ring) or g.ring > g.degree for g in mb.groups]),
-             lambda j: f"ring degree {mb.groups[j].ring} must be a power of two dividing the group's {degrees[j]} GPUs")
+        fail(np.array([not isinstance(g.ring, int) or not is_power_of_two(g.ring) or g.ring > g.degree
+                       for g in mb.groups]),
+             lambda j: f"ring degree {mb.groups[j].ring!r} must be a power of two dividing the group's {degrees[j]} GPUs")
+        first = ranks[starts][owner]        # every group has >= 1 rank from here on
         outside = (ranks < 0) | (ranks >= n)
         fail(np.bincount(owner, weights=outside, minlength=len(degrees)) > 0,
              lambda j: f"rank {ranks[owner == j][outside[owner == j]][0]} is outside 0..{n - 1}")
-        seen = np.zeros(n, dtype=np.int64)
-        np.add.at(seen, ranks, 1)
-        twice = seen[ranks] > 1
+        _, where, counts = np.unique(ranks, return_inverse=True, return_counts=True)   # O(ranks), not O(num_gpus)
+        twice = counts[where] > 1
         fail(np.bincount(owner, weights=twice, minlength=len(degrees)) > 0,
              lambda j: f"rank {ranks[owner == j][twice[owner == j]][0]} is used by two groups of the same micro-batch")
         if aligned:
@@ -204,11 +229,8 @@ class Plan:
         for key in ("num_gpus", "predicted_time", "micro_batches"):
             if key not in data:
                 raise PlanError(f"plan is missing '{key}'")
-        num_gpus = _int(data["num_gpus"], "num_gpus")
-        try:
-            predicted = float(data["predicted_time"])
-        except (TypeError, ValueError):
-            raise PlanError(f"predicted_time must be a number, got {data['predicted_time']!r}") from None
+        num_gpus = integer(data["num_gpus"], "num_gpus", PlanError)
+        predicted = number(data["predicted_time"], "predicted_time (seconds)", PlanError)
         if not isinstance(data["micro_batches"], list):
             raise PlanError("micro_batches must be a list")
         micro_batches = []
@@ -222,36 +244,36 @@ class Plan:
                     raise PlanError(f"{where} must be an object with 'ranks' and 'seq_ids' lists")
                 groups.append(Group(ranks=tuple(_int(r, f"{where}.ranks") for r in g["ranks"]),
                                     seq_ids=tuple(_int(s, f"{where}.seq_ids") for s in g["seq_ids"]),
-                                    ring=_int(g.get("ring", 1), f"{where}.ring")))
+                                    ring=integer(g.get("ring", 1), f"{where}.ring", PlanError)))
             micro_batches.append(MicroBatch(tuple(groups)))
         gpn = data.get("gpus_per_node")
+        strategy = data.get("strategy")
+        if strategy is not None and not isinstance(strategy, str):
+            raise PlanError(f"strategy must be a string, got {strategy!r}")
+        solve_time = data.get("solve_time")
         return cls(num_gpus=num_gpus, micro_batches=tuple(micro_batches), predicted_time=predicted,
-                   strategy=str(data.get("strategy") or ""),
-                   gpus_per_node=None if gpn is None else _int(gpn, "gpus_per_node"),
-                   solve_time=float(data.get("solve_time") or 0.0))
+                   strategy=strategy or "",
+                   gpus_per_node=None if gpn is None else integer(gpn, "gpus_per_node", PlanError),
+                   solve_time=0.0 if solve_time is None else number(solve_time, "solve_time (seconds)", PlanError))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "plan", PlanError))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        try:
+            Path(path).write_text(self.to_json() + "\n")
+        except OSError as exc:
+            raise PlanError(f"cannot write plan {path}: {exc.strerror or exc}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        data = read_json(path, "plan file", PlanError)
         try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise PlanError(f"cannot read plan file {path}: {exc}") from None
-        try:
-            return cls.from_json(text)
+            return cls.from_dict(data)
         except PlanError as exc:
             raise PlanError(f"{path}: {exc}") from None
 
@@ -266,7 +288,20 @@ def _group_dict(group: Group) -> dict[str, Any]:
 def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PlanError(f"{what} must hold integers, got {value!r}")
+    if not 0 <= value <= INT64_MAX:
+        raise PlanError(f"{what} must hold integers from 0 to 2**63-1, got {value}")
     return value
+
+
+def _int_array(m: int, mb: MicroBatch, what: str) -> np.ndarray:
+    """All groups' ``ranks`` or ``seq_ids`` of a micro-batch as one int64 array; a value that is not
+    an integer in int64's range is a ``PlanError`` naming its group."""
+    for j, g in enumerate(mb.groups):
+        for value in getattr(g, what):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+                    or not -INT64_MAX <= value <= INT64_MAX:
+                raise PlanError(f"micro-batch {m} group {j}: {what} must hold integers in int64's range, got {value!r}")
+    return np.fromiter((v for g in mb.groups for v in getattr(g, what)), dtype=np.int64)
 
 
 def _short(items: Sequence[int], limit: int = 8) -> str:

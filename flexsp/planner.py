@@ -18,13 +18,11 @@ from solver.dynamic_cp import dynamic_cp
 from solver.schedule import Schedule
 from solver.search import Infeasible, SearchOptions, flexsp, greedy
 
+from .arguments import STRATEGIES, check_plan_arguments
 from .cluster import Cluster
 from .cost import CostModel
 from .errors import PlanError
-from .lengths import as_lengths
 from .plan import Group, MicroBatch, Plan
-
-STRATEGIES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
 
 
 def usable_degrees(cluster: Cluster, max_degree: int | None = None,
@@ -99,23 +97,18 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     ``ulysses_only=True`` keeps every group within the limit (the runtime runs only those today).
     """
     started = time.perf_counter()
-    lengths = as_lengths(lengths)
-    if not isinstance(cluster, Cluster):
-        raise PlanError(f"cluster must be a flexsp.Cluster, got {type(cluster).__name__}")
-    if not isinstance(cost, CostModel):
-        raise PlanError(f"cost must be a flexsp.CostModel, got {type(cost).__name__}")
-    if time_limit <= 0:
-        raise PlanError(f"time_limit must be > 0 seconds, got {time_limit}")
-    if ulysses_only and cost.ulysses_limit is not None:
-        max_degree = min(max_degree or cost.ulysses_limit, cost.ulysses_limit)
-    costs = cost.degree_costs(usable_degrees(cluster, max_degree, degrees))   # CostModelError names a degree without bandwidth
+    args = check_plan_arguments(lengths, cost, cluster, strategy, sp_degree=sp_degree, time_limit=time_limit,
+                                num_buckets=num_buckets, max_degree=max_degree, degrees=degrees,
+                                ulysses_only=ulysses_only, validate=validate)
+    lengths, sp_degree, time_limit = args.lengths, args.sp_degree, args.time_limit
+    costs = cost.degree_costs(usable_degrees(cluster, args.max_degree, args.degrees))   # CostModelError names a degree without bandwidth
     longest = int(lengths.argmax())
-    if lengths[longest] > costs.capacity[-1]:
+    if int(lengths[longest]) > cost.group_capacity(costs.degrees[-1]):      # integers: exact at any size
         raise PlanError(
             f"sequence {longest} has {int(lengths[longest])} tokens, more than the whole cluster can hold: "
-            f"{costs.degrees[-1]} GPUs x {cost.token_capacity:.0f} tokens = {costs.capacity[-1]:.0f}"
+            f"{costs.degrees[-1]} GPUs x {cost.token_capacity:.0f} tokens = {cost.group_capacity(costs.degrees[-1])}"
             + ("" if costs.degrees[-1] == cluster.degrees[-1] else " (largest allowed degree)"))
-    options = SearchOptions(num_buckets=num_buckets, time_limit=time_limit)
+    options = SearchOptions(num_buckets=args.num_buckets, time_limit=time_limit)
     try:
         schedule = _run(strategy, lengths, costs, cluster.num_gpus, options, sp_degree, started + time_limit)
     except (InfeasibleDegree, Infeasible) as exc:

@@ -77,6 +77,7 @@ def paper_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64) -> Co
         token_capacity=math.floor(free_mb / model.act_mb_per_token),
         meta={"source": "FlexSP paper (arXiv 2412.01523), 64 x A100-40GB", "preset": key, "context": context,
               "num_gpus": num_gpus, "params_b": round(model.params_b(context), 4),
+              "activation_bytes_per_token": model.act_mb_per_token * MB,
               "params": "published" if exact_params else "interpolated between 192K and 384K",
               "bandwidth": "published" if num_gpus <= 64 else "published to 64 GPUs, 64-GPU value above"},
     )

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from .bounds import coupled_lower_bound, lower_bound
 from .cluster import Cluster
+from .communicators import describe_reservation, pool_degrees, reserve_communicators
 from .cost import CostModel
 from .errors import FlexSPError, PlanError
 from .lengths import LengthDistribution, preprocess
@@ -32,6 +33,7 @@ class StrategyRun:
     degrees: Counter = field(default_factory=Counter)
     first_plan: Plan | None = None
     error: str | None = None
+    cost: CostModel | None = None        # the model it planned with (capacity less its communicators' memory)
 
     @property
     def total(self) -> float:
@@ -51,6 +53,7 @@ class Simulation:
     lower_bounds: list[float]
     first_batch: np.ndarray
     coupled_bounds: list[float] = field(default_factory=list)   # flexsp.bounds.coupled_lower_bound per step
+    communicator_bytes: float | None = None   # per communicator, subtracted from capacity (None: not)
 
     def speedup(self, strategy: str, over: str) -> float:
         return self.runs[over].total / self.runs[strategy].total
@@ -63,7 +66,7 @@ class Simulation:
             "coupled_lower_bounds": self.coupled_bounds,
             "strategies": {name: {"total_time": run.total, "step_times": run.step_times, "solve_times": run.solve_times,
                                   "micro_batches": run.micro_batches, "degree_histogram": dict(sorted(run.degrees.items())),
-                                  "error": run.error}
+                                  "error": run.error, "token_capacity": run.cost.token_capacity if run.cost else None}
                            for name, run in self.runs.items()},
         }
 
@@ -105,18 +108,19 @@ def default_strategies(cluster: Cluster, include_dynamic_cp: bool = True) -> lis
 
 def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster, strategies: list[str], *,
              steps: int = 10, batch_size: int = 512, context: int = 384 * 1024, seed: int = 0,
-             time_limit: float = 2.0, progress: bool = True) -> Simulation:
+             time_limit: float = 2.0, progress: bool = True, communicator_bytes: float | None = None) -> Simulation:
     """Plan ``steps`` batches of ``batch_size`` lengths drawn (seeded) from ``distribution``, with
     the paper's preprocessing: sequences above ``context`` are not drawn, lengths are padded to a
     multiple of 2 x N. A strategy that cannot plan a batch (e.g. a static degree too small for its
-    longest sequence) is reported with its error instead of a time."""
+    longest sequence) is reported with its error instead of a time. With ``communicator_bytes``, each
+    strategy plans with the capacity left after its pool's communicators (``flexsp.communicators``)."""
     if steps < 1 or batch_size < 1:
         raise FlexSPError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
     pool = distribution.lengths[distribution.lengths <= context]
     if pool.size == 0:
         raise FlexSPError(f"no sequence of {distribution.name} fits the context limit {context}")
     dropped_share = 1.0 - pool.size / distribution.lengths.size
-    runs = {name: StrategyRun(name) for name in strategies}
+    runs = {name: StrategyRun(name, cost=_strategy_cost(cost, cluster, name, communicator_bytes)) for name in strategies}
     bounds, coupled, first_batch = [], [], None
     rng = np.random.default_rng(seed)
     bar = tqdm(total=steps * len(strategies), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
@@ -132,7 +136,7 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
                 continue
             spec = parse_strategy(name)
             try:
-                plan = plan_batch(lengths, cost, cluster, spec.strategy, sp_degree=spec.sp_degree,
+                plan = plan_batch(lengths, run.cost, cluster, spec.strategy, sp_degree=spec.sp_degree,
                                   degrees=spec.degrees, time_limit=time_limit)
             except PlanError as exc:
                 if spec.strategy != "static" and spec.degrees is None:
@@ -146,7 +150,23 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
             run.first_plan = run.first_plan or plan
     bar.close()
     return Simulation(distribution.name, distribution.approximate, cluster.num_gpus, context, batch_size, steps,
-                      dropped_share, runs, bounds, first_batch, coupled)
+                      dropped_share, runs, bounds, first_batch, coupled, communicator_bytes)
+
+
+def _strategy_cost(cost: CostModel, cluster: Cluster, name: str, communicator_bytes: float | None) -> CostModel:
+    if communicator_bytes is None:
+        return cost
+    spec = parse_strategy(name)
+    return reserve_communicators(cost, pool_degrees(cluster, spec.strategy, spec.degrees, spec.sp_degree),
+                                 communicator_bytes)
+
+
+def format_communicator_memory(sim: Simulation) -> str:
+    """Per strategy: communicators its pool holds, their memory, and the token capacity it planned with."""
+    if sim.communicator_bytes is None:
+        return "communicator memory: not subtracted from capacity (--communicator-memory to subtract it)"
+    return "\n".join(["communicator memory (subtracted from capacity before planning):"]
+                     + [describe_reservation(run.cost, f"  {name}: ") for name, run in sim.runs.items()])
 
 
 def format_table(sim: Simulation, reference: str = "flexsp") -> str:

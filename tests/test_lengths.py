@@ -273,3 +273,14 @@ def test_preprocess_properties(lengths, context_limit, num_gpus):
     # Order and identity preserved: each kept value is the first multiple >= its original.
     originals = [x for x in lengths if -(-x // multiple) * multiple <= context_limit]
     assert kept.tolist() == [-(-x // multiple) * multiple for x in originals]
+
+
+def test_a_byte_order_mark_is_not_data_and_overlong_numbers_are_named(tmp_path):
+    from flexsp.errors import LengthsError
+    from flexsp.lengths import load_lengths
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbf12\r\n13\r\n")
+    assert load_lengths(path).tolist() == [12, 13]
+    path.write_bytes(b"9" * 5000 + b"\n")
+    with pytest.raises(LengthsError, match="line 1: a 5000-digit number is not a valid sequence length"):
+        load_lengths(path)

@@ -61,7 +61,7 @@ def test_node_crossing_and_wrong_prediction_and_cluster_size():
     ("{", "not valid JSON"),
     ("[]", "must be a JSON object"),
     ('{"num_gpus": 4, "predicted_time": 1}', "missing 'micro_batches'"),
-    ('{"num_gpus": "4", "predicted_time": 1, "micro_batches": []}', "num_gpus must hold integers"),
+    ('{"num_gpus": "4", "predicted_time": 1, "micro_batches": []}', "num_gpus must be an integer"),
     ('{"num_gpus": 4, "predicted_time": 1, "micro_batches": [{"groups": [{"ranks": [0]}]}]}', "'ranks' and 'seq_ids'"),
     ('{"num_gpus": 4, "predicted_time": 1, "micro_batches": [{"groups": [{"ranks": [0.5], "seq_ids": [0]}]}]}', "must hold integers"),
 ])
