@@ -290,7 +290,8 @@ def report(fid: list[dict], cap: list[dict], clamp: list[dict], look: list[dict]
             "Speedup = mean over batches of dynamic-cp time / FlexSP time.", "",
             speedup_table(results), "",
             "Reproduce: `python experiments/dynamic_cp_benchmark.py"
-            + (" --quick" if args.quick else f" --batches {args.batches} --batch-size {args.batch_size}") + "`", ""]
+            + (" --quick" if args.quick else f" --batches {args.batches} --batch-size {args.batch_size}")
+            + (f" --time-limit {args.time_limit:g}" if args.time_limit != 2.0 else "") + "`", ""]
     return "\n".join(out)
 
 
