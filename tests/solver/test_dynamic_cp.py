@@ -388,7 +388,7 @@ def test_scales_about_linearly_131072_sequences_on_16384_gpus():
     costs = DegreeCosts(degrees, tuple(1e-9 / d for d in degrees), tuple(1e-4 / d for d in degrees),
                         tuple(cost.token_capacity * d for d in degrees), 0.6)
     lengths = get_distribution("wikipedia").sample_batch(131072, 0)
-    started = time.perf_counter()
+    started = time.process_time()   # CPU seconds: a shared CI machine's load does not count
     schedule = dynamic_cp(lengths, costs, 16384)
-    assert time.perf_counter() - started < 15
+    assert time.process_time() - started < 15
     assert schedule.num_sequences == len(lengths)
