@@ -36,6 +36,8 @@ def parser(doc: str, default_stem: str) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the .md/.csv/.png outputs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="hide the tqdm bar")
+    p.add_argument("--workers", type=int, default=1,
+                   help="plan this many batches at once in separate processes (flexsp.simulate.plan_steps)")
     p.set_defaults(stem=default_stem)
     return p
 

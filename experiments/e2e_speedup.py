@@ -20,6 +20,7 @@ from tqdm import tqdm
 import flexsp
 from flexsp.bounds import lower_bound
 from flexsp.megatron import MegatronModel, megatron_step_time
+from flexsp.simulate import plan_steps
 
 try:
     from . import common
@@ -34,9 +35,10 @@ COLUMNS = ["model", "context", "dataset", "approximate", "iterations", "batch_si
 
 
 def run_setting(model: str, dataset: str, context: int, iterations: int, batch_size: int, num_gpus: int,
-                time_limit: float, seed: int, bar: tqdm, draw_limit: int | None = None) -> dict:
+                time_limit: float, seed: int, bar: tqdm, draw_limit: int | None = None, workers: int = 1) -> dict:
     """Every strategy on the same ``iterations`` batches; totals in seconds. ``draw_limit`` (default
-    ``context``) caps the lengths drawn, for clusters too small to hold a ``context``-long sequence."""
+    ``context``) caps the lengths drawn, for clusters too small to hold a ``context``-long sequence.
+    ``workers`` plans that many batches at once in separate processes (``flexsp.simulate.plan_steps``)."""
     cost = flexsp.CostModel.from_preset(model, context=context, num_gpus=num_gpus)
     mega = MegatronModel.from_preset(model, context=context, num_gpus=num_gpus)
     cluster = flexsp.Cluster(num_gpus, 8)
@@ -45,14 +47,16 @@ def run_setting(model: str, dataset: str, context: int, iterations: int, batch_s
     totals = {name: 0.0 for name in strategies}
     totals["megatron"], bound, solve = 0.0, 0.0, []
     cp_used: Counter = Counter()
-    for lengths in common.batches(dist, iterations, batch_size, draw_limit or context, num_gpus, seed):
-        for name in strategies:
+    batches = list(common.batches(dist, iterations, batch_size, draw_limit or context, num_gpus, seed))
+    planned = plan_steps(batches, cost, cluster, strategies, time_limit=time_limit, workers=workers, keep_plans=0)
+    for lengths, outcomes in zip(batches, planned):
+        for name, outcome in zip(strategies, outcomes):
             if not np.isfinite(totals[name]):
                 continue   # a static degree that failed once is out for the whole run
-            plan = common.plan_time(lengths, cost, cluster, name, time_limit)
-            totals[name] += plan.predicted_time if plan is not None else np.inf
-            if name == "flexsp":
-                solve.append(plan.solve_time)
+            ok = outcome.error is None and outcome.fatal is None
+            totals[name] += outcome.predicted_time if ok else np.inf
+            if name == "flexsp" and ok:
+                solve.append(outcome.solve_time)
         step = megatron_step_time(lengths, mega, num_gpus)
         totals["megatron"] += step.time
         cp_used[step.cp] += 1
@@ -148,7 +152,7 @@ def main() -> None:
         for model, context, dataset in settings:
             bar.set_postfix_str(f"{model} {context // 1024}K {dataset}")
             rows.append(run_setting(model, dataset, context, args.iterations, args.batch_size, 64,
-                                    args.time_limit, args.seed, bar))
+                                    args.time_limit, args.seed, bar, workers=args.workers))
     args.out.mkdir(parents=True, exist_ok=True)
     common.write_csv(args.out / f"{args.stem}.csv", rows, COLUMNS)
     plot(rows, args.models, contexts, args.out / f"{args.stem}.png")

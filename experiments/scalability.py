@@ -66,7 +66,7 @@ def main() -> None:
             bar.set_postfix_str(f"{n} GPUs {context // 1024}K")
             limit = draw_limit(args.model, context, n)
             row = run_setting(args.model, args.dataset, context, args.iterations, size, n, args.time_limit,
-                              args.seed, bar, draw_limit=limit)
+                              args.seed, bar, draw_limit=limit, workers=args.workers)
             row.update(sweep=sweep, num_gpus=n, context=f"{context // 1024}K", draw_limit=limit,
                        bandwidth="published" if n <= 64 else "64-GPU value reused above 64 (assumption)")
             rows.append(row)

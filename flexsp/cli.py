@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", type=Path, help="write step times per strategy as PNG")
     sim.add_argument("--gantt", type=Path, help="write the first step's FlexSP plan as a Gantt chart PNG")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.add_argument("--workers", type=_count(1), default=1,
+                     help="plan this many steps at once in separate processes (same results; default 1)")
 
     plan = sub.add_parser("plan", help="plan one batch from a lengths file and write the plan JSON")
     plan.add_argument("lengths", type=Path, help="lengths file (.txt, .txt.gz or .npy)")
@@ -154,7 +156,7 @@ def run_simulate(args) -> int:
     distribution = get_distribution(args.dataset)
     sim = simulate(distribution, cost, cluster, strategies, steps=args.steps, batch_size=args.batch_size,
                    context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet,
-                   communicator_bytes=_communicator_bytes(args))
+                   communicator_bytes=_communicator_bytes(args), workers=args.workers)
     print(describe(sim))
     print(f"cost model: {cost.meta.get('preset') or cost.meta.get('source') or 'custom'}, "
           f"token capacity {cost.token_capacity:.0f} per GPU")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -106,14 +107,76 @@ def default_strategies(cluster: Cluster, include_dynamic_cp: bool = True) -> lis
     return ["flexsp", "greedy", "batchada", *(["dynamic-cp"] if include_dynamic_cp else []), *statics]
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """One strategy on one batch: what ``simulate`` records, small enough to send between processes."""
+
+    predicted_time: float = float("nan")
+    solve_time: float = float("nan")
+    micro_batches: int = 0
+    degrees: tuple[tuple[int, int], ...] = ()
+    plan: Plan | None = None       # kept only where asked (the first step's, for the Gantt chart)
+    error: str | None = None       # a PlanError a restricted strategy may have (static, [degrees])
+    fatal: BaseException | None = None   # a PlanError any other strategy must not have: re-raised
+
+
+def plan_step(lengths: np.ndarray, costs: tuple[CostModel, ...], cluster: Cluster, strategies: tuple[str, ...],
+              time_limit: float, keep_plan: bool = False) -> tuple[Outcome, ...]:
+    """Every strategy on one batch, each with its own cost model (module-level, so worker processes
+    can run it)."""
+    out = []
+    for name, cost in zip(strategies, costs):
+        spec = parse_strategy(name)
+        try:
+            plan = plan_batch(lengths, cost, cluster, spec.strategy, sp_degree=spec.sp_degree,
+                              degrees=spec.degrees, time_limit=time_limit)
+        except PlanError as exc:
+            restricted = spec.strategy == "static" or spec.degrees is not None
+            out.append(Outcome(error=str(exc)) if restricted else Outcome(fatal=exc))
+            continue
+        out.append(Outcome(plan.predicted_time, plan.solve_time, len(plan.micro_batches),
+                           tuple(plan.degree_histogram().items()), plan if keep_plan else None))
+    return tuple(out)
+
+
+def plan_steps(batches: Sequence[np.ndarray], cost: CostModel, cluster: Cluster, strategies: Sequence[str], *,
+               time_limit: float = 2.0, workers: int = 1, keep_plans: int = 1,
+               strategy_costs: Sequence[CostModel] | None = None) -> Iterator[tuple[Outcome, ...]]:
+    """``plan_step`` on every batch, in order; ``workers > 1`` plans batches side by side in that many
+    spawned processes. Plans are the same as serial ones (the solver is deterministic) unless
+    ``time_limit`` binds, which it does sooner when workers share fewer cores than they are; solve
+    times are measurements either way. The first ``keep_plans`` batches keep their plans.
+    ``strategy_costs`` gives each strategy its own cost model (default: ``cost`` for all)."""
+    if workers < 1:
+        raise FlexSPError(f"workers must be >= 1, got {workers}")
+    names = tuple(strategies)
+    costs = tuple(strategy_costs) if strategy_costs is not None else (cost,) * len(names)
+    if len(costs) != len(names):
+        raise FlexSPError(f"strategy_costs has {len(costs)} cost models for {len(names)} strategies")
+    if workers == 1 or len(batches) <= 1:
+        for i, lengths in enumerate(batches):
+            yield plan_step(lengths, costs, cluster, names, time_limit, i < keep_plans)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(max_workers=min(workers, len(batches)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        n = len(batches)
+        yield from pool.map(plan_step, batches, [costs] * n, [cluster] * n, [names] * n, [time_limit] * n,
+                            [i < keep_plans for i in range(n)])
+
+
 def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster, strategies: list[str], *,
              steps: int = 10, batch_size: int = 512, context: int = 384 * 1024, seed: int = 0,
-             time_limit: float = 2.0, progress: bool = True, communicator_bytes: float | None = None) -> Simulation:
+             time_limit: float = 2.0, progress: bool = True, workers: int = 1,
+             communicator_bytes: float | None = None) -> Simulation:
     """Plan ``steps`` batches of ``batch_size`` lengths drawn (seeded) from ``distribution``, with
     the paper's preprocessing: sequences above ``context`` are not drawn, lengths are padded to a
     multiple of 2 x N. A strategy that cannot plan a batch (e.g. a static degree too small for its
-    longest sequence) is reported with its error instead of a time. With ``communicator_bytes``, each
-    strategy plans with the capacity left after its pool's communicators (``flexsp.communicators``)."""
+    longest sequence) is reported with its error instead of a time. ``workers`` plans that many
+    steps at once in separate processes, with the same results as one (see ``plan_steps``). With
+    ``communicator_bytes``, each strategy plans with the capacity left after its pool's communicators
+    (``flexsp.communicators``)."""
     if steps < 1 or batch_size < 1:
         raise FlexSPError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
     pool = distribution.lengths[distribution.lengths <= context]
@@ -121,36 +184,32 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
         raise FlexSPError(f"no sequence of {distribution.name} fits the context limit {context}")
     dropped_share = 1.0 - pool.size / distribution.lengths.size
     runs = {name: StrategyRun(name, cost=_strategy_cost(cost, cluster, name, communicator_bytes)) for name in strategies}
-    bounds, coupled, first_batch = [], [], None
     rng = np.random.default_rng(seed)
+    batches = [preprocess(pool[rng.integers(0, pool.size, size=batch_size)], context, cluster.num_gpus)[0]
+               for _ in range(steps)]
+    bounds = [lower_bound(lengths, cost, cluster) for lengths in batches]
+    coupled = [coupled_lower_bound(lengths, cost, cluster) for lengths in batches]
     bar = tqdm(total=steps * len(strategies), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
-    for _ in range(steps):
-        lengths, _ = preprocess(pool[rng.integers(0, pool.size, size=batch_size)], context, cluster.num_gpus)
-        first_batch = lengths if first_batch is None else first_batch
-        bounds.append(lower_bound(lengths, cost, cluster))
-        coupled.append(coupled_lower_bound(lengths, cost, cluster))
-        for name in strategies:
+    for outcomes in plan_steps(batches, cost, cluster, strategies, time_limit=time_limit, workers=workers,
+                               strategy_costs=[runs[name].cost for name in strategies]):
+        for name, outcome in zip(strategies, outcomes):
             run = runs[name]
             bar.update(1)
             if run.error:
+                continue   # a strategy that failed once is out for the whole run
+            if outcome.fatal is not None:
+                raise outcome.fatal
+            if outcome.error is not None:
+                run.error = outcome.error
                 continue
-            spec = parse_strategy(name)
-            try:
-                plan = plan_batch(lengths, run.cost, cluster, spec.strategy, sp_degree=spec.sp_degree,
-                                  degrees=spec.degrees, time_limit=time_limit)
-            except PlanError as exc:
-                if spec.strategy != "static" and spec.degrees is None:
-                    raise
-                run.error = str(exc)
-                continue
-            run.step_times.append(plan.predicted_time)
-            run.solve_times.append(plan.solve_time)
-            run.micro_batches.append(len(plan.micro_batches))
-            run.degrees.update(plan.degree_histogram())
-            run.first_plan = run.first_plan or plan
+            run.step_times.append(outcome.predicted_time)
+            run.solve_times.append(outcome.solve_time)
+            run.micro_batches.append(outcome.micro_batches)
+            run.degrees.update(dict(outcome.degrees))
+            run.first_plan = run.first_plan or outcome.plan
     bar.close()
     return Simulation(distribution.name, distribution.approximate, cluster.num_gpus, context, batch_size, steps,
-                      dropped_share, runs, bounds, first_batch, coupled, communicator_bytes)
+                      dropped_share, runs, bounds, batches[0], coupled, communicator_bytes)
 
 
 def _strategy_cost(cost: CostModel, cluster: Cluster, name: str, communicator_bytes: float | None) -> CostModel:

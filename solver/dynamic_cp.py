@@ -1,57 +1,66 @@
-"""Megatron-Core's dynamic context-parallel scheduling rule, as a peer baseline in our simulator.
+"""Megatron-Core's dynamic context-parallel scheduler, as a peer baseline in our simulator.
 
-Megatron-LM's dynamic (hybrid) context parallelism splits the GPUs of each step into CP groups whose
-size follows each sequence's length. Its rule, written here from the published description:
+This follows ``BalancedCPScheduler`` (``megatron/core/pipeline_parallel/hybrid_cp_schedule.py`` of
+NVIDIA/Megatron-LM, the ``get_groups_and_subsamples`` / ``next_hdp_group`` loop) step by step, so
+that a speedup quoted over ``dynamic-cp`` is a speedup over Megatron's own rule. The tests compare
+it, plan for plan, with plans the upstream class produced (``tests/fixtures/megatron_dynamic_cp``).
 
-1. group size of a sequence: ``max(1, next power of two of ceil(length / max_seqlen_per_rank))``;
-2. balance by Megatron's own estimate ``length**2 / group_size`` per GPU of the group (it ignores the
-   linear and communication terms on purpose);
-3. longest first, each sequence goes to the least-loaded existing group of its size, or opens a new
-   group on free GPUs when that is less loaded; a new group starts at estimate 0, so it opens
-   whenever enough GPUs are free, and existing groups are joined only when they are not;
-4. a micro-batch closes when the spread between the most and least loaded GPU is within 5% of the
-   most loaded, or when no remaining sequence fits;
-5. GPUs left empty at the close are used by doubling the smallest groups (their sequences' estimate
-   halves).
+Upstream, per global batch:
 
-Adaptations to our execution model (micro-batches of concurrent groups, each group running its
-sequences one after another, every plan placed, validated and timed by the planner like any other):
+1. group size of a sequence: ``max(1, 2**ceil(log2(length / max_seqlen_per_rank)))``; its estimate
+   per GPU ``length**2 / size`` (linear and communication terms ignored on purpose);
+2. the sequences are sorted longest first once; each iteration (one of our micro-batches) splits
+   the pending list into work-balanced buckets (``make_buckets_equal``: as many as there are sizes
+   among them, a bucket closes when it would exceed 1.1x the mean work or when the sequences left
+   are needed for the buckets still to come);
+3. it looks only at each bucket's *first* pending sequence, buckets in order, and places the first
+   that can go: on a new group when enough GPUs are free (a new group has load 0, so it always
+   wins), else on the least-loaded existing group of its size; when no bucket's first sequence can
+   go, the iteration closes;
+4. the 5% stop (``max - min <= 0.05 * max`` over all GPUs, idle ones at 0) is tested only once a
+   sequence of a smaller size than the iteration's first one has been placed, and only while
+   sequences remain;
+5. ``trim_overload``: while the spread exceeds 5% and no GPU is idle, the last sequence added to the
+   most loaded group (the first such in rank order) is taken off and re-queued at the *end* of the
+   pending list, as long as that narrows the spread and the group keeps one sequence;
+6. ``fill_empty_gpus``: idle GPUs are used by doubling the smallest group (the first in rank order)
+   until none is idle.
 
-- *Micro-batches.* Megatron's GPU domain of one iteration is our ``num_gpus`` per micro-batch; its
-  per-iteration sample groups are our micro-batches, run one after another. ``num_gpus`` need not be a
-  power of two (48 = 6 nodes of 8): groups are powers of two whose sizes sum to at most ``num_gpus``.
-- *Memory.* A group of degree ``d`` holds at most ``costs.capacity[k]`` tokens: a sequence joins the
-  least-loaded group of its size *that has room for it*; if none has room and no new group fits in the
-  free GPUs, the sequence does not fit this micro-batch.
-- *Group size clamped to what exists.* The rule's size is raised to the smallest degree whose group
-  holds the sequence alone (only matters when ``max_seqlen_per_rank`` exceeds one GPU's capacity) and
-  lowered to the largest degree in ``costs.degrees`` that is at most ``num_gpus`` (only matters when
-  ``max_seqlen_per_rank`` is below one GPU's capacity). A sequence no such group can hold raises
-  ``DynamicCPInfeasible``. With the default ``max_seqlen_per_rank`` (one GPU's token capacity) the
-  rule's size is exactly the memory-minimal degree, so neither clamp acts.
-- *A sequence that does not fit is deferred, not a stop.* Scanning longest first, a sequence whose
-  size exceeds the free GPUs (and whose size's groups have no room) is left for a later micro-batch
-  and the scan goes on with shorter ones; the micro-batch closes when none of the remaining fits
-  (Megatron's "no remaining sequence fits"). Deferred sequences keep their longest-first order.
-- *Idle GPUs count.* Free GPUs have estimate 0 in the 5% test, so a micro-batch with unused GPUs
-  closes only when nothing more fits; then doubling fills them.
-- *Doubling stays on the degree ladder.* The smallest group (ties: the earliest opened) is doubled
-  while the free GPUs are at least its size and twice its size is a degree of ``costs.degrees``; a
-  group at the largest degree is not doubled, so with a non-power-of-two ``num_gpus`` a few GPUs can
-  stay idle.
-- *Exact arithmetic.* Estimates are kept as integers (``sum(length**2) * (D / d)`` with ``D`` the
-  largest degree) so ties and the 5% test are exact; ties break by sequence index (placement order)
-  and by group opening order (choice of group).
+Departures, each needed by our execution model (micro-batches of concurrent groups, each group
+running its sequences *packed together*), each measured in ``experiments/dynamic_cp_benchmark.py``:
 
-Cost: O(n log n) for n sequences plus O(classes + groups) per micro-batch (heaps, and a jump over the
-sequences of a size class that cannot fit, so no scan of the whole batch per sequence).
+- *A group never holds more tokens than its memory* (``costs.capacity``): an existing group is a
+  candidate for a sequence only if it has room for it, both in the scan of step 3 and in the choice
+  of the least-loaded group. Upstream runs a group's sequences one at a time, so it has no such cap;
+  with the default ``max_seqlen_per_rank`` (one GPU's token capacity) the cap is ``size * P``,
+  exactly what the fixture's upstream runs used. The token count shrinks when step 5 trims.
+- *Group size clamped to what exists*: raised to the smallest degree whose group holds the sequence
+  alone (only when ``max_seqlen_per_rank`` exceeds one GPU's capacity: upstream would overflow
+  memory) and lowered to the largest degree in ``costs.degrees`` that is at most ``num_gpus`` (only
+  when ``max_seqlen_per_rank`` is so small that the rule asks for more GPUs than exist: upstream
+  never places such a sequence and stops on an assertion). A sequence no group can hold raises
+  ``DynamicCPInfeasible``. With the default ``max_seqlen_per_rank`` neither clamp acts.
+- *Doubling stays on the degree ladder*: step 6 doubles only while twice the size is in
+  ``costs.degrees`` and the idle GPUs cover it, so with a ``num_gpus`` that is not a power of two a
+  few GPUs can stay idle (upstream would form a group of ``num_gpus`` GPUs, which our runtime's
+  power-of-two groups do not offer). Identical for a power-of-two ``num_gpus``.
+- *Exact arithmetic* for the estimates, the 5% test and the trim (integers ``length**2 * L / size``
+  with ``L`` the lcm of the degrees; upstream's floats are exact here too, so ties and tests agree).
+  Bucket boundaries are computed in floats, in upstream's order.
+
+``lookahead="all"`` instead scans every pending sequence longest first and defers one that does not
+fit (this module's earlier adaptation); it packs more per micro-batch but is not Megatron's rule, and
+is kept only so the benchmark can measure what that departure would change.
+
+Cost: O(n log n) per micro-batch for n pending sequences (bucketing and heaps; a bucket whose first
+sequence cannot go stays blocked for the rest of the iteration, as free GPUs and room only shrink
+until the trim), plus O(groups) per trimmed sequence.
 """
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,7 +68,9 @@ from .costs import DegreeCosts
 from .schedule import GroupAssignment, Schedule
 from .search import Infeasible
 
-BALANCE_TOLERANCE = 0.05   # Megatron closes a micro-batch when max - min <= 5% of max
+BALANCE_TOLERANCE = 0.05   # Megatron's delta: balanced when max - min <= 5% of max
+BUCKET_SLACK = 1.1         # make_buckets_equal closes a bucket above 1.1x the mean work
+LOOKAHEADS = ("buckets", "all")
 
 
 class DynamicCPInfeasible(Infeasible):
@@ -67,7 +78,7 @@ class DynamicCPInfeasible(Infeasible):
 
 
 def megatron_group_size(length: int, max_seqlen_per_rank: float) -> int:
-    """Megatron's rule: ``max(1, next power of two of ceil(length / max_seqlen_per_rank))``."""
+    """Megatron's rule: ``max(1, 2**ceil(log2(length / max_seqlen_per_rank)))``."""
     need = max(1, math.ceil(length / max_seqlen_per_rank))
     return 1 << (need - 1).bit_length()
 
@@ -112,79 +123,140 @@ def default_max_seqlen(costs: DegreeCosts) -> float:
     return costs.capacity[0] / costs.degrees[0]
 
 
-class _SizeClass:
-    """The pending sequences of one group size, longest first, with O(~1) 'next unplaced' lookups."""
+@dataclass(frozen=True)
+class _Batch:
+    """Per-sequence facts the iterations share (plain Python lists: the loops are scalar)."""
 
-    def __init__(self, k: int, ids: list[int], lengths: list[int]):
-        self.k = k
-        self.ids = ids
-        self.lengths = lengths
-        self.neg_lengths = [-s for s in lengths]   # ascending, for bisect
-        self.next_free = list(range(len(ids) + 1))  # union-find: next unplaced position >= i
-        self.pending = len(ids)
-
-    def find(self, i: int) -> int:
-        nxt = self.next_free
-        while nxt[i] != i:
-            nxt[i] = nxt[nxt[i]]
-            i = nxt[i]
-        return i
-
-    def take(self, i: int) -> None:
-        self.next_free[i] = i + 1
-        self.pending -= 1
-
-    def first_at_most(self, start: int, tokens: float) -> int:
-        """First unplaced position >= ``start`` whose length is at most ``tokens``."""
-        return self.find(max(start, bisect.bisect_left(self.neg_lengths, -tokens)))
+    length: list[int]
+    size: list[int]       # index into degrees
+    degrees: tuple[int, ...]
+    capacity: tuple[float, ...]
+    estimate: list[int]   # length**2 * scale // degree: Megatron's per-GPU estimate, times `scale`
+    work: list[float]     # the same estimate in upstream's floats, for bucket boundaries
 
 
-@dataclass
-class _MicroBatch:
-    """Groups being filled: degree, members, tokens and the integer load estimate of each."""
+def make_buckets(pending: list[int], batch: _Batch) -> list[list[int]]:
+    """Upstream's ``make_buckets_equal``: consecutive runs of ``pending`` with about equal work.
 
-    free: int          # GPUs not in any group yet
-    top_degree: int
-    degree: list[int] = field(default_factory=list)
-    members: list[list[int]] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    sum_sq: list[int] = field(default_factory=list)
-    load: list[int] = field(default_factory=list)    # sum_sq * (top_degree // degree): exact per-GPU estimate
-    max_load: int = 0
-    by_load: list[tuple[int, int]] = field(default_factory=list)   # lazy min-heap over all groups
+    As many buckets as there are sizes among ``pending``, give or take: a bucket closes before a
+    sequence that would take it above 1.1x the mean, or when the sequences left are needed for the
+    buckets still to open (upstream's test, kept as written).
+    """
+    k = len({batch.size[i] for i in pending})
+    target = sum(batch.work[i] for i in pending) / k
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    cur_work, remaining_k, n = 0.0, k, len(pending)
+    for pos, i in enumerate(pending):
+        w = batch.work[i]
+        if cur and (cur_work + w > target * BUCKET_SLACK or n - pos <= remaining_k - len(buckets)):
+            buckets.append(cur)
+            cur, cur_work = [], 0.0
+            remaining_k -= 1
+        cur.append(i)
+        cur_work += w
+    if cur:
+        buckets.append(cur)
+    return buckets
 
-    def open(self, degree: int) -> int:
-        self.free -= degree
-        self.degree.append(degree)
-        self.members.append([])
-        self.tokens.append(0)
-        self.sum_sq.append(0)
-        self.load.append(0)
-        return len(self.degree) - 1
 
-    def add(self, g: int, seq: int, length: int) -> None:
+class _Iteration:
+    """One upstream iteration: the groups of one micro-batch as they are filled, trimmed, doubled."""
+
+    def __init__(self, batch: _Batch, num_gpus: int, tolerance: tuple[int, int]) -> None:
+        self.batch, self.free, self.tolerance = batch, num_gpus, tolerance
+        self.degree: list[int] = []
+        self.members: list[list[int]] = []
+        self.tokens: list[int] = []
+        self.load: list[int] = []
+        self.max_load = 0
+        self._by_load: list[tuple[int, int]] = []                          # lazy min-heap, all groups
+        n = len(batch.degrees)
+        self._open: list[list[tuple[int, int]]] = [[] for _ in range(n)]   # (load, group) per size
+        self._full: list[list[tuple[int, int]]] = [[] for _ in range(n)]   # (tokens, group) per size
+        self._is_full: list[bool] = []
+
+    # --- placement -------------------------------------------------------------------------------
+    def target(self, seq: int) -> int | None:
+        """Where upstream puts ``seq``: a new group if the free GPUs allow, else the least-loaded
+        group of its size with room (ties: the earliest opened); None if neither exists."""
+        k = self.batch.size[seq]
+        if self.free >= self.batch.degrees[k]:
+            return -1
+        s, cap = self.batch.length[seq], self.batch.capacity[k]
+        full, heap = self._full[k], self._open[k]
+        while full and full[0][0] + s <= cap:   # groups set aside for lack of room, roomy enough now
+            _, g = heapq.heappop(full)
+            self._is_full[g] = False
+            heapq.heappush(heap, (self.load[g], g))
+        while heap:
+            load, g = heap[0]
+            if self._is_full[g] or load != self.load[g]:
+                heapq.heappop(heap)   # stale entry
+            elif self.tokens[g] + s <= cap:
+                return g
+            else:
+                heapq.heappop(heap)
+                self._is_full[g] = True
+                heapq.heappush(full, (self.tokens[g], g))
+        return None
+
+    def place(self, seq: int, g: int) -> None:
+        b = self.batch
+        k = b.size[seq]
+        if g < 0:
+            d = b.degrees[k]
+            self.free -= d
+            g = len(self.degree)
+            self.degree.append(d)
+            self.members.append([])
+            self.tokens.append(0)
+            self.load.append(0)
+            self._is_full.append(False)
         self.members[g].append(seq)
-        self.tokens[g] += length
-        self.sum_sq[g] += length * length
-        self.load[g] = self.sum_sq[g] * (self.top_degree // self.degree[g])
+        self.tokens[g] += b.length[seq]
+        self.load[g] += b.estimate[seq]
         self.max_load = max(self.max_load, self.load[g])
-        heapq.heappush(self.by_load, (self.load[g], g))
+        heapq.heappush(self._by_load, (self.load[g], g))
+        heapq.heappush(self._open[k], (self.load[g], g))
 
-    def balanced(self, tolerance: tuple[int, int]) -> bool:
-        """Megatron's stop, exactly: ``max - min <= tolerance * max`` over every GPU.
-
-        Idle GPUs carry estimate 0, so a micro-batch with free GPUs is never balanced.
-        """
+    def balanced(self) -> bool:
+        """``max - min <= delta * max`` over every GPU; idle GPUs are at 0, so never with some idle."""
         if self.free > 0:
             return False
-        while self.by_load[0][0] != self.load[self.by_load[0][1]]:
-            heapq.heappop(self.by_load)   # stale: that group's load has grown since
-        num, den = tolerance
-        return den * (self.max_load - self.by_load[0][0]) <= num * self.max_load
+        heap = self._by_load
+        while heap[0][0] != self.load[heap[0][1]]:
+            heapq.heappop(heap)
+        num, den = self.tolerance
+        return den * (self.max_load - heap[0][0]) <= num * self.max_load
 
-    def fill_idle(self, degrees: tuple[int, ...]) -> None:
-        """Double the smallest group (earliest opened first) while the free GPUs cover its size."""
-        ladder = set(degrees)
+    # --- after the loop --------------------------------------------------------------------------
+    def trim(self) -> list[int]:
+        """Upstream's ``trim_overload``; returns the sequences taken off, in the order taken."""
+        num, den = self.tolerance
+        load, taken = self.load, []
+        while self.free == 0:
+            top, low = max(load), min(load)
+            if den * (top - low) <= num * top:
+                break
+            g = load.index(top)   # groups are in rank order: the first rank at the maximum
+            if len(self.members[g]) <= 1:
+                break
+            seq = self.members[g][-1]
+            load[g] -= self.batch.estimate[seq]
+            if max(load) - min(load) < top - low:
+                self.members[g].pop()
+                self.tokens[g] -= self.batch.length[seq]
+                taken.append(seq)
+            else:
+                load[g] += self.batch.estimate[seq]
+                break
+        return taken
+
+    def fill_idle(self) -> None:
+        """Upstream's ``fill_empty_gpus``: double the smallest group (the first in rank order) while
+        GPUs are idle, within the degree ladder."""
+        ladder = set(self.batch.degrees)
         heap = [(d, g) for g, d in enumerate(self.degree)]
         heapq.heapify(heap)
         while heap:
@@ -200,85 +272,78 @@ class _MicroBatch:
                      for d, m in zip(self.degree, self.members))
 
 
-def dynamic_cp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, *,
-               max_seqlen_per_rank: float | None = None,
-               tolerance: float = BALANCE_TOLERANCE) -> Schedule:
-    """Plan a batch with Megatron-Core's dynamic CP rule (see the module docstring for adaptations).
+def _iterate(pending: list[int], batch: _Batch, num_gpus: int, tolerance: tuple[int, int],
+             lookahead: str) -> tuple[tuple[GroupAssignment, ...], list[int]]:
+    """One micro-batch from ``pending`` (in upstream's order); returns it and the new pending list."""
+    buckets = make_buckets(pending, batch) if lookahead == "buckets" else [[i] for i in pending]
+    head = [0] * len(buckets)
+    blocked = [False] * len(buckets)
+    it = _Iteration(batch, num_gpus, tolerance)
+    remaining, first, first_degree, check = len(pending), 0, None, False
+    while True:
+        # the first bucket whose first pending sequence can go; a bucket blocked once stays blocked,
+        # as free GPUs and room only shrink until the trim, so the scan restarts where it stopped
+        chosen = None
+        b = first
+        while b < len(buckets):
+            if not blocked[b] and head[b] < len(buckets[b]):
+                g = it.target(buckets[b][head[b]])
+                if g is not None:
+                    chosen = g
+                    break
+                blocked[b] = True
+            if b == first:
+                first += 1
+            b += 1
+        if chosen is None:
+            break
+        seq = buckets[b][head[b]]
+        head[b] += 1
+        it.place(seq, chosen)
+        remaining -= 1
+        degree = batch.degrees[batch.size[seq]]
+        first_degree = degree if first_degree is None else first_degree
+        check = check or degree < first_degree
+        if check and remaining and it.balanced():
+            break
+    leftovers = [i for b, bucket in enumerate(buckets) for i in bucket[head[b]:]]
+    leftovers += it.trim()
+    it.fill_idle()
+    return it.groups(), leftovers
 
-    ``max_seqlen_per_rank`` defaults to one GPU's token capacity; ``tolerance`` is the 5% stop.
-    Deterministic: ties break by sequence index and by group opening order.
+
+def dynamic_cp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, *,
+               max_seqlen_per_rank: float | None = None, tolerance: float = BALANCE_TOLERANCE,
+               lookahead: str = "buckets") -> Schedule:
+    """Plan a batch with Megatron-Core's ``BalancedCPScheduler`` rule (see the module docstring).
+
+    ``max_seqlen_per_rank`` defaults to one GPU's token capacity; ``tolerance`` is the 5% stop;
+    ``lookahead="all"`` measures the deferral departure (not Megatron's rule). Deterministic.
     """
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
+    if lookahead not in LOOKAHEADS:
+        raise ValueError(f"lookahead must be one of {LOOKAHEADS}, got {lookahead!r}")
     if len(lengths) == 0:
         return Schedule(())
     if lengths.min() < 1:
         raise ValueError(f"lengths must be >= 1, got {int(lengths.min())} at {int(lengths.argmin())}")
     size = group_degrees(lengths, costs, num_gpus, max_seqlen_per_rank)
     degrees = tuple(d for d in costs.degrees if d <= num_gpus)
-    capacity = costs.capacity
-    order = np.lexsort((np.arange(len(lengths)), -lengths))   # longest first, ties by index
-    classes = []
-    for k in range(len(degrees)):
-        ids = order[size[order] == k]
-        if len(ids):
-            classes.append(_SizeClass(k, ids.tolist(), lengths[ids].tolist()))
-    # exact 5% test in integers: max - min <= tol * max  <=>  den*(max - min) <= num*max
+    scale = math.lcm(*degrees)
+    length = lengths.tolist()
+    size_list = size.tolist()
+    batch = _Batch(length=length, size=size_list, degrees=degrees, capacity=tuple(costs.capacity[:len(degrees)]),
+                   estimate=[s * s * (scale // degrees[k]) for s, k in zip(length, size_list)],
+                   work=[s * s / degrees[k] for s, k in zip(length, size_list)])
     frac = float(tolerance).as_integer_ratio()
-
-    micro_batches: list[tuple[GroupAssignment, ...]] = []
-    while classes:
-        mb = _MicroBatch(num_gpus, degrees[-1])
-        open_groups: dict[int, list[tuple[int, int]]] = {c.k: [] for c in classes}   # (load, group)
-        parked: dict[int, list[tuple[float, int]]] = {c.k: [] for c in classes}      # (-room, group)
-        frontier = []   # (-length, seq id, class, position): the next candidate of every class
-        for c in classes:
-            p = c.find(0)
-            if p < len(c.ids):
-                frontier.append((-c.lengths[p], c.ids[p], c.k, p, c))
-        heapq.heapify(frontier)
-        while frontier:
-            _, seq, k, p, c = heapq.heappop(frontier)
-            s, d = c.lengths[p], degrees[k]
-            g = _choose_group(mb, d, s, capacity[k], open_groups[k], parked[k])
-            if g is None:
-                # Neither a new group nor room in one: skip to the first shorter sequence of this size
-                # that the roomiest group could take (rooms and free GPUs only shrink from here on).
-                room = -parked[k][0][0] if parked[k] else -1.0
-                q = c.first_at_most(p + 1, room)
-                if q < len(c.ids):
-                    heapq.heappush(frontier, (-c.lengths[q], c.ids[q], k, q, c))
-                continue
-            mb.add(g, seq, s)
-            heapq.heappush(open_groups[k], (mb.load[g], g))
-            c.take(p)
-            q = c.find(p + 1)
-            if q < len(c.ids):
-                heapq.heappush(frontier, (-c.lengths[q], c.ids[q], k, q, c))
-            if mb.balanced(frac):
-                break
-        mb.fill_idle(degrees)
-        micro_batches.append(mb.groups())
-        classes = [c for c in classes if c.pending]
+    # upstream sorts once, longest first (a stable sort: ties keep the batch order)
+    pending = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
+    micro_batches = []
+    while pending:
+        groups, pending = _iterate(pending, batch, num_gpus, frac, lookahead)
+        micro_batches.append(groups)
     return Schedule(tuple(micro_batches))
-
-
-def _choose_group(mb: _MicroBatch, degree: int, length: int, capacity: float,
-                  open_heap: list[tuple[int, int]], parked: list[tuple[float, int]]) -> int | None:
-    """A new group when the free GPUs allow, else the least-loaded group of this size with room."""
-    if mb.free >= degree:
-        return mb.open(degree)
-    # groups parked for lack of room come back once the sequences get short enough for them
-    while parked and -parked[0][0] >= length:
-        _, g = heapq.heappop(parked)
-        heapq.heappush(open_heap, (mb.load[g], g))
-    while open_heap:
-        _, g = heapq.heappop(open_heap)
-        room = capacity - mb.tokens[g]
-        if room >= length:
-            return g
-        heapq.heappush(parked, (-room, g))
-    return None

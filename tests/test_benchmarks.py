@@ -34,4 +34,5 @@ def test_loader_benchmark_quick_mode(tmp_path):
                              "--out", str(tmp_path / "loader.md")],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "async planning" in (tmp_path / "loader.md").read_text()
+    text = (tmp_path / "loader.md").read_text()
+    assert "loop throughput with background planning in a process" in text and "in a thread" in text

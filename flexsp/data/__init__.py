@@ -1,7 +1,7 @@
 """Planned, per-rank micro-batches for training: the FlexSP data loader.
 
 ``FlexSPLoader(dataset, cost, cluster, LoaderConfig(batch_size=...), pool=pool)`` forms global
-batches from a map-style dataset, plans each with ``plan_batch`` in a background thread, and yields
+batches from a map-style dataset, plans each with ``plan_batch`` in a background process, and yields
 for this rank the packed shards of every micro-batch it takes part in. The torch-free parts
 (config, batching, planning, lengths) import without torch; ``FlexSPLoader``, ``Step`` and
 ``MicroBatchShard`` load torch on first use. This folder also holds package data
@@ -14,13 +14,13 @@ from typing import Any
 from .batching import EpochBatches, GlobalBatch
 from .config import LoaderConfig
 from .errors import LoaderError
-from .planning import AsyncPlanner, PlannedBatch, PlannerStats
+from .planning import AsyncPlanner, PlanBatch, PlannedBatch, PlannerStats
 from .source import resolve_lengths
 
 _TORCH_NAMES = {"FlexSPLoader": "loader", "Step": "loader", "LoaderStats": "loader",
                 "MicroBatchShard": "collate", "to_tokens": "collate"}
 
-__all__ = ["LoaderConfig", "LoaderError", "EpochBatches", "GlobalBatch", "AsyncPlanner", "PlannedBatch",
+__all__ = ["LoaderConfig", "LoaderError", "EpochBatches", "GlobalBatch", "AsyncPlanner", "PlanBatch", "PlannedBatch",
            "PlannerStats", "resolve_lengths", *_TORCH_NAMES]
 
 

@@ -27,7 +27,7 @@ from .batching import EpochBatches
 from .collate import MicroBatchShard, shard_group, to_tokens
 from .config import LoaderConfig
 from .errors import LoaderError
-from .planning import AsyncPlanner, PlannedBatch, Solver
+from .planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver
 from .source import resolve_lengths
 
 STATE_VERSION = 1
@@ -114,13 +114,10 @@ class FlexSPLoader:
 
     # --- planning (rank 0) ----------------------------------------------------------------------
     def _plan_with(self, strategy: str) -> Solver:
-        from ..planner import plan_batch   # the solver is only imported where plans are made
+        """A picklable ``plan_batch`` solver, so the background planner can run it in its own process."""
         c = self.config
-
-        def solve(lengths: np.ndarray) -> Plan:
-            return plan_batch(lengths, self.cost, self.cluster, strategy=strategy, sp_degree=c.sp_degree,
-                              time_limit=c.time_limit, num_buckets=c.num_buckets, max_degree=c.max_degree)
-        return solve
+        return PlanBatch(self.cost, self.cluster, strategy=strategy, sp_degree=c.sp_degree, time_limit=c.time_limit,
+                         num_buckets=c.num_buckets, max_degree=c.max_degree)
 
     @property
     def lengths(self) -> np.ndarray:

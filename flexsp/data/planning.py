@@ -1,28 +1,47 @@
-"""Plan future global batches in a background thread while the current step trains.
+"""Plan future global batches in a separate process while the current step trains.
 
 The paper's solver takes seconds per batch; hidden behind the previous step's compute it costs
-nothing. ``AsyncPlanner`` solves batches in order, at most ``lookahead`` ahead of the batch the loop
-last took (a semaphore holds the bound, so memory and wasted work stay bounded after a stop). A
-solver exception is captured and handed to the loop as a result, never lost in the thread. If the
-loop has waited ``fallback_after`` seconds, the batch being solved is planned at once with
-``fallback`` (the greedy strategy) and the late result is discarded.
+nothing, but only if it does not compete with the training loop for the interpreter: a solver
+thread holds the GIL for most of its run and slowed a CPU-bound Python loop to about 0.67x. So the
+solver runs in a **spawned** process (``mode="process"``: a fresh interpreter, no fork of a process
+holding CUDA or torch state). The loop's side sends each batch's lengths and receives the plan as a few flat
+integer arrays (``pack_plan``), so its own work per step is a pipe read and a cheap rebuild. A
+solver that cannot be pickled (a lambda, a closure) runs in a thread instead (``mode="auto"``).
+
+``AsyncPlanner`` keeps at most ``lookahead`` batches submitted beyond the one the loop last took,
+so memory and wasted work stay bounded after a stop. A solver exception comes back as a result,
+never lost in the worker. If the loop has waited ``fallback_after`` seconds, the batch being solved
+is planned at once in the loop's process with ``fallback`` (the greedy strategy) and the late
+result is discarded.
 """
 from __future__ import annotations
 
+import collections
+import os
+import pickle
 import queue
+import subprocess
+import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from ..plan import Plan
+from ..plan import Group, MicroBatch, Plan
 from .batching import GlobalBatch
 from .errors import LoaderError
 
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+    from ..cost import CostModel
+
 Solver = Callable[[np.ndarray], Plan]
-_POLL = 0.05   # seconds between checks for a stop request or a dead thread
+MODES = ("auto", "process", "thread")
+_POLL = 0.05   # seconds between checks for a stop request or a dead worker
+PLANNER_NICE = 10   # the planner process yields the CPU to the training loop when cores are short
 
 
 @dataclass(frozen=True)
@@ -40,7 +59,7 @@ class PlannedBatch:
 @dataclass
 class PlannerStats:
     solved: int = 0                 # plans handed to the loop
-    solve_seconds: float = 0.0      # solver time of those plans (the background thread's work)
+    solve_seconds: float = 0.0      # solver time of those plans (the worker's work)
     wait_seconds: float = 0.0       # time the loop spent blocked waiting for a plan
     max_wait: float = 0.0
     last_wait: float = 0.0
@@ -48,101 +67,222 @@ class PlannerStats:
     max_ahead: int = 0              # most solves ever started beyond the batch the loop last took
 
 
+@dataclass(frozen=True)
+class PlanBatch:
+    """``plan_batch`` with fixed settings, as a picklable solver the planner process can run."""
+
+    cost: "CostModel"
+    cluster: "Cluster"
+    strategy: str = "flexsp"
+    sp_degree: int | None = None
+    time_limit: float = 2.0
+    num_buckets: int = 16
+    max_degree: int | None = None
+
+    def __call__(self, lengths: np.ndarray) -> Plan:
+        from ..planner import plan_batch   # the solver is only imported where plans are made
+        return plan_batch(lengths, self.cost, self.cluster, strategy=self.strategy, sp_degree=self.sp_degree,
+                          time_limit=self.time_limit, num_buckets=self.num_buckets, max_degree=self.max_degree)
+
+
+# --- compact plans ----------------------------------------------------------------------------------
+
+def pack_plan(plan: Plan) -> dict[str, Any]:
+    """A plan as a few flat integer arrays (groups per micro-batch, rank blocks, seq ids with
+    counts) in the narrowest integer types: about half the bytes of the pickled ``Plan`` or its JSON, and
+    ``unpack_plan`` rebuilds it without parsing. Groups on contiguous ranks (every planner strategy)
+    store only their first rank."""
+    groups = [g for mb in plan.micro_batches for g in mb.groups]
+    contiguous = all(g.ranks == tuple(range(g.ranks[0], g.ranks[0] + len(g.ranks))) for g in groups if g.ranks)
+    ranks = ([g.ranks[0] if g.ranks else 0 for g in groups] if contiguous
+             else [r for g in groups for r in g.ranks])
+    return {
+        "num_gpus": plan.num_gpus, "predicted_time": plan.predicted_time, "strategy": plan.strategy,
+        "gpus_per_node": plan.gpus_per_node, "solve_time": plan.solve_time, "meta": dict(plan.meta),
+        "groups_per_mb": _small([len(mb.groups) for mb in plan.micro_batches]),
+        "ring": _small([g.ring for g in groups]),
+        "rank_counts": _small([len(g.ranks) for g in groups]),
+        "ranks": _small(ranks),
+        "contiguous": contiguous,
+        "seq_counts": _small([len(g.seq_ids) for g in groups]),
+        "seq_ids": _small([s for g in groups for s in g.seq_ids]),
+    }
+
+
+def _small(values: list[int]) -> np.ndarray:
+    """Non-negative integers in the narrowest unsigned type that holds them."""
+    top = max(values, default=0)
+    return np.asarray(values, dtype=next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64)
+                                         if top <= np.iinfo(t).max))
+
+
+def unpack_plan(packed: dict[str, Any]) -> Plan:
+    counts, seq_counts = packed["rank_counts"], packed["seq_counts"]
+    if packed["contiguous"]:
+        ranks = [range(a, a + n) for a, n in zip(packed["ranks"].tolist(), counts.tolist())]
+    else:
+        ranks = np.split(packed["ranks"], np.cumsum(counts, dtype=np.int64)[:-1]) if len(counts) else []
+    seqs = np.split(packed["seq_ids"], np.cumsum(seq_counts, dtype=np.int64)[:-1]) if len(counts) else []
+    groups = [Group(ranks=tuple(int(r) for r in rk), seq_ids=tuple(s.tolist()), ring=int(ring))
+              for rk, s, ring in zip(ranks, seqs, packed["ring"].tolist())]
+    bounds = [0, *np.cumsum(packed["groups_per_mb"], dtype=np.int64).tolist()]
+    micro_batches = tuple(MicroBatch(tuple(groups[a:b])) for a, b in zip(bounds[:-1], bounds[1:]))
+    return Plan(num_gpus=packed["num_gpus"], micro_batches=micro_batches, predicted_time=packed["predicted_time"],
+                strategy=packed["strategy"], gpus_per_node=packed["gpus_per_node"],
+                solve_time=packed["solve_time"], meta=packed["meta"])
+
+
+def _solve(solve: Solver, lengths: np.ndarray) -> tuple[Plan | None, str | None, BaseException | None, float]:
+    started = time.perf_counter()
+    try:
+        plan = solve(lengths)
+        _check(plan, lengths)
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}", exc, time.perf_counter() - started
+    return plan, None, None, time.perf_counter() - started
+
+
+def _serve(tasks, results, solve: Solver) -> None:
+    """The planner process: solve ``(key, lengths)`` tasks in order, send back packed plans or errors.
+
+    A reader thread drains the task pipe so the loop's sends never wait on a running solve.
+    """
+    inbox: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        while True:
+            try:
+                item = tasks.recv()
+            except (EOFError, OSError):
+                item = None
+            inbox.put(item)
+            if item is None:
+                return
+
+    threading.Thread(target=read, name="flexsp-planner-inbox", daemon=True).start()
+    while (item := inbox.get()) is not None:
+        key, lengths = item
+        plan, error, exc, seconds = _solve(solve, lengths)
+        try:
+            pickle.dumps(exc)
+        except Exception:
+            exc = None   # the message still says what went wrong
+        try:
+            results.send((key, None if plan is None else pack_plan(plan), error, exc, seconds))
+        except (BrokenPipeError, OSError):
+            return
+
+
+def picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
 class AsyncPlanner:
     """Solves ``batches`` with ``solve(lengths_of_batch)``; ``next()`` returns them in order.
 
-    ``lookahead=0`` solves synchronously inside ``next()`` (no thread). Call ``close()`` when done.
+    ``mode``: "process" (a spawned worker; ``solve`` must pickle), "thread", or "auto" (process when
+    ``solve`` pickles). ``lookahead=0`` solves synchronously inside ``next()``. Call ``close()`` when done.
     """
 
     def __init__(self, batches: Iterator[GlobalBatch], lengths: np.ndarray, solve: Solver, *,
-                 lookahead: int = 2, fallback: Solver | None = None, fallback_after: float | None = None) -> None:
+                 lookahead: int = 2, fallback: Solver | None = None, fallback_after: float | None = None,
+                 mode: str = "auto") -> None:
+        if mode not in MODES:
+            raise LoaderError(f"planner mode must be one of {', '.join(MODES)}, got {mode!r}")
         self._batches, self._lengths, self._solve = batches, lengths, solve
         self.lookahead, self._fallback, self._fallback_after = lookahead, fallback, fallback_after
         self.stats = PlannerStats()
-        self._results: queue.Queue[PlannedBatch] = queue.Queue()   # bounded by the permits, never blocks
-        self._permits = threading.Semaphore(lookahead)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._current: GlobalBatch | None = None       # the batch the thread is solving now
-        self._abandoned: set[tuple[int, int]] = set()  # batches taken by the fallback while solving
         self._started = self._taken = 0
-        self._thread: threading.Thread | None = None
-        if lookahead > 0:
-            self._thread = threading.Thread(target=self._work, name="flexsp-planner", daemon=True)
-            self._thread.start()
+        self._closed = False
+        if lookahead == 0:
+            self.mode = "sync"
+        elif mode == "thread" or (mode == "auto" and not picklable(solve)):
+            self.mode = "thread"
+        else:
+            if not picklable(solve):
+                raise LoaderError(f"mode='process' needs a picklable solver (a module-level function or "
+                                  f"flexsp.data.PlanBatch), got {solve!r}; use mode='thread' for this one")
+            self.mode = "process"
+        self._backend: _ProcessBackend | _ThreadBackend | None = None   # started with the first batch
+        self._inflight: collections.deque[GlobalBatch] = collections.deque()   # submitted, not yet taken
+        self._abandoned: set[tuple[int, int]] = set()   # taken by the fallback while the worker solved them
+        self._ended: PlannedBatch | None = None          # the batch iterator's error, after the in-flight ones
+        self._exhausted = False
+        self._submit()
 
-    # --- the background thread -------------------------------------------------------------------
-    def _work(self) -> None:
-        try:
-            for batch in self._batches:
-                while not self._permits.acquire(timeout=_POLL):
-                    if self._stop.is_set():
-                        return
-                if self._stop.is_set():
-                    return
-                with self._lock:
-                    self._current = batch
-                    self._started += 1
-                    self.stats.max_ahead = max(self.stats.max_ahead, self._started - self._taken)
-                result = self._solve_one(batch, self._solve)
-                with self._lock:
-                    self._current = None
-                    if batch.key in self._abandoned:
-                        self._abandoned.discard(batch.key)
-                        continue
-                    self._results.put(result)
-                if result.error is not None:
-                    return   # the loop will raise; solving further batches would be wasted
-        except BaseException as exc:   # batching itself failed (e.g. a too-long sequence)
-            self._results.put(PlannedBatch(None, error=f"{type(exc).__name__}: {exc}", exception=exc))
-
-    def _solve_one(self, batch: GlobalBatch, solve: Solver, fallback: bool = False) -> PlannedBatch:
-        started = time.perf_counter()
-        lengths = self._lengths[list(batch.indices)]
-        try:
-            plan = solve(lengths)
-            _check(plan, lengths)
-        except Exception as exc:
-            return PlannedBatch(batch, error=f"{type(exc).__name__}: {exc}", exception=exc,
-                                solve_seconds=time.perf_counter() - started, fallback=fallback)
-        return PlannedBatch(batch, plan=plan, solve_seconds=time.perf_counter() - started, fallback=fallback)
+    # --- submitting ------------------------------------------------------------------------------
+    def _submit(self) -> None:
+        """Keep ``lookahead`` batches submitted beyond the one the loop last took."""
+        while self.mode != "sync" and not self._closed and not self._exhausted and len(self._inflight) < self.lookahead:
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                self._exhausted = True
+                return
+            except Exception as exc:   # batching itself failed (e.g. a too-long sequence)
+                self._exhausted = True
+                self._ended = PlannedBatch(None, error=f"{type(exc).__name__}: {exc}", exception=exc)
+                return
+            if self._backend is None:
+                self._backend = _ProcessBackend(self._solve) if self.mode == "process" else _ThreadBackend(self._solve)
+            self._backend.submit(batch.key, self._lengths[list(batch.indices)])
+            self._inflight.append(batch)
+            self._started += 1
+            self.stats.max_ahead = max(self.stats.max_ahead, self._started - self._taken)
 
     # --- the training loop's side ----------------------------------------------------------------
     def next(self) -> PlannedBatch:
         """The next batch's plan (or error), waiting only if the solver has not finished it yet."""
         started = time.perf_counter()
-        if self._thread is None:
+        if self.mode == "sync":
             try:
                 batch = next(self._batches)
             except Exception as exc:
                 result = PlannedBatch(None, error=f"{type(exc).__name__}: {exc}", exception=exc)
             else:
-                result = self._solve_one(batch, self._solve)
+                result = self._local(batch, self._solve)
             return self._account(result, started)
-        while True:
-            try:
-                result = self._results.get(timeout=_POLL)
+        if not self._inflight:
+            if self._ended is not None:
+                return self._account(self._ended, started)
+            raise LoaderError(f"the planner {self.mode} has stopped (closed, or the batch iterator ended)")
+        result = None
+        while result is None:
+            reply = self._backend.receive(_POLL)
+            if reply is not None:
+                key, packed, error, exc, seconds = reply
+                if key in self._abandoned:
+                    self._abandoned.discard(key)   # the fallback already handed this batch out
+                    continue
+                batch = self._inflight.popleft()
+                if batch.key != key:
+                    raise LoaderError(f"the planner returned batch {key} while {batch.key} was due")
+                if packed is None:
+                    exc = exc if exc is not None else LoaderError(error)
+                    result = PlannedBatch(batch, error=error, exception=exc, solve_seconds=seconds)
+                else:
+                    result = PlannedBatch(batch, plan=unpack_plan(packed), solve_seconds=seconds)
                 break
-            except queue.Empty:
-                pass
-            if not self._thread.is_alive() and self._results.empty():
-                raise LoaderError("the planner thread has stopped (closed, or the batch iterator ended)")
+            problem = self._backend.dead()
+            if problem:
+                raise LoaderError(f"the planner {self.mode} stopped unexpectedly: {problem}")
             waited = time.perf_counter() - started
             if self._fallback is not None and self._fallback_after is not None and waited >= self._fallback_after:
-                with self._lock:
-                    late = self._current
-                    if late is not None and late.key in self._abandoned:
-                        late = None   # already handed out by the fallback; wait for the thread's next batch
-                    if late is not None:
-                        self._abandoned.add(late.key)
-                if late is not None:
-                    result = self._solve_one(late, self._fallback, fallback=True)
-                    self.stats.fallbacks += 1
-                    break
-        with self._lock:
-            self._taken += 1
-        self._permits.release()
+                late = self._inflight.popleft()
+                self._abandoned.add(late.key)
+                result = self._local(late, self._fallback, fallback=True)
+                self.stats.fallbacks += 1
+        self._taken += 1
+        self._submit()
         return self._account(result, started)
+
+    def _local(self, batch: GlobalBatch, solve: Solver, fallback: bool = False) -> PlannedBatch:
+        plan, error, exc, seconds = _solve(solve, self._lengths[list(batch.indices)])
+        return PlannedBatch(batch, plan=plan, error=error, exception=exc, solve_seconds=seconds, fallback=fallback)
 
     def _account(self, result: PlannedBatch, started: float) -> PlannedBatch:
         wait = time.perf_counter() - started
@@ -153,11 +293,109 @@ class AsyncPlanner:
         return result
 
     def close(self, timeout: float = 1.0) -> None:
-        """Stop the thread; a solve already running finishes in the background (the thread is a daemon)."""
-        self._stop.set()
-        self._permits.release()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Stop the worker: a process is asked to stop, then terminated if a solve still runs after
+        ``timeout``; a thread finishes its running solve in the background (it is a daemon)."""
+        self._closed = True
+        if self._backend is not None:
+            self._backend.close(timeout)
+
+
+_WORKER = """
+import os, sys
+from multiprocessing.connection import Connection
+os.nice(int(sys.argv[3]))
+tasks, results = Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+sys.path[:] = tasks.recv()   # the launching process's import path, so the solver unpickles here too
+from flexsp.data.planning import _serve
+_serve(tasks, results, tasks.recv())
+"""
+
+
+class _ProcessBackend:
+    """A freshly spawned interpreter (``sys.executable``) and two one-way pipes.
+
+    Started with ``subprocess`` rather than ``multiprocessing``: it does not re-import the launching
+    script, and it works inside daemonic processes (multiprocessing workers may not have children).
+    It runs ``nice``-r than the loop: with lookahead it has slack, the training step has none.
+    """
+
+    def __init__(self, solve: Solver, nice: int = PLANNER_NICE) -> None:
+        task_read, task_write = os.pipe()
+        result_read, result_write = os.pipe()
+        try:
+            self._process = subprocess.Popen([sys.executable, "-c", _WORKER, str(task_read), str(result_write), str(nice)],
+                                             pass_fds=(task_read, result_write), stdin=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (task_read, task_write, result_read, result_write):
+                os.close(fd)
+            raise
+        os.close(task_read)
+        os.close(result_write)
+        self._tasks = Connection(task_write, readable=False)
+        self._results = Connection(result_read, writable=False)
+        self._tasks.send(list(sys.path))
+        self._tasks.send(solve)
+
+    def submit(self, key: tuple[int, int], lengths: np.ndarray) -> None:
+        try:
+            self._tasks.send((key, np.asarray(lengths, dtype=np.int64)))
+        except (BrokenPipeError, OSError):
+            pass   # the worker is gone: dead() reports it
+
+    def receive(self, timeout: float):
+        try:
+            return self._results.recv() if self._results.poll(timeout) else None
+        except (EOFError, OSError):
+            return None
+
+    def dead(self) -> str | None:
+        code = self._process.poll()
+        return None if code is None else f"the planner process exited with code {code}"
+
+    def close(self, timeout: float) -> None:
+        try:
+            self._tasks.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()   # a solve is still running: its result is not wanted
+            self._process.wait()
+        self._tasks.close()
+        self._results.close()
+
+
+class _ThreadBackend:
+    """The same protocol on a thread, for solvers that cannot be pickled."""
+
+    def __init__(self, solve: Solver) -> None:
+        self._tasks: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, args=(solve,), name="flexsp-planner", daemon=True)
+        self._thread.start()
+
+    def _work(self, solve: Solver) -> None:
+        while (item := self._tasks.get()) is not None:
+            key, lengths = item
+            plan, error, exc, seconds = _solve(solve, lengths)
+            self._results.put((key, None if plan is None else pack_plan(plan), error, exc, seconds))
+
+    def submit(self, key: tuple[int, int], lengths: np.ndarray) -> None:
+        self._tasks.put((key, lengths))
+
+    def receive(self, timeout: float):
+        try:
+            return self._results.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def dead(self) -> str | None:
+        return None if self._thread.is_alive() else "the planner thread has stopped"
+
+    def close(self, timeout: float) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout)
 
 
 def _check(plan: Plan, lengths: np.ndarray) -> None:

@@ -28,3 +28,25 @@ def lengths(n: int, seed: int = 0, high: int = 250) -> list[int]:
 def token_lists(n: int, seed: int = 0, high: int = 250) -> list[list[int]]:
     """Item i counts up from its own start: every item's tokens are recognisable."""
     return [[(7 * i + t) % VOCAB for t in range(m)] for i, m in enumerate(lengths(n, seed, high))]
+
+
+class SlowSolver:
+    """A picklable solver (for the planner process): greedy plans after ``seconds`` of waiting, with
+    the solving process's id in ``plan.meta``; ``fail_on`` raises on that call, ``exit_on`` kills
+    the process there."""
+
+    def __init__(self, seconds: float = 0.0, fail_on: int | None = None, exit_on: int | None = None) -> None:
+        self.seconds, self.fail_on, self.exit_on, self.calls = seconds, fail_on, exit_on, 0
+
+    def __call__(self, lengths):
+        import dataclasses
+        import os
+        import time
+        self.calls += 1
+        if self.calls == self.exit_on:
+            os._exit(3)
+        if self.calls == self.fail_on:
+            raise RuntimeError("solver blew up")
+        time.sleep(self.seconds)
+        plan = flexsp.plan_batch(lengths, cost_model(), cluster(), strategy="greedy")
+        return dataclasses.replace(plan, meta={"pid": os.getpid()})

@@ -1,15 +1,18 @@
-"""The background planner: hides solves behind steps, stays within its look-ahead, reports errors, falls back."""
+"""The background planner: hides solves behind steps, stays within its look-ahead, reports errors, falls
+back; in a spawned process (plans identical to synchronous ones, packed compactly) or a thread."""
+import os
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-from helpers import cluster, cost_model
+from helpers import SlowSolver, cluster, cost_model
 from helpers import lengths as make_lengths
 
 import flexsp
-from flexsp.data import AsyncPlanner, EpochBatches, LoaderConfig, LoaderError
+from flexsp.data import AsyncPlanner, EpochBatches, LoaderConfig, LoaderError, PlanBatch
+from flexsp.data.planning import pack_plan, unpack_plan
 
 LENGTHS = np.array(make_lengths(80))
 
@@ -126,11 +129,80 @@ def test_close_does_not_wait_for_a_running_solve():
     started = time.perf_counter()
     planner.close(timeout=0.2)
     assert time.perf_counter() - started < 0.5
-    with pytest.raises(LoaderError, match="planner thread has stopped"):
-        AsyncPlanner(iter(()), LENGTHS, _greedy, lookahead=1).next()
+    with pytest.raises(LoaderError, match="planner process has stopped"):
+        AsyncPlanner(iter(()), LENGTHS, _greedy, lookahead=1).next()   # and no process was started for it
 
 
 def test_package_imports_without_torch():
     code = ("import sys; import flexsp, flexsp.data; from flexsp.data import LoaderConfig, AsyncPlanner; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------ the planner process
+
+def test_process_plans_equal_synchronous_plans_in_order():
+    solve = PlanBatch(cost_model(), cluster(), strategy="greedy")
+    sync = AsyncPlanner(_batches(), LENGTHS, solve, lookahead=0)
+    expected = [sync.next() for _ in range(5)]
+    planner = AsyncPlanner(_batches(), LENGTHS, solve, lookahead=2)
+    try:
+        assert planner.mode == "process"
+        got = [planner.next() for _ in range(5)]
+        assert [r.batch.key for r in got] == [r.batch.key for r in expected]
+        for a, b in zip(got, expected):
+            assert a.plan.micro_batches == b.plan.micro_batches and a.plan.predicted_time == b.plan.predicted_time
+        assert planner.stats.max_ahead <= 2 and planner.stats.solved == 5
+    finally:
+        planner.close()
+
+
+def test_process_solves_elsewhere_reports_errors_and_falls_back():
+    planner = AsyncPlanner(_batches(), LENGTHS, SlowSolver(0.0, fail_on=3), lookahead=2)
+    try:
+        first = planner.next()
+        assert first.plan.meta["pid"] != os.getpid()   # solved in the planner process
+        assert planner.next().plan is not None
+        bad = planner.next()
+        assert bad.plan is None and bad.error == "RuntimeError: solver blew up" and bad.batch.key == (0, 2)
+        assert isinstance(bad.exception, RuntimeError)
+    finally:
+        planner.close()
+    slow = AsyncPlanner(_batches(), LENGTHS, SlowSolver(5.0), lookahead=1, fallback=_greedy, fallback_after=0.2)
+    try:
+        result = slow.next()
+        assert result.fallback and result.plan is not None and result.batch.key == (0, 0)
+        started = time.perf_counter()
+    finally:
+        slow.close(timeout=0.2)   # a solve is running: the process is terminated, not waited for
+    assert time.perf_counter() - started < 2.0
+
+
+def test_a_dead_planner_process_is_an_error_not_a_hang():
+    planner = AsyncPlanner(_batches(), LENGTHS, SlowSolver(exit_on=2), lookahead=1)
+    try:
+        assert planner.next().plan is not None
+        with pytest.raises(LoaderError, match="planner process stopped unexpectedly: .*exited with code 3"):
+            planner.next()
+    finally:
+        planner.close()
+
+
+def test_process_mode_needs_a_picklable_solver():
+    with pytest.raises(LoaderError, match="picklable"):
+        AsyncPlanner(_batches(), LENGTHS, lambda lengths: _greedy(lengths), lookahead=1, mode="process")
+    with pytest.raises(LoaderError, match="mode"):
+        AsyncPlanner(_batches(), LENGTHS, _greedy, mode="fork")
+    assert AsyncPlanner(_batches(), LENGTHS, lambda lengths: _greedy(lengths), lookahead=1).mode == "thread"
+
+
+def test_packed_plans_round_trip_compactly():
+    import pickle
+    lengths = np.random.default_rng(0).integers(2, 60, 400)
+    plan = flexsp.plan_batch(lengths, cost_model(), cluster(), strategy="batchada")
+    packed = pack_plan(plan)
+    back = unpack_plan(packed)
+    assert back == plan and back.to_dict() == plan.to_dict()
+    assert len(pickle.dumps(packed)) < 0.5 * len(pickle.dumps(plan))
+    scattered = flexsp.Plan(8, (flexsp.MicroBatch((flexsp.Group((5, 1), (1, 0)), flexsp.Group((0,), ()))),), 1.0)
+    assert unpack_plan(pack_plan(scattered)) == scattered   # any ranks, even empty groups
