@@ -247,8 +247,11 @@ class FlexSPLoader:
                 if group is not None:
                     handle = self.pool.get(group.ranks) if self.pool is not None else None
                     shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device))
-        except Exception as exc:
+        except LoaderError as exc:
             error = exc
+        except Exception as exc:   # the dataset's own error (I/O, decoding): name where it happened
+            error = LoaderError(f"loading global batch {self._index} of epoch {self._epoch} "
+                                f"failed: {type(exc).__name__}: {exc}")
         if self._communicate:
             agree(error)   # one flag all-reduce: a data error on any rank is raised on every rank
         elif error is not None:

@@ -164,17 +164,17 @@ class StepExecutor:
                 continue
             if not shards or shards[0].micro_batch != m:
                 got = shards[0].micro_batch if shards else "none"
-                raise PlanError(f"rank {rank}: the step has no shard for micro-batch {m} of its plan (next shard is "
+                raise PlanError(f"the step has no shard for micro-batch {m} of its plan (next shard is "
                                 f"for micro-batch {got}): the step's shards do not match its plan")
             shard = shards.pop(0)
             work.append(self._check_shard(m, group, shard, lengths))
         if shards:
-            raise PlanError(f"rank {rank}: the step has shards for micro-batches {[s.micro_batch for s in shards]} "
+            raise PlanError(f"the step has shards for micro-batches {[s.micro_batch for s in shards]} "
                             f"where its plan gives this rank no group")
         return work
 
     def _check_shard(self, m: int, group: Group, shard: Any, lengths: Sequence[int]) -> _Work:
-        rank, where = self.pool.rank, f"rank {self.pool.rank}, micro-batch {m}"
+        rank, where = self.pool.rank, f"micro-batch {m}"
         if tuple(shard.ranks) != tuple(group.ranks) or shard.local_rank != group.ranks.index(rank):
             raise PlanError(f"{where}: shard is for ranks {list(shard.ranks)} (position {shard.local_rank}) but the "
                             f"plan puts this rank in {list(group.ranks)}")

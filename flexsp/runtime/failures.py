@@ -59,12 +59,12 @@ def _agreed_error(reports: list[dict[str, str] | None]) -> FlexSPError:
         others = [r for r, _ in failed[1:]]
         message = f"rank {first_rank}: {first['message']}" + (f" (ranks {others} failed too)" if others else "")
     cls = _flexsp_error_class(first["module"], first["type"])
-    if cls is None:
-        return RankFailure(f"{first['type']}: {message}")
-    try:
-        return cls(message)
-    except Exception:
-        return RankFailure(f"{first['type']}: {message}")
+    if cls is not None:
+        try:
+            return cls(message)
+        except Exception:
+            pass
+    return RankFailure(f"rank {first_rank}: {first['type']}: {first['message']}")
 
 
 def flag_device(group: dist.ProcessGroup | None = None) -> torch.device:
