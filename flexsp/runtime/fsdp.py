@@ -76,6 +76,7 @@ def prepare_model(model: nn.Module, *, sharding: str = "full", param_dtype: torc
     register_fsdp_forward_method(model, "shard_loss")   # shard_loss unshards the root like forward does
     for module in [*units, model]:
         module.set_gradient_divide_factor(1.0)          # sum, not mean, over ranks
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
     setattr(model, SHARDING_ATTR, sharding)
     return model
 
