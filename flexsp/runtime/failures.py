@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..errors import FlexSPError
 
-_POLL = timedelta(seconds=0.25)
+_POLL_SECONDS = 0.5   # how often each rank's watcher asks the store for a failure record
 
 
 class RankFailure(FlexSPError):
@@ -142,9 +142,11 @@ class FailureChannel:
     def _watch(self, store: dist.Store) -> None:
         while not self._stop.is_set():
             try:
-                store.wait([self._key], _POLL)   # server-side wait: one request per poll, no busy loop
+                if not store.check([self._key]):   # non-blocking: one small request per poll
+                    self._stop.wait(_POLL_SECONDS)
+                    continue
             except Exception:
-                self._stop.wait(0.05)            # a timeout, or a store that is gone: never spin
+                self._stop.wait(_POLL_SECONDS)     # the store is unreachable for now: never spin
                 continue
             try:
                 message = store.get(self._key).decode()
