@@ -190,7 +190,7 @@ def main() -> None:
              "params+grads+optimizer MiB per rank |", "|---|---|---|---|---|---|"]
     for name, sharding, groups, step, peak, state in rows:
         lines.append(f"| {name} | {sharding} | {groups} | {step:.3f} | {' / '.join(f'{m:.1f}' for m in peak)} | "
-                     f"{' / '.join(f'{m:.2f}' for m in state)} |")
+                     f"{' / '.join(f'{m:.3f}' for m in state)} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
