@@ -5,10 +5,11 @@
 
 A dataset of variable-length token sequences goes through ``flexsp.data.FlexSPLoader``: it forms
 global batches, plans each in a background thread (rank 0 plans, every rank gets the same plan),
-and hands each rank the packed shards of the micro-batches it takes part in. Each step runs those
-shards through the model with Ulysses attention over the step's SP groups (long sequences in big
-groups, short ones alone), sums gradients over all ranks and takes one optimizer step; the update
-equals training the whole batch on one device.
+and hands each rank the packed shards of the micro-batches it takes part in. The model's states are
+sharded with FSDP2 (``prepare_model``: bf16 compute, fp32 master weights and gradient reduction);
+``StepExecutor.step`` checks the step on every rank, runs each shard with Ulysses attention over the
+step's SP groups (long sequences in big groups, short ones alone), reduce-scatters gradients during
+backward and takes one optimizer step; the update equals training the whole batch on one device.
 """
 import argparse
 import os
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 try:
     import flexsp
@@ -26,7 +26,7 @@ except ModuleNotFoundError:   # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import flexsp
 from flexsp.data import FlexSPLoader, LoaderConfig
-from flexsp.runtime import IGNORE_INDEX, GroupPool, ModelConfig, TinyLM
+from flexsp.runtime import GroupPool, ModelConfig, StepExecutor, TinyLM, init_distributed, prepare_model
 
 # -----------------------------------------------------------------------------------------------
 # config
@@ -40,23 +40,19 @@ parser.add_argument("--time-limit", type=float, default=2.0, help="planner secon
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dataset-size", type=int, default=2000, help="sequences in the synthetic dataset")
 parser.add_argument("--lookahead", type=int, default=2, help="global batches planned ahead in the background")
+parser.add_argument("--sharding", default="full", choices=("full", "grad_optim", "none"),
+                    help="model-state sharding (the cost model's capacity assumes the same)")
+parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                    help="compute dtype (auto: bf16 on GPUs, fp32 on CPUs); master weights stay fp32")
 args = parser.parse_args()
 model_config = ModelConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=8, num_kv_heads=2, mlp_hidden=128)
 
 # -----------------------------------------------------------------------------------------------
-# distributed setup: torchrun sets RANK/WORLD_SIZE; plain python is a world of one
-distributed = "RANK" in os.environ
-use_cuda = torch.cuda.is_available()
-if distributed:
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-else:
-    local_rank = 0
-rank = dist.get_rank() if distributed else 0
-world = dist.get_world_size() if distributed else 1
-device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-if use_cuda:
-    torch.cuda.set_device(device)
+# distributed setup: torchrun sets RANK/WORLD_SIZE; plain python is a world of one. On GPUs the
+# world communicator is created now (init_process_group(device_id=...)), not inside the first step.
+device = init_distributed()
+rank, world = dist.get_rank(), dist.get_world_size()
+use_cuda = device.type == "cuda"
 master = rank == 0
 
 
@@ -65,20 +61,20 @@ def log(*parts):
         print(*parts, flush=True)
 
 
-# Every SP group a plan can use, created once (collective) and reused by every step.
+# Every SP group a plan can use, created once (collective), warmed up, and reused by every step.
 pool = GroupPool()
-log(f"world {world} ({'nccl' if use_cuda and distributed else 'gloo' if distributed else 'no process group'}), "
-    f"device {device}: {pool.stats.count} SP groups created in {pool.stats.seconds:.3f}s, "
-    f"{pool.stats.per_rank} communicators on this rank")
+log(f"world {world} ({dist.get_backend()}), device {device}: {pool.stats.count} SP groups created and warmed up in "
+    f"{pool.stats.seconds:.3f}s, {pool.stats.per_rank} communicators on this rank")
 
 # -----------------------------------------------------------------------------------------------
-# model and optimizer: the same seed on every rank gives the same replica
+# model: the same seed on every rank, then FSDP2 shards its states (bf16 compute, fp32 master weights)
 torch.manual_seed(args.seed)
 model = TinyLM(model_config).to(device)
-if use_cuda:
-    model = model.to(torch.bfloat16)   # lets the flash-attn backend run when it is installed
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-log(f"model: {sum(p.numel() for p in model.parameters()) / 1e3:.1f}K parameters, {model_config}")
+compute = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and use_cuda) else None
+prepare_model(model, sharding=args.sharding, param_dtype=compute)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)   # after sharding: fp32 shards
+log(f"model: {sum(p.numel() for p in model.parameters()) / 1e3:.1f}K parameters, {model_config}, "
+    f"sharding {args.sharding}, compute {compute or 'fp32'}")
 
 # -----------------------------------------------------------------------------------------------
 # the planner's view of this machine: made-up numbers that suit a tiny model
@@ -92,6 +88,7 @@ cost = flexsp.CostModel(
     comm_bytes_per_token=4 * 2 * model_config.num_layers * model_config.hidden * 4,
     alltoall_bandwidth={d: 2e9 / d for d in cluster.degrees if d > 1},
     token_capacity=token_capacity,
+    meta={"sharding": args.sharding},   # the capacity assumes the sharding the runtime runs
 )
 max_len = min(args.max_len, token_capacity * world)   # the longest sequence must fit the whole world
 
@@ -122,16 +119,7 @@ loader = FlexSPLoader(dataset, cost, cluster, pool=pool, device=device, lengths=
                                           time_limit=args.time_limit, lookahead=args.lookahead))
 
 
-def allreduce_gradients():
-    """Sum gradients over every rank (data parallel over the world); a rank that idled adds zeros."""
-    params = list(model.parameters())
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    if distributed:
-        dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
+executor = StepExecutor(model, optimizer, pool, cost=cost)   # refuses a cost model that assumed more sharding
 
 
 def describe(plan):
@@ -144,25 +132,10 @@ def describe(plan):
 step = 0
 while step < args.steps:
     for batch in loader:   # one epoch; the next global batches are being planned meanwhile
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        local_loss = torch.zeros((), device=device)
-        for mb in batch.micro_batches:   # only the micro-batches this rank takes part in
-            logits = model(mb.input_ids, mb.position_ids, mb.context())
-            # a sum over this shard's labels / labels in the whole global batch: summed over ranks
-            # (the all-reduce) it is the mean next-token loss of the global batch
-            loss = F.cross_entropy(logits.float(), mb.labels, ignore_index=IGNORE_INDEX,
-                                   reduction="sum") / batch.loss_tokens
-            loss.backward()
-            local_loss += loss.detach().float()
-        allreduce_gradients()
-        optimizer.step()
-        if distributed:
-            dist.all_reduce(local_loss)
-        seconds = time.perf_counter() - t0
-        log(f"step {step:3d} | loss {local_loss.item():.4f} | {batch.num_tokens} tokens in {len(batch.indices)} seqs "
-            f"(max {max(batch.lengths)}) | {batch.num_tokens / seconds:,.0f} tok/s | waited {batch.plan_wait:.2f}s "
-            f"for the plan | groups {describe(batch.plan)}")
+        result = executor.step(batch)   # checks on every rank, then forward/backward per micro-batch, one update
+        log(f"step {step:3d} | loss {result.loss:.4f} | {batch.num_tokens} tokens in {len(batch.indices)} seqs "
+            f"(max {max(batch.lengths)}) | {batch.num_tokens / result.seconds:,.0f} tok/s | waited "
+            f"{batch.plan_wait:.2f}s for the plan | groups {describe(batch.plan)}")
         step += 1
         if step == args.steps:
             break
@@ -171,5 +144,4 @@ state = loader.state_dict()   # save it with the model to resume at the next uns
 loader.close()
 log(f"loader: {loader.stats.steps} steps, next batch {state['index']} of epoch {state['epoch']}, "
     f"{loader.stats.plan_wait_seconds:.2f}s waiting for plans in total")
-if distributed:
-    dist.destroy_process_group()
+dist.destroy_process_group()

@@ -12,8 +12,8 @@ Formulas (bf16 training, fwd + bwd = 3x the forward FLOPs, FlashAttention so no 
   moves Q, K, V in and the output back, K and V at their (GQA) width.
 * Activation memory per token ``= 34 * hidden * layers`` bytes (Korthikanti et al. 2022 without
   the s^2 term; it gives 4.46 MB for GPT-7B, the paper measured 4.48 MB), or ``2 * hidden * layers``
-  with full recomputation. Model states per GPU with mixed-precision Adam (16 bytes per parameter):
-  ZeRO-0 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
+  with full recomputation. Model states per GPU: ``flexsp.sharding.model_state_bytes`` (mixed-precision
+  Adam as the runtime keeps it: ``"full"`` 16P/N, ``"grad_optim"`` 2P + 16P/N, ``"none"`` 18P).
   ``token_capacity = (memory * usable_fraction - model states) / activation bytes per token``.
 * Beyond the Ulysses limit (``heads``), groups are Ulysses x ring hybrids (``flexsp.cost``): the
   ring passes K and V (``2 * kv_dim * 2`` bytes per token per layer) three times per step (forward,
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 from .cost import CostModel
 from .errors import CostModelError
+from .sharding import check as check_sharding, from_zero_stage, model_state_bytes as _state_bytes
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,22 @@ def alltoall_bandwidth(degree: int, gpus_per_node: int, intra: float, inter: flo
 
 
 def model_state_bytes(params: float, zero_stage: int, num_gpus: int) -> float:
-    per_param = {0: 16.0, 1: 4 + 12 / num_gpus, 2: 2 + 14 / num_gpus, 3: 16 / num_gpus}
-    if zero_stage not in per_param:
-        raise CostModelError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    return params * per_param[zero_stage]
+    """Model-state bytes per GPU by ZeRO stage (3, 2 or 0): ``flexsp.sharding.model_state_bytes``."""
+    return _state_bytes(params, num_gpus, from_zero_stage(zero_stage))
 
 
 def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: int, gpus_per_node: int = 8, *,
-                        zero_stage: int = 3, beta1: float = 0.1, recompute: bool = False) -> CostModel:
-    """Cost model from FLOPs, bytes and bandwidths (formulas in the module docstring)."""
+                        sharding: str | None = None, zero_stage: int | None = None, beta1: float = 0.1,
+                        recompute: bool = False) -> CostModel:
+    """Cost model from FLOPs, bytes and bandwidths (formulas in the module docstring).
+
+    ``sharding`` (``flexsp.sharding``: "full", "grad_optim", "none"; default "full") sets the model
+    states the capacity leaves room for; ``zero_stage`` (3, 2, 0) is the older name for the same.
+    """
+    if sharding is not None and zero_stage is not None and from_zero_stage(zero_stage) != sharding:
+        raise CostModelError(f"sharding={sharding!r} and zero_stage={zero_stage} disagree; give one")
+    sharding = check_sharding(sharding if sharding is not None else
+                              from_zero_stage(zero_stage) if zero_stage is not None else "full")
     if isinstance(model, str):
         if model not in MODELS:
             raise CostModelError(f"unknown model {model!r}; choose one of {sorted(MODELS)} or pass a ModelSpec")
@@ -119,10 +127,10 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
     flops = gpu.peak_flops * gpu.efficiency
     kv_dim = model.hidden * model.kv_heads // model.heads
     act_per_token = (2 if recompute else 34) * model.hidden * model.layers
-    free = gpu.memory_bytes * gpu.usable_memory - model_state_bytes(model.params, zero_stage, num_gpus)
+    free = gpu.memory_bytes * gpu.usable_memory - _state_bytes(model.params, num_gpus, sharding)
     if free <= act_per_token:
         raise CostModelError(f"{model.name} model states leave no activation memory on {num_gpus} x {gpu.name} "
-                             f"with ZeRO-{zero_stage}")
+                             f"with sharding {sharding!r}")
     degrees = [1 << i for i in range(1, int(math.log2(num_gpus)) + 1)] if num_gpus > 1 else []
     return CostModel(
         alpha1=3 * model.layers * 2 * model.hidden / flops,
@@ -137,6 +145,6 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
         ring_bytes_per_token=3 * model.layers * 2 * kv_dim * 2,
         ring_bandwidth=gpu.inter_node_bandwidth,
         meta={"source": "analytic", "model": asdict(model), "gpu": asdict(gpu), "num_gpus": num_gpus,
-              "gpus_per_node": gpus_per_node, "zero_stage": zero_stage, "recompute": recompute,
+              "gpus_per_node": gpus_per_node, "sharding": sharding, "recompute": recompute,
               "activation_bytes_per_token": act_per_token},
     )

@@ -2,9 +2,9 @@
 
 Times were published in ms and memory in MB; we store seconds and bytes. Bandwidths are in the
 reference's "MB per ms" (a time in ms is MB / v), so bytes/s = v * 2**20 * 1000. The memory model:
-``token_capacity = floor((30 GB - ZeRO-3 model states) / activation MB per token)`` with model states
-``params * 16 bytes / N``. Parameters were published at 192K and 384K context only; other contexts
-interpolate linearly between the two (labelled in ``meta``). The bandwidth table stops at 64 GPUs;
+``token_capacity = floor((30 GB - model states) / activation MB per token)`` with model states from
+``flexsp.sharding`` (default ``"full"``, ZeRO-3: ``params * 16 bytes / N``, the paper's setting).
+Parameters were published at 192K and 384K context only; other contexts interpolate linearly between the two (labelled in ``meta``). The bandwidth table stops at 64 GPUs;
 bigger clusters reuse the 64-GPU value for every larger degree (inter-node all-to-all bandwidth per
 GPU flattens once most peers are off-node), also labelled in ``meta``.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .cost import CostModel
 from .errors import CostModelError
+from .sharding import check as check_sharding, model_state_bytes
 
 MB = 2**20
 MEMORY_LIMIT_MB = 30 * 1024
@@ -55,18 +56,21 @@ def paper_bandwidth(num_gpus: int = 64) -> dict[int, float]:
     return table
 
 
-def paper_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64) -> CostModel:
-    """The paper's cost model for ``name`` at a context limit, ZeRO-3 over ``num_gpus`` GPUs."""
+def paper_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *, sharding: str = "full") -> CostModel:
+    """The paper's cost model for ``name`` at a context limit, model states sharded ``sharding``
+    (``flexsp.sharding``; the paper ran ZeRO-3, ``"full"``) over ``num_gpus`` GPUs."""
     key = name.lower()
     if key not in PAPER_MODELS:
         raise CostModelError(f"unknown preset {name!r}; choose one of {sorted(PAPER_MODELS)}")
     if context < 1 or num_gpus < 1:
         raise CostModelError(f"context and num_gpus must be >= 1, got {context} and {num_gpus}")
+    check_sharding(sharding)
     model = PAPER_MODELS[key]
-    states_mb = model.params_b(context) * 16 / num_gpus * 1024  # params(B) x 16 bytes / N, in MB
+    states_mb = model_state_bytes(model.params_b(context) * 2**30, num_gpus, sharding) / MB  # the paper's B = 2**30
     free_mb = MEMORY_LIMIT_MB - states_mb
     if free_mb <= 0:
-        raise CostModelError(f"{name} model states ({states_mb:.0f} MB per GPU) exceed the 30 GB limit on {num_gpus} GPUs")
+        raise CostModelError(f"{name} model states ({states_mb:.0f} MB per GPU, sharding {sharding!r}) exceed the 30 GB "
+                             f"limit on {num_gpus} GPUs")
     exact_params = context in (192 * 1024, 384 * 1024)
     return CostModel(
         alpha1=model.alpha1_ms / 1000,
@@ -76,7 +80,7 @@ def paper_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64) -> Co
         alltoall_bandwidth=paper_bandwidth(num_gpus),
         token_capacity=math.floor(free_mb / model.act_mb_per_token),
         meta={"source": "FlexSP paper (arXiv 2412.01523), 64 x A100-40GB", "preset": key, "context": context,
-              "num_gpus": num_gpus, "params_b": round(model.params_b(context), 4),
+              "num_gpus": num_gpus, "sharding": sharding, "params_b": round(model.params_b(context), 4),
               "activation_bytes_per_token": model.act_mb_per_token * MB,
               "params": "published" if exact_params else "interpolated between 192K and 384K",
               "bandwidth": "published" if num_gpus <= 64 else "published to 64 GPUs, 64-GPU value above"},

@@ -44,9 +44,10 @@ class MicroBatchShard:
         return len(self.ranks)
 
     def context(self, backend: str = "auto") -> AttentionContext:
-        """The ``AttentionContext`` a ``TinyLM``-style model takes for this shard."""
-        return AttentionContext(cu_seqlens=tuple(self.cu_seqlens.tolist()), max_seqlen=self.max_seqlen,
-                                group=self.group, backend=backend)
+        """The ``AttentionContext`` a ``TinyLM``-style model takes for this shard (no host copy: ``cu_seqlens``
+        is already on the device)."""
+        return AttentionContext(cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, group=self.group,
+                                backend=backend)
 
 
 def to_tokens(item: Any, index: int) -> torch.Tensor:

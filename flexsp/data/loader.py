@@ -4,7 +4,9 @@ Per step: rank 0 takes the next global batch's plan from the background planner 
 (``broadcast_object_list`` of a JSON-safe dict: the batch's dataset indices and lengths, the plan,
 or the error that stopped planning), so every rank runs the same plan and a solver failure raises
 the same ``LoaderError`` everywhere instead of leaving ranks waiting. Each rank then fetches only the
-items of its own groups, packs them and keeps its shard. Without a process group (or with one rank)
+items of its own groups, packs them and keeps its shard; a data error on any rank (a bad item, a
+stale length) is agreed (``flexsp.runtime.failures.agree``) so every rank raises it, none waits.
+Plans use only the pool's degrees and, as the runtime has no ring axis, Ulysses-only groups. Without a process group (or with one rank)
 the loader plans for ``cluster.num_gpus`` ranks and loads the share of ``rank``, which is how one
 process can stand in for one rank of a large cluster.
 """
@@ -21,8 +23,10 @@ import torch.distributed as dist
 from ..cluster import Cluster
 from ..cost import CostModel
 from ..plan import Plan
+from ..runtime.failures import agree
 from ..runtime.groups import GroupPool
 from ..runtime.packing import loss_tokens
+from ..sharding import assumed as assumed_sharding
 from .batching import EpochBatches
 from .collate import MicroBatchShard, shard_group, to_tokens
 from .config import LoaderConfig
@@ -50,6 +54,7 @@ class Step:
     plan_wait: float                            # seconds this step waited for its plan (incl. broadcast)
     load_seconds: float                         # seconds spent fetching and packing this rank's items
     fallback: bool                              # planned by the greedy fallback after a slow solve
+    sharding: str = "full"                      # model-state sharding the cost model's capacity assumed
 
 
 @dataclass
@@ -73,18 +78,23 @@ class FlexSPLoader:
     pass over the items on the planning rank (see ``flexsp.data.source``). ``pool`` (a ``GroupPool``
     over ``cluster.num_gpus`` ranks) is needed with more than one process and supplies each shard's
     process group; without it the loader stands in for ``rank`` of the cluster. ``planner``, if
-    given, replaces ``plan_batch``: ``planner(lengths) -> Plan``. Call ``close()`` (or use ``with``).
+    given, replaces ``plan_batch``: ``planner(lengths) -> Plan``. Plans use only ``pool.degrees`` and,
+    with ``ulysses_only`` (default: the runtime has no ring axis yet), groups within the model's
+    Ulysses limit. Call ``close()`` (or use ``with``).
     """
 
     def __init__(self, dataset: Sequence[Any], cost: CostModel, cluster: Cluster, config: LoaderConfig, *,
                  lengths: Any = None, pool: GroupPool | None = None, rank: int | None = None,
-                 planner: Solver | None = None, device: torch.device | str | None = None) -> None:
+                 planner: Solver | None = None, device: torch.device | str | None = None,
+                 ulysses_only: bool = True) -> None:
         if not isinstance(config, LoaderConfig):
             raise LoaderError(f"config must be a flexsp.data.LoaderConfig, got {type(config).__name__}")
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
             raise LoaderError(f"dataset must be map-style (__len__ and __getitem__), got {type(dataset).__name__}")
         self.dataset, self.cost, self.cluster, self.config = dataset, cost, cluster, config
         self.pool = pool
+        self.ulysses_only = ulysses_only
+        self.sharding = assumed_sharding(cost)
         self.device = None if device is None else torch.device(device)
         initialized = dist.is_available() and dist.is_initialized()
         if pool is not None:
@@ -117,7 +127,13 @@ class FlexSPLoader:
         """A picklable ``plan_batch`` solver, so the background planner can run it in its own process."""
         c = self.config
         return PlanBatch(self.cost, self.cluster, strategy=strategy, sp_degree=c.sp_degree, time_limit=c.time_limit,
-                         num_buckets=c.num_buckets, max_degree=c.max_degree)
+                         num_buckets=c.num_buckets, max_degree=c.max_degree, degrees=self._degrees,
+                         ulysses_only=self.ulysses_only)
+
+    @property
+    def _degrees(self) -> tuple[int, ...] | None:
+        """The SP degrees the runtime can run: the pool's (None without a pool: any)."""
+        return None if self.pool is None else tuple(self.pool.degrees)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -135,7 +151,11 @@ class FlexSPLoader:
     def _capacity(self) -> float:
         from ..planner import usable_degrees
         c = self.config
-        degree = c.sp_degree if c.strategy == "static" and c.sp_degree else max(usable_degrees(self.cluster, c.max_degree))
+        max_degree = c.max_degree
+        if self.ulysses_only and self.cost.ulysses_limit is not None:
+            max_degree = min(max_degree or self.cost.ulysses_limit, self.cost.ulysses_limit)
+        degree = (c.sp_degree if c.strategy == "static" and c.sp_degree
+                  else max(usable_degrees(self.cluster, max_degree, self._degrees)))
         return self.cost.group_capacity(degree)
 
     def _ensure_planner(self) -> AsyncPlanner:
@@ -217,17 +237,27 @@ class FlexSPLoader:
         plan = Plan.from_dict(payload["plan"])
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
         loaded = time.perf_counter()
-        shards = []
-        for m, mb in enumerate(plan.micro_batches):
-            group = mb.group_of_rank(self.rank)
-            if group is not None:
-                handle = self.pool.get(group.ranks) if self.pool is not None else None
-                shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device))
+        shards, error = [], None
+        try:
+            for m, mb in enumerate(plan.micro_batches):
+                group = mb.group_of_rank(self.rank)
+                if group is not None:
+                    handle = self.pool.get(group.ranks) if self.pool is not None else None
+                    shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device))
+        except LoaderError as exc:
+            error = exc
+        except Exception as exc:   # the dataset's own error (I/O, decoding): name where it happened
+            error = LoaderError(f"loading global batch {self._index} of epoch {self._epoch} "
+                                f"failed: {type(exc).__name__}: {exc}")
+        if self._communicate:
+            agree(error)   # one flag all-reduce: a data error on any rank is raised on every rank
+        elif error is not None:
+            raise error
         load = time.perf_counter() - loaded
         step = Step(epoch=self._epoch, index=self._index, step=self._step, plan=plan, indices=indices,
                     lengths=lengths, num_tokens=sum(lengths), loss_tokens=loss_tokens(lengths),
                     micro_batches=tuple(shards), last=payload["last"], plan_wait=wait, load_seconds=load,
-                    fallback=payload["fallback"])
+                    fallback=payload["fallback"], sharding=self.sharding)
         self._epoch, self._index = (self._epoch + 1, 0) if step.last else (self._epoch, self._index + 1)
         self._step += 1
         s = self.stats

@@ -78,11 +78,14 @@ class PlanBatch:
     time_limit: float = 2.0
     num_buckets: int = 16
     max_degree: int | None = None
+    degrees: tuple[int, ...] | None = None   # the SP degrees the runtime's pool holds (None: any)
+    ulysses_only: bool = False               # the runtime cannot run Ulysses x ring groups
 
     def __call__(self, lengths: np.ndarray) -> Plan:
         from ..planner import plan_batch   # the solver is only imported where plans are made
         return plan_batch(lengths, self.cost, self.cluster, strategy=self.strategy, sp_degree=self.sp_degree,
-                          time_limit=self.time_limit, num_buckets=self.num_buckets, max_degree=self.max_degree)
+                          time_limit=self.time_limit, num_buckets=self.num_buckets, max_degree=self.max_degree,
+                          degrees=self.degrees, ulysses_only=self.ulysses_only)
 
 
 # --- compact plans ----------------------------------------------------------------------------------

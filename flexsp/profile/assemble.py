@@ -34,6 +34,7 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
         "estimates": sorted(set(estimates)),
         "compute": compute.to_dict(),
         "memory": dict(memory or {}),
+        "sharding": dict(memory or {}).get("sharding", "full"),   # flexsp.sharding: what the capacity assumed
         "comm": {"gpus_per_node": gpus_per_node, "links": links,
                  "fits": {str(b.degree): b.to_dict() for b in bandwidths},
                  "comm_bytes_per_token": "2 * layers * (2 * hidden + 2 * kv_dim) * bytes_per_element"},

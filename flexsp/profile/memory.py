@@ -1,4 +1,4 @@
-"""Memory profile: activation bytes per token, model-state bytes by ZeRO stage, and the token capacity.
+"""Memory profile: activation bytes per token, model-state bytes by sharding, and the token capacity.
 
 Activation memory per token is the slope of activation bytes against sequence length (a least-squares
 line over the measured lengths): the slope drops what does not grow with tokens (gradients,
@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..analytic import model_state_bytes
+from ..sharding import check as check_sharding, from_zero_stage, model_state_bytes
 from .compute import GroupRunner, forward_backward, make_shard
 from .fit import token_capacity
 
@@ -97,22 +97,29 @@ def activation_profile(runner: GroupRunner, lengths: Sequence[int]) -> MemoryPro
 class CapacityResult:
     memory_bytes: float
     usable_fraction: float
-    zero_stage: int
+    zero_stage: int | None            # the ZeRO stage asked for, if given that way
     num_gpus: int
     params: float
     model_state_bytes: float
     token_capacity: int
+    sharding: str = "full"            # flexsp.sharding choice the capacity assumes (recorded in the cost model)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def capacity(params: float, bytes_per_token: float, memory_bytes: float, *, zero_stage: int = 3, num_gpus: int = 1,
-             usable_fraction: float = 0.9) -> CapacityResult:
-    """Token capacity of one GPU: usable memory minus mixed-precision Adam model states (by ZeRO stage)."""
-    states = model_state_bytes(params, zero_stage, num_gpus)
+def capacity(params: float, bytes_per_token: float, memory_bytes: float, *, sharding: str | None = None,
+             zero_stage: int | None = None, num_gpus: int = 1, usable_fraction: float = 0.9) -> CapacityResult:
+    """Token capacity of one GPU: usable memory minus the model states of ``sharding``
+    (``flexsp.sharding``; default "full"; ``zero_stage`` 3/2/0 is the older name for the same)."""
+    if sharding is None:
+        sharding = from_zero_stage(zero_stage) if zero_stage is not None else "full"
+    elif zero_stage is not None and from_zero_stage(zero_stage) != sharding:
+        raise ValueError(f"sharding={sharding!r} and zero_stage={zero_stage} disagree; give one")
+    states = model_state_bytes(params, num_gpus, check_sharding(sharding))
     cap = token_capacity(memory_bytes, states, bytes_per_token, usable_fraction)
-    return CapacityResult(memory_bytes, usable_fraction, zero_stage, num_gpus, float(params), float(states), cap)
+    return CapacityResult(memory_bytes, usable_fraction, zero_stage, num_gpus, float(params), float(states), cap,
+                          sharding)
 
 
 def device_memory_bytes(device: torch.device) -> float:

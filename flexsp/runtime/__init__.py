@@ -1,15 +1,20 @@
-"""Execute FlexSP plans: SP group pool, Ulysses attention, packing and the planned training step.
+"""Execute FlexSP plans: SP group pool, Ulysses attention, packing, FSDP2 sharding and the planned step.
 
 The only part of flexsp that imports torch at module level. See ``README.md`` beside this file.
 """
 from .attention import attend, flash_available
 from .comm import all_to_all, head_to_seq, seq_to_head
 from .executor import StepExecutor, StepResult, validate_step
-from .groups import GroupPool, PoolStats
+from .failures import FailureChannel, RankFailure, agree
+from .fsdp import prepare_model, runtime_sharding
+from .groups import GroupPool, PoolStats, init_distributed
 from .model import ModelConfig, TinyLM
 from .packing import IGNORE_INDEX, PackedGroup, Shard, loss_tokens, pack
+from .protocol import SPModel, chunked_cross_entropy
 from .ulysses import AttentionContext, ShardingError, ulysses_attention
 
-__all__ = ["GroupPool", "PoolStats", "StepExecutor", "StepResult", "validate_step", "AttentionContext",
-           "ulysses_attention", "ShardingError", "attend", "flash_available", "all_to_all", "seq_to_head",
-           "head_to_seq", "pack", "PackedGroup", "Shard", "loss_tokens", "IGNORE_INDEX", "ModelConfig", "TinyLM"]
+__all__ = ["GroupPool", "PoolStats", "init_distributed", "StepExecutor", "StepResult", "validate_step",
+           "prepare_model", "runtime_sharding", "FailureChannel", "RankFailure", "agree", "SPModel",
+           "chunked_cross_entropy", "AttentionContext", "ulysses_attention", "ShardingError", "attend",
+           "flash_available", "all_to_all", "seq_to_head", "head_to_seq", "pack", "PackedGroup", "Shard",
+           "loss_tokens", "IGNORE_INDEX", "ModelConfig", "TinyLM"]

@@ -1,26 +1,38 @@
-"""Run one planned training step on this rank.
+"""Run one planned training step on this rank: the only step path (the loader's ``Step`` or a plan + batch).
 
-For each micro-batch the rank finds its SP group (or idles), packs the group's sequences, runs
-forward and backward on its shard, and lets gradients accumulate. Then one all-reduce (sum) over the
-whole world - the model is replicated, data parallel over every rank - and one optimizer step. Each
-shard's loss is a sum divided by the step's total label count, so the summed gradient equals that of
-the mean next-token loss over the global batch on one device, whatever the plan.
+1. **Check, locally**: plan against the pool and world, ring groups, heads, the cost model's
+   capacity and sharding, and (for a loader ``Step``) that this rank's shards are the plan's.
+2. **Agree** (``failures.agree``): one flag all-reduce that every rank reaches; if any rank's checks
+   failed, every rank raises the same error and nobody has entered a step collective.
+3. **Run every micro-batch on every rank**: a member of a group runs its shard through
+   ``model.shard_loss`` (Ulysses all-to-alls inside its group); a rank idle in a micro-batch runs a
+   one-token dummy with loss weight 0, so it joins every FSDP all-gather and reduce-scatter in the
+   same order as the others. Gradients are reduce-scattered per layer during backward (FSDP2) and
+   accumulate over micro-batches; a model that was not prepared is all-reduced per parameter at the end.
+4. **One optimizer step.** A failure after step collectives began is recorded for every rank
+   (``failures.FailureChannel``) and raised everywhere as the same ``RankFailure``.
+
+Each shard's loss is a sum divided by the global batch's label count, so the summed gradient equals
+that of the mean next-token loss over the global batch on one device, whatever the plan.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from ..errors import PlanError
-from ..plan import Plan
+from .. import sharding as sharding_mod
+from ..cost import CostModel
+from ..errors import FlexSPError, PlanError
+from ..plan import Group, Plan
+from .failures import FailureChannel, RankFailure, agree
+from .fsdp import is_sharded, runtime_sharding
 from .groups import GroupPool
-from .packing import IGNORE_INDEX, loss_tokens, pack
+from .packing import IGNORE_INDEX, PAD_TOKEN, loss_tokens, pack
 from .ulysses import AttentionContext, ShardingError, check_heads
 
 
@@ -34,10 +46,23 @@ class StepResult:
     seconds: float
 
 
-def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *,
-                  num_heads: int | None = None, num_kv_heads: int | None = None) -> None:
-    """Raise ``PlanError`` if ``plan`` cannot run on this world and batch. Local only: no collectives,
-    so when every rank sees the same plan every rank raises the same error and none is left waiting."""
+@dataclass(frozen=True)
+class _Work:
+    """One micro-batch of this rank, on the compute device; ``None`` in a work list means idle."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    ctx: AttentionContext
+    real_tokens: int
+    group: Group
+
+
+def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *, num_heads: int | None = None,
+                  num_kv_heads: int | None = None, cost: CostModel | None = None) -> None:
+    """Raise ``PlanError`` if ``plan`` cannot run on this world and batch. Local only: no collectives."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"expected a flexsp.Plan, got {type(plan).__name__}")
     if plan.num_gpus != pool.world_size:
         raise PlanError(f"plan is for {plan.num_gpus} GPUs but the process group has {pool.world_size} ranks")
     unknown = sorted({s for mb in plan.micro_batches for g in mb.groups for s in g.seq_ids
@@ -58,60 +83,180 @@ def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *,
                     check_heads(num_heads, num_kv_heads or num_heads, g.degree)
             except (PlanError, ShardingError) as exc:
                 raise PlanError(f"micro-batch {m} group {j}: {exc}") from None
+            if cost is not None:
+                tokens = sum(int(lengths[s]) for s in g.seq_ids)
+                if tokens > cost.group_capacity(g.degree):
+                    raise PlanError(f"micro-batch {m} group {j} holds {tokens} tokens on {g.degree} GPUs, more than "
+                                    f"the cost model's capacity {cost.group_capacity(g.degree):.0f} "
+                                    f"({cost.token_capacity:.0f} per GPU): it would run out of memory")
     if loss_tokens(lengths) == 0:
         raise PlanError("the batch has no token with a next-token label (every sequence has length 1)")
 
 
 class StepExecutor:
-    """Executes plans for ``model`` on this rank; build one per rank with the same pool and optimizer type.
+    """Executes planned steps of ``model`` (an ``SPModel``) on this rank; build one per rank, in the same order.
 
-    ``model(input_ids, position_ids, ctx) -> logits`` must run on a flat token shard and route its
-    attention through ``ulysses_attention(..., ctx)``, like ``flexsp.runtime.model.TinyLM``.
+    ``cost``: the cost model the plans came from; its capacity is checked per group and its recorded
+    sharding must not exceed what ``model`` runs (``flexsp.sharding.check_runtime``).
+    ``failure_name`` keys this executor's failure record in the job's store (unique per executor).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, pool: GroupPool, *,
-                 backend: str = "auto", num_heads: int | None = None, num_kv_heads: int | None = None) -> None:
-        cfg = getattr(model, "cfg", None)
-        self.model, self.optimizer, self.pool, self.backend = model, optimizer, pool, backend
-        self.num_heads = num_heads if num_heads is not None else getattr(cfg, "num_heads", None)
-        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else getattr(cfg, "num_kv_heads", None)
+                 cost: CostModel | None = None, backend: str = "auto", failure_name: str = "executor") -> None:
+        if not callable(getattr(model, "shard_loss", None)) or not callable(getattr(model, "sp_heads", None)):
+            raise FlexSPError(f"{type(model).__name__} is not an SPModel (flexsp.runtime.protocol): it needs "
+                              f"sp_heads(), fsdp_units() and shard_loss()")
+        self.model, self.optimizer, self.pool, self.backend, self.cost = model, optimizer, pool, backend, cost
+        self.num_heads, self.num_kv_heads = model.sp_heads()
+        self.sharding = runtime_sharding(model)
+        if cost is not None:
+            sharding_mod.check_runtime(sharding_mod.assumed(cost), self.sharding)
+        self.device = next(model.parameters()).device
+        self.sharded = is_sharded(model)
+        self.channel = FailureChannel(failure_name) if pool.world_size > 1 else None
+        self.steps = 0
+        self._dummy: _Work | None = None
 
-    def step(self, plan: Plan, batch: Sequence[torch.Tensor]) -> StepResult:
+    # --- entry points ---------------------------------------------------------------------------
+    def step(self, step: Any) -> StepResult:
+        """One optimizer step on the loader's per-rank ``flexsp.data.Step`` (every rank passes its own)."""
+        error, work = None, []
+        try:
+            work = self._check_loader_step(step)
+        except Exception as exc:
+            error = exc
+        self._agree(error)
+        return self._run(work, step.loss_tokens)
+
+    def run_plan(self, plan: Plan, batch: Sequence[torch.Tensor]) -> StepResult:
         """One optimizer step on the global ``batch`` (1-D token tensors, indexed by the plan's seq ids).
 
-        Every rank passes the same plan and batch; each touches only its groups' sequences.
+        Every rank passes the same plan and batch; each packs and runs only its groups' sequences.
         """
-        start = time.perf_counter()
-        lengths = _lengths(batch)
-        validate_step(plan, lengths, self.pool, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
-        denominator = loss_tokens(lengths)
-        device = next(self.model.parameters()).device
-        rank = self.pool.rank
+        error, work, denominator = None, [], 0
+        try:
+            lengths = _lengths(batch)
+            validate_step(plan, lengths, self.pool, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                          cost=self.cost)
+            denominator = loss_tokens(lengths)
+            work = [self._pack(batch, mb.group_of_rank(self.pool.rank)) for mb in plan.micro_batches]
+        except Exception as exc:
+            error = exc
+        self._agree(error)
+        return self._run(work, denominator)
 
-        self.optimizer.zero_grad(set_to_none=True)
-        local_loss = torch.zeros((), dtype=torch.float64, device=device)
-        processed, seq_ids, degrees = 0, [], []
-        for mb in plan.micro_batches:
+    # --- checks (local) -------------------------------------------------------------------------
+    def _check_loader_step(self, step: Any) -> list[_Work | None]:
+        plan, lengths, rank = step.plan, step.lengths, self.pool.rank
+        validate_step(plan, lengths, self.pool, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                      cost=self.cost)
+        assumed = getattr(step, "sharding", None)
+        if assumed is not None:
+            sharding_mod.check_runtime(assumed, self.sharding)
+        if step.loss_tokens != loss_tokens(lengths):
+            raise PlanError(f"step says {step.loss_tokens} labelled tokens but its lengths have {loss_tokens(lengths)}")
+        shards = list(step.micro_batches)
+        work: list[_Work | None] = []
+        for m, mb in enumerate(plan.micro_batches):
             group = mb.group_of_rank(rank)
-            degrees.append(None if group is None else group.degree)
             if group is None:
-                continue   # idle this micro-batch; still joins the final all-reduce
-            packed = pack([batch[s].to(device) for s in group.seq_ids], group.degree)
-            shard = packed.shard(group.ranks.index(rank))
-            ctx = AttentionContext(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
-                                   group=self.pool.get(group.ranks), backend=self.backend)
-            logits = self.model(shard.input_ids, shard.position_ids, ctx)
-            loss = F.cross_entropy(logits.float() if logits.dtype.itemsize < 4 else logits, shard.labels,
-                                   ignore_index=IGNORE_INDEX, reduction="sum") / denominator
-            loss.backward()   # collective inside the group (all-to-all backward): every member gets here
-            local_loss += loss.detach().to(torch.float64)
-            processed += shard.real_tokens
-            seq_ids.extend(group.seq_ids)
+                work.append(None)
+                continue
+            if not shards or shards[0].micro_batch != m:
+                got = shards[0].micro_batch if shards else "none"
+                raise PlanError(f"the step has no shard for micro-batch {m} of its plan (next shard is "
+                                f"for micro-batch {got}): the step's shards do not match its plan")
+            shard = shards.pop(0)
+            work.append(self._check_shard(m, group, shard, lengths))
+        if shards:
+            raise PlanError(f"the step has shards for micro-batches {[s.micro_batch for s in shards]} "
+                            f"where its plan gives this rank no group")
+        return work
 
-        total_loss = _allreduce_grads(self.model, local_loss, self.pool.world_size)
-        self.optimizer.step()
-        return StepResult(loss=total_loss, loss_tokens=denominator, tokens_processed=processed,
-                          seq_ids=tuple(seq_ids), degrees=tuple(degrees), seconds=time.perf_counter() - start)
+    def _check_shard(self, m: int, group: Group, shard: Any, lengths: Sequence[int]) -> _Work:
+        rank, where = self.pool.rank, f"micro-batch {m}"
+        if tuple(shard.ranks) != tuple(group.ranks) or shard.local_rank != group.ranks.index(rank):
+            raise PlanError(f"{where}: shard is for ranks {list(shard.ranks)} (position {shard.local_rank}) but the "
+                            f"plan puts this rank in {list(group.ranks)}")
+        handle = self.pool.get(group.ranks)
+        if shard.group is not handle:
+            raise PlanError(f"{where}: the shard's process group is not the pool's group for {list(group.ranks)}; "
+                            f"build the loader with the executor's pool")
+        total = sum(int(lengths[s]) for s in group.seq_ids)
+        expect = -(-total // group.degree)
+        for name in ("input_ids", "position_ids", "labels"):
+            t = getattr(shard, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != expect:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise PlanError(f"{where}: shard {name} must be 1-D with {expect} tokens ({total} tokens over "
+                                f"{group.degree} ranks), got {shape}")
+            if t.device != self.device:
+                raise PlanError(f"{where}: shard {name} is on {t.device} but the model is on {self.device}; "
+                                f"give the loader device={self.device}")
+        cu = shard.cu_seqlens
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != len(group.seq_ids) + 1 or cu.device != self.device:
+            raise PlanError(f"{where}: cu_seqlens must be int32 [{len(group.seq_ids) + 1}] on {self.device}, got "
+                            f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+        ctx = AttentionContext(cu_seqlens=cu, max_seqlen=int(shard.max_seqlen), group=handle, backend=self.backend)
+        return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, int(shard.real_tokens), group)
+
+    def _pack(self, batch: Sequence[torch.Tensor], group: Group | None) -> _Work | None:
+        if group is None:
+            return None
+        packed = pack([batch[s] for s in group.seq_ids], group.degree)    # on the batch's device (host)
+        shard = packed.shard(group.ranks.index(self.pool.rank)).to(self.device)
+        ctx = packed.context(self.device, group=self.pool.get(group.ranks), backend=self.backend)
+        return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, shard.real_tokens, group)
+
+    def _agree(self, error: BaseException | None) -> None:
+        if self.channel is not None and self.channel.record is not None:
+            raise RankFailure(self.channel.record)   # a previous step failed somewhere: the world is gone
+        agree(error)
+
+    # --- the step (collectives) -----------------------------------------------------------------
+    def _idle(self) -> _Work:
+        """A one-token, label-free shard at degree 1: runs every layer (so every FSDP collective) for nothing."""
+        if self._dummy is None:
+            one = lambda value: torch.full((1,), value, dtype=torch.long, device=self.device)   # noqa: E731
+            self._dummy = _Work(one(PAD_TOKEN), one(0), one(IGNORE_INDEX),
+                                AttentionContext.single(1, self.backend, device=self.device), 0, None)
+        return self._dummy
+
+    def _run(self, work: list[_Work | None], denominator: int) -> StepResult:
+        start = time.perf_counter()
+        try:
+            loss, processed, seq_ids, degrees = self._forward_backward(work, denominator)
+            self.optimizer.step()
+        except Exception as exc:
+            if self.channel is None:
+                raise
+            recorded = self.channel.failure(wait=1.0) or self.channel.post(exc, f"in step {self.steps}")
+            raise RankFailure(recorded) from exc
+        self.steps += 1
+        return StepResult(loss=loss, loss_tokens=denominator, tokens_processed=processed, seq_ids=tuple(seq_ids),
+                          degrees=tuple(degrees), seconds=time.perf_counter() - start)
+
+    def _forward_backward(self, work: list[_Work | None], denominator: int):
+        self.optimizer.zero_grad(set_to_none=True)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        processed, seq_ids, degrees = 0, [], []
+        for w in work:
+            if w is None:
+                d = self._idle()
+                loss = self.model.shard_loss(d.input_ids, d.position_ids, d.labels, d.ctx) * 0.0
+                degrees.append(None)
+            else:
+                loss = self.model.shard_loss(w.input_ids, w.position_ids, w.labels, w.ctx) / denominator
+                local += loss.detach().to(torch.float64)
+                processed += w.real_tokens
+                seq_ids.extend(w.group.seq_ids)
+                degrees.append(w.group.degree)
+            loss.backward()   # collectives: FSDP per layer over the world, all-to-all backward in the group
+        if self.pool.world_size > 1:
+            if not self.sharded:
+                _allreduce_grads(self.model)
+            dist.all_reduce(local)
+        return float(local), processed, seq_ids, degrees
 
 
 def _lengths(batch: Sequence[torch.Tensor]) -> list[int]:
@@ -126,22 +271,14 @@ def _lengths(batch: Sequence[torch.Tensor]) -> list[int]:
     return lengths
 
 
-def _allreduce_grads(model: nn.Module, local_loss: torch.Tensor, world_size: int) -> float:
-    """Sum every gradient (and the loss, for reporting) over the world in a single all-reduce."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if world_size == 1:
-        return float(local_loss)
-    dtype = params[0].dtype
-    for p in params[1:]:
-        dtype = torch.promote_types(dtype, p.dtype)
-    dtype = torch.promote_types(dtype, torch.float32)
-    # A rank that idled every micro-batch has no gradients: it contributes zeros.
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in params]
-                     + [local_loss.reshape(1).to(dtype)])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
-        offset += n
-    return float(flat[offset])
+def _allreduce_grads(model: nn.Module) -> None:
+    """Sum gradients of an unsharded model over the world, parameter by parameter (no flat copy), all in flight at once."""
+    handles = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:   # unused this step on this rank: still joins, with zeros
+            p.grad = torch.zeros_like(p)
+        handles.append(dist.all_reduce(p.grad, async_op=True))
+    for h in handles:
+        h.wait()

@@ -4,13 +4,20 @@ Creating a communicator is a collective over the whole world and slow (NCCL: hun
 plan must never create one mid-step. Plans place a group of degree ``d`` on an aligned block of ranks
 ``[k*d, (k+1)*d)`` (DESIGN.md), so the pool builds exactly those blocks up front: each rank then
 holds one communicator per degree > 1, at most ``log2(N)`` of them. Degree 1 needs none.
+Communicators are connected eagerly: NCCL creates them lazily at their first collective, so the
+pool runs one tiny all-reduce on each of its groups (and the world) right after creating them;
+``pool.stats.seconds`` counts that. ``init_distributed`` starts the world with ``device_id`` on GPUs
+so the world communicator is eager too.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Iterable
 
+import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
@@ -18,11 +25,13 @@ from ..errors import PlanError
 
 @dataclass(frozen=True)
 class PoolStats:
-    """What building the pool cost: groups created world-wide, seconds, communicators this rank holds."""
+    """What building the pool cost: groups created world-wide, seconds (creation + eager warm-up),
+    communicators this rank holds."""
 
     count: int
     seconds: float
     per_rank: int
+    warmed: bool = False   # each communicator (and the world's) ran a collective inside the timing
 
 
 def aligned_blocks(world_size: int, degrees: Iterable[int]) -> list[tuple[int, ...]]:
@@ -41,7 +50,8 @@ class GroupPool:
     Without an initialised process group the pool describes a world of one rank.
     """
 
-    def __init__(self, *, degrees: Iterable[int] | None = None, backend: str | None = None) -> None:
+    def __init__(self, *, degrees: Iterable[int] | None = None, backend: str | None = None,
+                 warm_up: bool = True) -> None:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         possible = _powers_of_two(self.world_size)
@@ -66,8 +76,22 @@ class GroupPool:
             created += 1
             if self.rank in ranks:
                 self._groups[ranks] = handle
+        warmed = self._warm_up() if warm_up and dist.is_initialized() else False
         self.stats = PoolStats(count=created, seconds=time.perf_counter() - start,
-                               per_rank=sum(1 for r, g in self._groups.items() if g is not None))
+                               per_rank=sum(1 for r, g in self._groups.items() if g is not None), warmed=warmed)
+
+    def _warm_up(self) -> bool:
+        """One small all-reduce on the world and on each of this rank's groups, in the pool's global
+        order: members of a group reach it in the same order, so this cannot deadlock."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        probe = torch.ones(1, device=device)
+        dist.all_reduce(probe)
+        for handle in self._groups.values():
+            if handle is not None:
+                dist.all_reduce(probe, group=handle)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return True
 
     def has(self, ranks: Iterable[int]) -> bool:
         """Whether a group on ``ranks`` is pooled (aligned block of a pooled degree)."""
@@ -99,3 +123,21 @@ class GroupPool:
 
 def _powers_of_two(n: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(n.bit_length()))
+
+
+def init_distributed(timeout: float = 600.0) -> torch.device:
+    """Start the default process group from torchrun's environment (a world of one without it) and
+    return this rank's device. On GPUs: NCCL with ``device_id``, so the world communicator is created
+    now rather than inside the first step; on CPUs: gloo."""
+    if dist.is_initialized():
+        raise PlanError("the default process group is already initialised")
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        os.environ.setdefault(key, value)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=timeout))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    return device

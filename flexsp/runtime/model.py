@@ -2,16 +2,21 @@
 
 RMSNorm, rotary embeddings driven by per-sequence position ids, grouped-query attention, SwiGLU MLP,
 tied or untied LM head. ``forward`` takes one rank's flat token shard; only attention looks past it
-(through ``ulysses_attention``), so the rest runs on the shard as is.
+(through ``ulysses_attention``), so the rest runs on the shard as is. It implements ``SPModel``
+(``flexsp.runtime.protocol``). Precision: whatever the parameter dtype (bf16 under FSDP2 mixed
+precision), rotary angles are computed in fp64 and applied in fp32, norms reduce in fp32, and the
+loss is taken on fp32 logits: bf16 angles are off by whole radians past a few thousand positions.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .protocol import LOSS_CHUNK_TOKENS, chunked_cross_entropy, loss_dtype
 from .ulysses import AttentionContext, check_heads, ulysses_attention
 
 
@@ -46,17 +51,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        wide = x.to(loss_dtype(x.dtype))   # reduce in fp32 (fp64 stays fp64)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
 def rotate(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``x [tokens, heads, dim]`` at ``position_ids`` (restarted per sequence)."""
+    """Rotary embedding of ``x [tokens, heads, dim]`` at ``position_ids`` (restarted per sequence).
+
+    Angles in fp64 (a position times a frequency loses whole radians in bf16 and ~1e-2 in fp32 at
+    100K positions), cos/sin and the rotation in fp32 (or wider), the result in ``x``'s dtype.
+    """
     dim = x.shape[-1]
+    wide = loss_dtype(x.dtype)
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float64) / dim)
-    angles = (position_ids.to(torch.float64)[:, None] * inv_freq[None, :]).to(x.dtype)   # [tokens, dim/2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    angles = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]   # [tokens, dim/2]
+    cos, sin = angles.cos().to(wide)[:, None, :], angles.sin().to(wide)[:, None, :]
+    xw = x.to(wide)
+    x1, x2 = xw[..., : dim // 2], xw[..., dim // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -100,29 +113,55 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Decoder-only LM over a flat token shard: ``input_ids [tokens]`` -> ``logits [tokens, vocab]``."""
+    """Decoder-only LM over a flat token shard: ``input_ids [tokens]`` -> ``logits [tokens, vocab]``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``shard_loss`` (the ``SPModel`` entry the executor uses) never materialises more than
+    ``loss_chunk_tokens`` tokens' logits at once; ``forward`` returns all logits (tests, inference).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> None:
         super().__init__()
         self.cfg = cfg
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.apply(_init)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                ctx: AttentionContext | None = None) -> torch.Tensor:
-        """Without ``ctx`` the tokens are one causal sequence on one device."""
+    # --- SPModel ------------------------------------------------------------------------------
+    def sp_heads(self) -> tuple[int, int]:
+        return self.cfg.num_heads, self.cfg.num_kv_heads
+
+    def fsdp_units(self) -> Sequence[nn.Module]:
+        return list(self.blocks)
+
+    def shard_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                   ctx: AttentionContext) -> torch.Tensor:
+        """Summed next-token cross-entropy of this shard (fp32 or wider), logits chunk by chunk."""
+        hidden = self.hidden_states(input_ids, position_ids, ctx)
+        return chunked_cross_entropy(hidden, labels, self._project, chunk_tokens=self.loss_chunk_tokens)
+
+    # --- plain use ----------------------------------------------------------------------------
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      ctx: AttentionContext | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[tokens, hidden]``. Without ``ctx`` the tokens are one causal sequence."""
         if ctx is None:
-            ctx = AttentionContext.single(input_ids.numel())
+            ctx = AttentionContext.single(input_ids.numel(), device=input_ids.device)
         if position_ids is None:
             position_ids = torch.arange(input_ids.numel(), device=input_ids.device)
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, position_ids, ctx)
-        x = self.norm(x)
-        return F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                ctx: AttentionContext | None = None) -> torch.Tensor:
+        """All logits of the shard (in the parameters' dtype)."""
+        return self._project(self.hidden_states(input_ids, position_ids, ctx))
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.embed.weight) if self.lm_head is None else self.lm_head(hidden)
 
 
 def _init(module: nn.Module) -> None:

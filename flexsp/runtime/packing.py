@@ -50,6 +50,11 @@ class PackedGroup:
         real = max(0, min(n, self.real_tokens - local_rank * n))
         return Shard(self.input_ids[part], self.position_ids[part], self.labels[part], real_tokens=real)
 
+    def context(self, device: torch.device | str | None = None, *, group=None, backend: str = "auto"):
+        """The group's ``AttentionContext``: ``cu_seqlens`` copied to ``device`` once, for every layer."""
+        from .ulysses import AttentionContext
+        return AttentionContext.packed(self.cu_seqlens, device, group=group, backend=backend)
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -59,6 +64,11 @@ class Shard:
     position_ids: torch.Tensor
     labels: torch.Tensor
     real_tokens: int
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> "Shard":
+        """The shard on ``device`` (three copies per micro-batch, nothing per sequence)."""
+        move = lambda t: t.to(device, non_blocking=non_blocking)   # noqa: E731
+        return Shard(move(self.input_ids), move(self.position_ids), move(self.labels), self.real_tokens)
 
 
 def pack(sequences: Sequence[torch.Tensor], degree: int) -> PackedGroup:
@@ -76,10 +86,14 @@ def pack(sequences: Sequence[torch.Tensor], degree: int) -> PackedGroup:
     for n in lengths:
         cu.append(cu[-1] + n)
     device = sequences[0].device
+    # Built with a fixed number of tensor ops whatever the number of sequences (no per-sequence arange);
+    # pack on the host and move the shard, not each sequence, to the device.
     ids = torch.full((padded,), PAD_TOKEN, dtype=torch.long, device=device)
-    ids[:real] = torch.cat([s.reshape(-1).to(torch.long) for s in sequences])
+    ids[:real] = torch.cat([s.reshape(-1).to(device=device, dtype=torch.long) for s in sequences])
+    starts = torch.tensor(cu[:-1], dtype=torch.long, device=device)
+    counts = torch.tensor(lengths, dtype=torch.long, device=device)
     positions = torch.zeros(padded, dtype=torch.long, device=device)
-    positions[:real] = torch.cat([torch.arange(n, device=device) for n in lengths])
+    positions[:real] = torch.arange(real, device=device) - torch.repeat_interleave(starts, counts, output_size=real)
     labels = torch.full((padded,), IGNORE_INDEX, dtype=torch.long, device=device)
     labels[:real - 1] = ids[1:real]
     labels[torch.tensor(cu[1:], device=device) - 1] = IGNORE_INDEX   # a sequence's last token predicts nothing

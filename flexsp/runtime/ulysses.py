@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,11 +26,12 @@ class ShardingError(FlexSPError):
 class AttentionContext:
     """What every attention layer of one forward pass needs: the SP group and the packed layout.
 
-    ``cu_seqlens`` bounds the group's real sequences in its full packed stream (not this shard);
-    ``group`` is None for degree 1.
+    ``cu_seqlens`` (int32, on the compute device) bounds the group's real sequences in its full
+    packed stream (not this shard); it is built once per micro-batch (``packed``) so no layer copies
+    or reads it on the host. ``max_seqlen`` is a host int for the kernels. ``group`` is None for degree 1.
     """
 
-    cu_seqlens: tuple[int, ...]
+    cu_seqlens: torch.Tensor
     max_seqlen: int
     group: dist.ProcessGroup | None = None
     backend: str = "auto"
@@ -39,9 +41,23 @@ class AttentionContext:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
     @classmethod
-    def single(cls, tokens: int, backend: str = "auto") -> "AttentionContext":
+    def packed(cls, bounds: Sequence[int], device: torch.device | str | None = None, *,
+               group: dist.ProcessGroup | None = None, backend: str = "auto") -> "AttentionContext":
+        """The context of a packed stream whose sequences end at the host ints ``bounds`` (``[0, ..., real]``):
+        one host-to-device copy of ``cu_seqlens`` here, none in the layers."""
+        bounds = [int(b) for b in bounds]
+        if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 and bound at least one sequence, got {bounds}")
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        if device is not None and torch.device(device).type != "cpu":
+            cu = cu.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else cu.to(device)
+        max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
+        return cls(cu_seqlens=cu, max_seqlen=max_seqlen, group=group, backend=backend)
+
+    @classmethod
+    def single(cls, tokens: int, backend: str = "auto", device: torch.device | str | None = None) -> "AttentionContext":
         """One causal sequence on one device (no packing, no SP)."""
-        return cls(cu_seqlens=(0, tokens), max_seqlen=tokens, backend=backend)
+        return cls.packed((0, tokens), device, backend=backend)
 
 
 def check_heads(heads: int, kv_heads: int, degree: int) -> None:
@@ -59,16 +75,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
 
     ``q [tokens/d, heads, dim]``, ``k``/``v`` ``[tokens/d, kv_heads, dim]``. With fewer kv heads than
     ranks (GQA/MQA) each kv head is replicated just enough for every rank to hold the ones its query
-    heads use; the gradient of the copies sums back into the original head.
+    heads use; the gradient of the copies sums back into the original head. No host sync: the
+    layout was checked when the context was built (``pack`` sizes the shards to cover ``cu_seqlens``).
     """
     d = ctx.degree
     heads, kv_heads = q.shape[1], k.shape[1]
     check_heads(heads, kv_heads, d)
     if d == 1:
         return attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend)
-    if ctx.cu_seqlens[-1] > q.shape[0] * d:
-        raise ValueError(f"cu_seqlens covers {ctx.cu_seqlens[-1]} tokens but {d} shards of {q.shape[0]} hold "
-                         f"{q.shape[0] * d}")
     # Replicate kv heads r times so d divides them; r divides heads/kv_heads because d divides heads.
     r = d // math.gcd(kv_heads, d)
     if r > 1:

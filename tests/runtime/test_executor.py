@@ -1,4 +1,5 @@
-"""A planned step on 4 ranks updates the model exactly as one device on the whole batch would."""
+"""A planned step on 4 ranks updates the model exactly as one device on the whole batch would: FSDP2-sharded
+(full, grad_optim, none) or not, from a plan + batch or from the loader's Step, SGD and AdamW in fp64."""
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from flexsp import Group, MicroBatch, Plan, PlanError  # noqa: E402
 from flexsp.runtime.executor import StepExecutor  # noqa: E402
+from flexsp.runtime.fsdp import prepare_model  # noqa: E402
 from flexsp.runtime.groups import GroupPool  # noqa: E402
 from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
 from flexsp.runtime.packing import PAD_TOKEN, loss_tokens  # noqa: E402
@@ -48,15 +50,28 @@ def _model(tie):
     return TinyLM(ModelConfig(**CFG, tie_embeddings=tie)).double()
 
 
-def _train_worker(rank, world_size, plans, tie, opt_name):
-    pool = GroupPool()
+def _full_params(model):
+    """Every parameter as one vector, gathered from the FSDP shards where the model is sharded."""
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in model.parameters()])
+
+
+def _train(plans, tie, opt_name, sharding, name):
     model = _model(tie)
+    if sharding != "plain":
+        prepare_model(model, sharding=sharding, param_dtype=None)   # fp64 compute, fp64 reduction
     seen = []   # every token id this rank pushed through the model
     model.embed.register_forward_hook(lambda mod, args, out: seen.extend(args[0].tolist()))
-    executor = StepExecutor(model, _optimizer(opt_name, model.parameters()), pool, backend="sdpa")
-    results = [executor.step(Plan.from_dict(p), _batch(step)) for step, p in enumerate(plans)]
-    params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-    return {"params": params, "results": results, "seen": seen}
+    executor = StepExecutor(model, _optimizer(opt_name, model.parameters()), GroupPool(), backend="sdpa",
+                            failure_name=name)
+    results = [executor.run_plan(Plan.from_dict(p), _batch(step)) for step, p in enumerate(plans)]
+    return {"params": _full_params(model), "results": results, "seen": seen}
+
+
+def _train_worker(rank, world_size, plans, tie, opt_name, shardings=("full",), other_plans=None):
+    """``plans`` for the first sharding, ``other_plans`` (default the same) for the rest."""
+    return {s: _train(plans if i == 0 or other_plans is None else other_plans, tie, opt_name, s, f"train-{s}")
+            for i, s in enumerate(shardings)}
 
 
 def _reference(plans, tie, opt_name):
@@ -77,7 +92,7 @@ def _reference(plans, tie, opt_name):
 @pytest.fixture(scope="module")
 def plan_a_run():
     plans = [PLAN_A.to_dict()]
-    return plans, run_distributed(_train_worker, 4, plans, True, "sgd")
+    return plans, [r["full"] for r in run_distributed(_train_worker, 4, plans, True, "sgd")]
 
 
 def _assert_matches_reference(plans, runs, tie, opt_name):
@@ -94,11 +109,14 @@ def test_heterogeneous_step_equals_single_device_step(plan_a_run):
     assert [r["results"][0].degrees for r in runs] == [(4, 2, 1), (4, 2, 1), (4, 1, 2), (4, None, 2)]
 
 
-def test_two_steps_two_plans_untied_adamw():
+def test_two_steps_two_plans_untied_adamw_every_sharding():
+    """FSDP2 full shard, gradients+optimizer only, replicated (HSDP 4x1), and an unprepared model."""
     plans = [PLAN_B.to_dict(), PLAN_A.to_dict()]
-    runs = run_distributed(_train_worker, 4, plans, False, "adamw")
-    _assert_matches_reference(plans, runs, False, "adamw")
-    assert runs[2]["results"][0].degrees == (2, None, 4)
+    shardings = ("full", "grad_optim", "none", "plain")
+    runs = run_distributed(_train_worker, 4, plans, False, "adamw", shardings, plans[:1])
+    for s in shardings:
+        _assert_matches_reference(plans if s == "full" else plans[:1], [r[s] for r in runs], False, "adamw")
+    assert runs[2]["full"]["results"][0].degrees == (2, None, 4)
 
 
 def test_no_sequence_dropped_or_duplicated(plan_a_run):
@@ -142,21 +160,25 @@ def _bad_plan_worker(rank, world_size):
          r"Ulysses x ring group \(2 x 2 of 4 GPUs\) cannot run yet"),
     ]
     calls = []
-    real = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", "barrier", "broadcast")}
-    for name, fn in real.items():
-        setattr(dist, name, lambda *a, _name=name, **k: calls.append(_name))
+    real = dist.all_to_all_single   # the step's first collective (Ulysses); the agreement flag is allowed
+    dist.all_to_all_single = lambda *a, **k: calls.append("all_to_all_single")
     try:
         messages = []
-        for p, m, plan, pattern in cases:
-            executor = StepExecutor(m, torch.optim.SGD(m.parameters(), lr=0.1), p)
+        for i, (p, m, plan, pattern) in enumerate(cases):
+            executor = StepExecutor(m, torch.optim.SGD(m.parameters(), lr=0.1), p, failure_name=f"bad-{i}")
             with pytest.raises(PlanError, match=pattern) as info:
-                executor.step(plan, batch)
+                executor.run_plan(plan, batch)
             messages.append(str(info.value))
+        # Only rank 3 gets a bad plan: every rank raises rank 3's error, naming it.
+        plan = _plan([((0, 1, 2, 3), tuple(range(9)) + (12,))]) if rank == 3 else ok
+        executor = StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), pool, failure_name="bad-one")
+        with pytest.raises(PlanError, match=r"^rank 3: plan references sequence ids \[12\]") as info:
+            executor.run_plan(plan, batch)
+        messages.append(str(info.value))
     finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-    # Nobody entered a collective, so the world is still in step: a good plan runs right after.
-    StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), pool).step(ok, batch)
+        dist.all_to_all_single = real
+    # Nobody entered a step collective, so the world is still in step: a good plan runs right after.
+    StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), pool, failure_name="good").run_plan(ok, batch)
     return {"collectives": calls, "messages": messages}
 
 
@@ -164,7 +186,7 @@ def test_bad_plans_fail_before_any_collective():
     results = run_distributed(_bad_plan_worker, 4)
     for res in results:
         assert res["collectives"] == []
-        assert len(res["messages"]) == 8
+        assert len(res["messages"]) == 9
     assert len({tuple(r["messages"]) for r in results}) == 1   # every rank says the same
 
 
@@ -172,7 +194,7 @@ def _uncaught_worker(rank, world_size):
     pool = GroupPool()
     model = _model(True)
     plan = _plan([((0, 1, 2, 3), tuple(range(9)) + (10,))])   # sequence 10 does not exist
-    StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), pool).step(plan, _batch(0))
+    StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), pool).run_plan(plan, _batch(0))
 
 
 def test_bad_plan_error_ends_every_process():

@@ -1,0 +1,86 @@
+"""``prepare_model``: shard a model's states with torch FSDP2 the way the cost model's capacity assumes.
+
+``fully_shard`` is applied to each of ``model.fsdp_units()`` (decoder layers), then to the root, so
+each layer's parameters are all-gathered just before it runs and its gradients reduce-scattered as
+soon as its backward is done (overlapping the rest of backward). The sharding choice is the one in
+``flexsp.sharding`` and the same string the cost model records:
+
+* ``"full"``: ZeRO-3 (``reshard_after_forward=True``): a layer's unsharded parameters live only while it runs.
+* ``"grad_optim"``: the compute copy stays unsharded from forward to backward; gradients and
+  optimizer states (and the fp32 master) are sharded.
+* ``"none"``: every rank holds all states; FSDP2 over a (world x 1) mesh is plain data parallelism
+  (gradients all-reduced per layer during backward) with the same mixed-precision handling.
+
+Mixed precision: parameters are kept in fp32 (the master weights the optimizer updates), cast to
+``param_dtype`` (bf16 by default) for compute, gradients reduced in fp32. Gradients are SUMMED over
+ranks (divide factor 1): the executor already divides each shard's loss by the global label count.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import FlexSPError
+from ..sharding import check as check_sharding
+
+SHARDING_ATTR = "flexsp_sharding"
+
+
+def runtime_sharding(model: nn.Module) -> str:
+    """The sharding ``prepare_model`` applied to ``model``; ``"none"`` for a model it never saw."""
+    return getattr(model, SHARDING_ATTR, "none")
+
+
+def prepare_model(model: nn.Module, *, sharding: str = "full", param_dtype: torch.dtype | None = torch.bfloat16,
+                  reduce_dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """Shard ``model`` (an ``SPModel`` already on its device) over the default process group in place.
+
+    ``param_dtype=None`` computes in the parameters' own dtype (fp64 tests); ``reduce_dtype`` then
+    defaults to that dtype too. Half-precision parameters are first upcast to fp32: the optimizer
+    must update fp32 master weights, or small updates vanish in bf16 rounding.
+    Returns the same module (now an FSDP module); build the optimizer after this call.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    check_sharding(sharding)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise FlexSPError("prepare_model needs an initialised process group (torch.distributed.init_process_group); "
+                          "a single process can run a world of one")
+    if isinstance(model, FSDPModule):
+        raise FlexSPError("the model is already prepared (FSDP-sharded); call prepare_model once")
+    for name in ("fsdp_units", "shard_loss", "sp_heads"):
+        if not callable(getattr(model, name, None)):
+            raise FlexSPError(f"{type(model).__name__} has no {name}(): prepare_model needs an SPModel "
+                              f"(flexsp.runtime.protocol)")
+    params = list(model.parameters())
+    if not params:
+        raise FlexSPError(f"{type(model).__name__} has no parameters to shard")
+    if any(p.dtype in (torch.float16, torch.bfloat16) for p in params):
+        model.float()
+    device = params[0].device
+    world = dist.get_world_size()
+    if sharding == "none":
+        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    if param_dtype is None and reduce_dtype == torch.float32:
+        reduce_dtype = None   # no mixed precision: reduce in the parameters' dtype (fp64 stays exact)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    reshard = sharding == "full"
+    units = list(model.fsdp_units())
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    register_fsdp_forward_method(model, "shard_loss")   # shard_loss unshards the root like forward does
+    for module in [*units, model]:
+        module.set_gradient_divide_factor(1.0)          # sum, not mean, over ranks
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+    setattr(model, SHARDING_ATTR, sharding)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)

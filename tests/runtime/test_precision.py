@@ -1,0 +1,93 @@
+"""bf16 that trains: fp32 rotary/norm/loss keep a bf16 model's logits near fp32 at positions past 4,096,
+and a short FSDP2 mixed-precision run (bf16 compute, fp32 master weights and reduction) tracks fp32."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flexsp import Group, MicroBatch, Plan  # noqa: E402
+from flexsp.runtime.executor import StepExecutor  # noqa: E402
+from flexsp.runtime.fsdp import prepare_model  # noqa: E402
+from flexsp.runtime.groups import GroupPool  # noqa: E402
+from flexsp.runtime.model import ModelConfig, TinyLM, rotate  # noqa: E402
+from flexsp.runtime.packing import pack  # noqa: E402
+
+from .distributed import run_distributed  # noqa: E402
+
+CFG = ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
+ROTARY_TOL = 0.04    # bf16 rotary output vs fp64, positions 4096-16383 (bf16 rounding of x alone: ~0.016)
+LOGIT_TOL = 0.02     # max |bf16 - fp32| logit, positions 4096-4607 (logits have std ~0.1-0.2)
+LOSS_TOL = 0.02      # |bf16 - fp32| mean loss per step, relative
+
+
+def test_rotary_in_bf16_stays_close_past_4096():
+    x = torch.randn(16384, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(16384)
+    want = rotate(x, pos, 10000.0)
+    got = rotate(x.to(torch.bfloat16), pos, 10000.0)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want)[4096:].abs().max() < ROTARY_TOL
+    # What this guards against: angles and rotation in bf16 (the old code) miss by whole units.
+    xb, dim = x.to(torch.bfloat16), 16
+    angles = (pos.double()[:, None] * 10000.0 ** (-torch.arange(0, dim, 2).double() / dim)).to(torch.bfloat16)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    old = torch.cat([xb[..., :8] * cos - xb[..., 8:] * sin, xb[..., 8:] * cos + xb[..., :8] * sin], dim=-1)
+    assert (old.double() - want)[4096:].abs().max() > 10 * ROTARY_TOL
+
+
+def test_bf16_logits_match_fp32_past_position_4096():
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    half = TinyLM(CFG)
+    half.load_state_dict(model.state_dict())
+    half = half.to(torch.bfloat16)   # what FSDP2's bf16 param_dtype computes with
+    seqs = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (300, 212)]
+    packed = pack(seqs, 1)
+    positions = packed.position_ids + 4096   # both sequences sit at positions 4096.. (attention span stays short)
+    with torch.no_grad():
+        want = model(packed.input_ids, positions, packed.context(backend="sdpa"))
+        got = half(packed.input_ids, positions, packed.context(backend="sdpa"))
+    assert got.dtype == torch.bfloat16
+    err = (got.float() - want).abs().max().item()
+    assert err < LOGIT_TOL, err
+    # The loss is taken in fp32 from bf16 logits: it matches too.
+    labels = packed.labels
+    with torch.no_grad():
+        lw = model.shard_loss(packed.input_ids, positions, labels, packed.context(backend="sdpa"))
+        lg = half.shard_loss(packed.input_ids, positions, labels, packed.context(backend="sdpa"))
+    assert lg.dtype == torch.float32 and abs(lg.item() - lw.item()) < LOSS_TOL * lw.item()
+
+
+def _learnable_batch(step):
+    """Counting sequences (start, stride vary): a pattern the model learns within a few steps."""
+    g = torch.Generator().manual_seed(step)
+    lengths = [40, 24, 18, 30]
+    return [(torch.randint(0, 64, (1,), generator=g) + (1 + int(torch.randint(0, 3, (1,), generator=g)))
+             * torch.arange(n)) % 64 for n in lengths]
+
+
+PLAN = Plan(num_gpus=2, predicted_time=0.0, micro_batches=(
+    MicroBatch((Group(ranks=(0, 1), seq_ids=(0,)),)),
+    MicroBatch((Group(ranks=(0,), seq_ids=(1, 2)), Group(ranks=(1,), seq_ids=(3,)))),
+))
+
+
+def _precision_worker(rank, world_size, steps):
+    losses = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = prepare_model(TinyLM(CFG), sharding="full", param_dtype=dtype)
+        assert all(p.dtype == torch.float32 for p in model.parameters())   # fp32 master weights
+        executor = StepExecutor(model, torch.optim.AdamW(model.parameters(), lr=1e-2), GroupPool(),
+                                backend="sdpa", failure_name=name)
+        losses[name] = [executor.run_plan(PLAN, _learnable_batch(s)).loss for s in range(steps)]
+    return losses
+
+
+def test_short_bf16_run_tracks_fp32():
+    steps = 12
+    runs = run_distributed(_precision_worker, 2, steps)
+    fp32, bf16 = runs[0]["fp32"], runs[0]["bf16"]
+    assert runs[1] == runs[0]                      # every rank reports the same global loss
+    assert fp32[-1] < 0.8 * fp32[0]                # it learns
+    for a, b in zip(fp32, bf16):
+        assert abs(a - b) <= LOSS_TOL * a, (fp32, bf16)
