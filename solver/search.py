@@ -8,12 +8,14 @@
    (``arranged_split``), which picks the micro-batch count and the split together.
 3. A budgeted first-improvement local search moves sequences of one bucket between micro-batches.
 4. Back to real sequences, rebalanced on real lengths (``materialize``); each micro-batch re-packed
-   on buckets of its own; the MILP (``milp``) proves tiny batches optimal or polishes micro-batches;
-   the best of all candidates and the baselines' plans (``fallbacks``), scored on real lengths, wins,
-   so FlexSP is never slower than a plan it could have chosen.
+   on buckets of its own and its slowest groups tightened (``tighten``); the MILP (``milp``) proves
+   tiny batches optimal or polishes micro-batches; the best of all candidates and the baselines'
+   plans (``fallbacks``), scored on real lengths, wins, so FlexSP is never slower than a plan it
+   could have chosen.
 
-Results depend only on the inputs and options; the wall-clock ``time_limit`` stops the search
-early (keeping the best valid plan so far) only when it binds.
+Micro-batch counts are searched (``counting``), never stepped one at a time. Results depend only on
+the inputs and options; the wall-clock ``time_limit`` stops the search early (keeping the best
+valid plan so far) only when it binds: a one-pass plan exists before anything else runs.
 """
 from __future__ import annotations
 
