@@ -21,6 +21,7 @@ from ..errors import PlanError
 from ..plan import Plan
 from .groups import GroupPool
 from .packing import IGNORE_INDEX, loss_tokens, pack
+from .ring import ring_inputs
 from .ulysses import AttentionContext, ShardingError, check_heads
 
 
@@ -48,14 +49,10 @@ def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *,
     plan.validate(lengths=lengths)
     for m, mb in enumerate(plan.micro_batches):
         for j, g in enumerate(mb.groups):
-            if g.ring > 1:
-                raise PlanError(f"micro-batch {m} group {j}: a Ulysses x ring group ({g.ulysses} x {g.ring} of "
-                                f"{g.degree} GPUs) cannot run yet: the runtime has no ring-attention axis; plan with "
-                                f"plan_batch(..., ulysses_only=True)")
             try:
-                pool.check(g.ranks)
-                if num_heads is not None:
-                    check_heads(num_heads, num_kv_heads or num_heads, g.degree)
+                pool.check(g.ranks, g.ring)
+                if num_heads is not None:   # a ring group splits heads over its Ulysses part only
+                    check_heads(num_heads, num_kv_heads or num_heads, g.ulysses)
             except (PlanError, ShardingError) as exc:
                 raise PlanError(f"micro-batch {m} group {j}: {exc}") from None
     if loss_tokens(lengths) == 0:
@@ -96,10 +93,14 @@ class StepExecutor:
             degrees.append(None if group is None else group.degree)
             if group is None:
                 continue   # idle this micro-batch; still joins the final all-reduce
-            packed = pack([batch[s].to(device) for s in group.seq_ids], group.degree)
-            shard = packed.shard(group.ranks.index(rank))
-            ctx = AttentionContext(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
-                                   group=self.pool.get(group.ranks), backend=self.backend)
+            if group.ring > 1:   # Ulysses x ring: zigzag layout, sub-groups from the pool (flexsp.runtime.ring)
+                shard, ctx = ring_inputs(self.pool, group, [batch[s] for s in group.seq_ids], rank, device,
+                                         self.backend)
+            else:
+                packed = pack([batch[s].to(device) for s in group.seq_ids], group.degree)
+                shard = packed.shard(group.ranks.index(rank))
+                ctx = AttentionContext(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
+                                       group=self.pool.get(group.ranks), backend=self.backend)
             logits = self.model(shard.input_ids, shard.position_ids, ctx)
             loss = F.cross_entropy(logits.float() if logits.dtype.itemsize < 4 else logits, shard.labels,
                                    ignore_index=IGNORE_INDEX, reduction="sum") / denominator

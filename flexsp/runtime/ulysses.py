@@ -26,13 +26,15 @@ class AttentionContext:
     """What every attention layer of one forward pass needs: the SP group and the packed layout.
 
     ``cu_seqlens`` bounds the group's real sequences in its full packed stream (not this shard);
-    ``group`` is None for degree 1.
+    ``group`` is None for degree 1. ``ring`` (a ``flexsp.runtime.ring.RingContext``) is set for a
+    Ulysses x ring group: then ``group`` is the Ulysses sub-group and ``cu_seqlens`` this rank's ring shard.
     """
 
     cu_seqlens: tuple[int, ...]
     max_seqlen: int
     group: dist.ProcessGroup | None = None
     backend: str = "auto"
+    ring: "RingContext | None" = None   # noqa: F821 - flexsp.runtime.ring.RingContext
 
     @property
     def degree(self) -> int:
@@ -61,6 +63,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
     ranks (GQA/MQA) each kv head is replicated just enough for every rank to hold the ones its query
     heads use; the gradient of the copies sums back into the original head.
     """
+    if ctx.ring is not None:
+        from .ring import ring_attention
+        return ring_attention(q, k, v, ctx)
     d = ctx.degree
     heads, kv_heads = q.shape[1], k.shape[1]
     check_heads(heads, kv_heads, d)
