@@ -139,7 +139,7 @@ def _bad_plan_worker(rank, world_size):
         (pool, two_heads, ok, r"degree 4 does not divide the 2 attention heads.*\[1, 2\]"),
         (pool, model, Plan(num_gpus=4, predicted_time=0.0, micro_batches=(MicroBatch((
             Group(ranks=(0, 1, 2, 3), seq_ids=tuple(range(10)), ring=2),)),)),
-         r"Ulysses x ring group \(2 x 2 of 4 GPUs\) cannot run yet"),
+         r"runs 2 x 2 \(Ulysses x ring\) but the pool holds the splits none"),
     ]
     calls = []
     real = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", "barrier", "broadcast")}
