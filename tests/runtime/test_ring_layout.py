@@ -151,3 +151,18 @@ def test_ring_placement_and_fixed_order():
     assert ring_blocks(8, [(1, 4)]) == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert place(5, (0, 1, 2, 3, 4, 5, 6, 7), 2) == ((4, 5), (1, 3, 5, 7), 2)
     assert place(6, (4, 5, 6, 7), 1) == ((6,), (4, 5, 6, 7), 2)
+
+
+def test_pool_splits_follow_the_ulysses_limit_and_the_degrees():
+    from flexsp import PlanError
+    from flexsp.runtime.groups import _splits
+    assert _splits((1, 2, 4, 8), None, 2) == ((2, 2), (2, 4))         # as the planner splits past the limit
+    assert _splits((1, 8), None, 2) == ((2, 4),)                      # degrees= bounds them
+    assert _splits((1, 2, 4, 8), [(1, 4), (4, 1)], None) == ((1, 4),)  # ring 1 is plain Ulysses
+    assert _splits((1, 2, 4, 8), None, 16) == ()
+    with pytest.raises(PlanError, match=r"split 2 x 8 is a group of 16 GPUs, not a pooled degree"):
+        _splits((1, 2, 4, 8), [(2, 8)], None)
+    with pytest.raises(PlanError, match="must be powers of two"):
+        _splits((1, 2, 4, 8), [(3, 2)], None)
+    with pytest.raises(PlanError, match="ulysses_limit must be a power of two"):
+        _splits((1, 2), None, 3)
