@@ -6,7 +6,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from flexsp import Group, MicroBatch, Plan, PlanError  # noqa: E402
+import flexsp  # noqa: E402
+from flexsp import Group, MicroBatch, Plan, PlanError, plan_batch  # noqa: E402
 from flexsp.runtime.attention import attend  # noqa: E402
 from flexsp.runtime.executor import StepExecutor  # noqa: E402
 from flexsp.runtime.groups import GroupPool  # noqa: E402
@@ -114,11 +115,22 @@ def _model():
     return TinyLM(ModelConfig(**CFG)).double()
 
 
-def _step_worker(rank, world_size, plan):
-    pool = GroupPool(splits=SPLITS)
+def _planned():
+    """What plan_batch makes of the batch when the cost model knows only 2 heads: 2 x 4 hybrids."""
+    cost = flexsp.CostModel(alpha1=1e-6, alpha2=1e-4, beta1=1e-3, comm_bytes_per_token=1e3,
+                            alltoall_bandwidth={2: 1e9, 4: 1e9, 8: 1e9}, token_capacity=6, heads=2, kv_heads=2,
+                            ring_bytes_per_token=1e3, ring_bandwidth=1e9)
+    return plan_batch(LENGTHS, cost, flexsp.Cluster(num_gpus=8, gpus_per_node=8), time_limit=1.0), cost.ulysses_limit
+
+
+def _step_worker(rank, world_size, plan, planned, limit):
+    pool = GroupPool(splits=[(1, 4)], ulysses_limit=limit)     # (1, 4) plus the planner's (2, 2) and (2, 4)
     model = _model()
     executor = StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.5), pool, backend="sdpa")
     result = executor.step(Plan.from_dict(plan), _batch())
+    planned_model = _model()
+    StepExecutor(planned_model, torch.optim.SGD(planned_model.parameters(), lr=0.5), pool,
+                 backend="sdpa").step(Plan.from_dict(planned), _batch())
     errors = []
     for bad in ({"ring": 8, "ranks": range(8)}, {"ring": 2, "ranks": range(2)}):   # 1 x 8 and 1 x 2: not pooled
         p = Plan(num_gpus=8, predicted_time=0.0, micro_batches=(MicroBatch((
@@ -127,13 +139,15 @@ def _step_worker(rank, world_size, plan):
             executor.step(p, _batch())
         except PlanError as exc:
             errors.append(str(exc))
-    return {"params": torch.nn.utils.parameters_to_vector(model.parameters()).detach(), "result": result,
-            "stats": pool.stats, "errors": errors}
+    vector = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
+    return {"params": vector(model), "planned_params": vector(planned_model), "result": result,
+            "stats": pool.stats, "splits": pool.splits, "errors": errors}
 
 
 def test_hybrid_plan_step_equals_one_process():
-    plan = _plan()
-    runs = run_distributed(_step_worker, 8, plan.to_dict(), timeout=90)
+    plan, (planned, limit) = _plan(), _planned()
+    assert {g.ring for mb in planned.micro_batches for g in mb.groups} - {1}      # the planner made hybrids
+    runs = run_distributed(_step_worker, 8, plan.to_dict(), planned.to_dict(), limit, timeout=90)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     batch = _batch()
@@ -144,6 +158,8 @@ def test_hybrid_plan_step_equals_one_process():
     want = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
     for run in runs:
         assert abs(run["params"] - want).max() < 1e-10
+        assert abs(run["planned_params"] - want).max() < 1e-10
+        assert run["splits"] == ((1, 4), (2, 2), (2, 4))
         assert run["result"].loss == pytest.approx(loss.item(), rel=1e-12)
     assert sum(r["result"].tokens_processed for r in runs) == sum(LENGTHS)   # every token once
     assert runs[0]["result"].degrees == (8, 4, 4) and runs[6]["result"].degrees == (8, 1, 4)
