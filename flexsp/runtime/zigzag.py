@@ -161,11 +161,12 @@ def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int) -> Z
     layout = zigzag_layout([int(s.numel()) for s in sequences], ulysses, ring)
     device = sequences[0].device
     ids = torch.cat([s.reshape(-1).to(torch.long) for s in sequences])
-    positions = torch.cat([torch.arange(n, device=device) for n in layout.lengths])
+    lens = np.asarray(layout.lengths, dtype=np.int64)
+    ends = np.cumsum(lens)
+    positions = torch.from_numpy(np.arange(ends[-1]) - np.repeat(ends - lens, lens)).to(device)
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:-1] = ids[1:]
-    ends = torch.from_numpy(np.cumsum(layout.lengths) - 1).to(device)
-    labels[ends] = IGNORE_INDEX                           # a sequence's last token predicts nothing
+    labels[torch.from_numpy(ends - 1).to(device)] = IGNORE_INDEX   # a sequence's last token predicts nothing
     order = torch.from_numpy(layout.stream_order()).to(device)
     pad = order < 0
     take = order.clamp(min=0)

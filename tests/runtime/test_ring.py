@@ -28,10 +28,14 @@ LAYER_GROUPS = [((0, 1, 2, 3), 2, [13, 2, 9]),         # 2 x 2
 WIDE_GROUP = ((0, 1, 2, 3, 4, 5, 6, 7), 4, [21, 6, 1, 16])   # 2 x 4
 
 
-def _qkv(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    return [torch.randn(total, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]  # q, k, v, dout
+def _kv_heads(name):
+    return 1 if name == "wide" else 2        # 1 kv head under Ulysses 2: replicated, as plain Ulysses does
+
+
+def _qkv(lengths, name):
+    g = torch.Generator().manual_seed(len(name))
+    total, kv = sum(lengths), _kv_heads(name)
+    return [torch.randn(total, h, 8, generator=g, dtype=torch.float64) for h in (4, kv, kv, 4)]  # q, k, v, dout
 
 
 def _layer_worker(rank, world_size):
@@ -39,7 +43,7 @@ def _layer_worker(rank, world_size):
     results = {}
     for name, groups in (("side_by_side", LAYER_GROUPS), ("wide", [WIDE_GROUP])):
         ranks, ring, lengths = next(g for g in groups if rank in g[0])
-        q, k, v, dout = _qkv(lengths, seed=len(name))
+        q, k, v, dout = _qkv(lengths, name)
         group = Group(ranks=ranks, seq_ids=tuple(range(len(lengths))), ring=ring)
         shard, ctx = ring_inputs(pool, group, [torch.zeros(n, dtype=torch.long) for n in lengths], rank, "cpu", "sdpa")
         lay = zigzag_layout(lengths, len(ranks) // ring, ring)
@@ -54,8 +58,8 @@ def _layer_worker(rank, world_size):
     return results
 
 
-def _reference(lengths, seed):
-    q, k, v, dout = _qkv(lengths, seed)
+def _reference(lengths, name):
+    q, k, v, dout = _qkv(lengths, name)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     cu = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     out = attend(q, k, v, cu, backend="reference")
@@ -64,7 +68,7 @@ def _reference(lengths, seed):
 
 def _assemble(runs, name, ranks, total):
     out = np.zeros((total, 4, 8))
-    grads = [np.zeros((total, h, 8)) for h in (4, 2, 2)]
+    grads = [np.zeros((total, h, 8)) for h in (4, _kv_heads(name), _kv_heads(name))]
     for r in ranks:
         res = runs[r][name]
         keep = res["order"] >= 0
@@ -81,7 +85,7 @@ def test_ring_attention_layer_equals_one_process():
     for name, groups in (("side_by_side", LAYER_GROUPS), ("wide", [WIDE_GROUP])):
         for ranks, ring, lengths in groups:
             out, grads = _assemble(runs, name, ranks, sum(lengths))
-            want_out, want_grads = _reference(lengths, seed=len(name))
+            want_out, want_grads = _reference(lengths, name)
             np.testing.assert_allclose(out, want_out.numpy(), rtol=1e-10, atol=1e-12)
             for got, want in zip(grads, want_grads):
                 np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
