@@ -27,6 +27,7 @@ aligned (flash-attn's convention): query ``i`` of ``Lq`` sees key ``j`` of ``Lk`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -171,7 +172,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Bounds
         if kernel == "varlen":
             out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0),
                               enable_gqa=k.shape[1] != heads)
-        else:  # flash-attn replicates nothing itself for GQA either: it reads kv head h // group
+        else:  # flash-attn reads kv head h // (heads / kv_heads) itself, like varlen_attn's enable_gqa
             out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
     return torch.where(real, out, out.new_zeros(()))   # padding rows: zero output, no gradient
 
@@ -223,15 +224,17 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     return _AttendLse.apply(q, k, v, spec)
 
 
+@dataclass(frozen=True, eq=False)
 class LseSpec:
     """Everything but the tensors that one partial-attention call needs (bounds, maxima, mask, kernel)."""
 
-    __slots__ = ("cu_q", "cu_k", "max_q", "max_k", "causal", "scale", "kernel")
-
-    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
-                 scale: float, kernel: str) -> None:
-        self.cu_q, self.cu_k, self.max_q, self.max_k = cu_q, cu_k, max_q, max_k
-        self.causal, self.scale, self.kernel = causal, scale, kernel
+    cu_q: torch.Tensor          # int32 bounds of the query sequences
+    cu_k: torch.Tensor          # int32 bounds of the key sequences (same count)
+    max_q: int
+    max_k: int
+    causal: bool
+    scale: float
+    kernel: str                 # "varlen" or "sdpa" (the dense masked path)
 
 
 def lse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LseSpec) -> tuple[torch.Tensor, torch.Tensor]:

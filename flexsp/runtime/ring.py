@@ -33,9 +33,10 @@ from typing import Sequence
 
 import torch
 
-from .attention import LseSpec, lse_backward, lse_forward, merge_partials, resolve_backend
+from .attention import AttentionError, LseSpec, lse_backward, lse_forward, merge_partials, resolve_backend
 from .comm import head_to_seq, seq_to_head
 from .ring_comm import RingComm, place
+from .ulysses import AttentionContext, check_heads
 from .zigzag import RingShard, RingTensors, zigzag_pack
 
 
@@ -145,20 +146,18 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
     """Causal attention of this rank's token slice over its ``ulysses x ring`` group; returns q's shape.
 
     ``ctx`` is an ``AttentionContext`` whose ``group`` is the Ulysses sub-group and ``ring`` a
     ``RingContext``. ``q [tokens, heads, dim]``, ``k``/``v`` ``[tokens, kv_heads, dim]`` (this slice).
     """
-    from .ulysses import check_heads   # ulysses dispatches here; import late to keep the modules acyclic
-
     ring: RingContext = ctx.ring
     u = ctx.degree
     heads, kv_heads = q.shape[1], k.shape[1]
     check_heads(heads, kv_heads, u)
     if q.shape[0] * u != ring.tensors.shard_tokens:
-        raise ValueError(f"{u} Ulysses slices of {q.shape[0]} tokens do not make the ring shard of "
+        raise AttentionError(f"{u} Ulysses slices of {q.shape[0]} tokens do not make the ring shard of "
                          f"{ring.tensors.shard_tokens} tokens this context was built for")
     replicate = u // math.gcd(kv_heads, u)
     if replicate > 1:
@@ -170,20 +169,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> to
 
 
 def ring_inputs(pool, group, sequences: Sequence[torch.Tensor], rank: int, device: torch.device | str,
-                backend: str = "auto", context_type=None) -> tuple[RingShard, object]:
+                backend: str = "auto") -> tuple[RingShard, AttentionContext]:
     """This rank's token slice and attention context for a plan ``group`` with ``group.ring > 1``.
 
     Every rank of the group derives the same zigzag layout from the sequence lengths; the device
     tensors are built once here and reused by every layer.
     """
-    if context_type is None:
-        from .ulysses import AttentionContext as context_type
     ulysses = group.degree // group.ring
     packed = zigzag_pack([s.to(device) for s in sequences], ulysses, group.ring)
     ulysses_group, ring_group = pool.ring_groups(group.ranks, group.ring)
     _, ring_ranks, ring_index = place(rank, tuple(group.ranks), ulysses)
     tensors = RingTensors.build(packed.layout, ring_index, device)
-    ctx = context_type(cu_seqlens=tensors.cu_local[ring_index], max_seqlen=tensors.max_local[ring_index],
+    ctx = AttentionContext(cu_seqlens=tensors.cu_local[ring_index], max_seqlen=tensors.max_local[ring_index],
                        group=ulysses_group, backend=backend,
                        ring=RingContext(RingComm(ring_group, ring_ranks, ring_index), tensors))
     return packed.shard(tuple(group.ranks).index(rank)), ctx

@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..errors import PlanError
 from .packing import IGNORE_INDEX, PAD_TOKEN
 
 
@@ -109,10 +110,10 @@ class ZigzagLayout:
 def zigzag_layout(lengths: Sequence[int], ulysses: int, ring: int) -> ZigzagLayout:
     """The layout of sequences of ``lengths`` on a ``ulysses x ring`` group."""
     if ulysses < 1 or ring < 1:
-        raise ValueError(f"ulysses and ring degrees must be >= 1, got {ulysses} x {ring}")
+        raise PlanError(f"ulysses and ring degrees must be >= 1, got {ulysses} x {ring}")
     lens = np.asarray([int(n) for n in lengths], dtype=np.int64)
     if lens.size == 0 or lens.min() < 1:
-        raise ValueError(f"a ring group needs sequences of at least one token, got lengths {list(lengths)}")
+        raise PlanError(f"a ring group needs sequences of at least one token, got lengths {list(lengths)}")
     bounds = chunk_bounds(lens, ring)
     sizes = np.diff(bounds, axis=1)                                     # [n, 2*ring]
     first = tuple(sizes[:, j].copy() for j in range(ring))
@@ -157,7 +158,7 @@ class ZigzagGroup:
 def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int) -> ZigzagGroup:
     """Lay 1-D token tensors out for a ``ulysses x ring`` group (labels computed before reordering)."""
     if not sequences:
-        raise ValueError("a group needs at least one sequence")
+        raise PlanError("a ring group needs at least one sequence")
     layout = zigzag_layout([int(s.numel()) for s in sequences], ulysses, ring)
     device = sequences[0].device
     ids = torch.cat([s.reshape(-1).to(torch.long) for s in sequences])
