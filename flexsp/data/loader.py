@@ -23,6 +23,7 @@ from ..cost import CostModel
 from ..plan import Plan
 from ..runtime.groups import GroupPool
 from ..runtime.packing import loss_tokens
+from ..runtime.ring import ring_context
 from .batching import EpochBatches
 from .collate import MicroBatchShard, shard_group, to_tokens
 from .config import LoaderConfig
@@ -224,8 +225,13 @@ class FlexSPLoader:
         for m, mb in enumerate(plan.micro_batches):
             group = mb.group_of_rank(self.rank)
             if group is not None:
-                handle = self.pool.get(group.ranks) if self.pool is not None else None
-                shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device))
+                handle, ring = self.pool.get(group.ranks) if self.pool is not None else None, None
+                if group.ring > 1 and self.pool is not None:   # Ulysses x ring: sub-groups, block layout
+                    ctx = ring_context(self.pool, group, [lengths[s] for s in group.seq_ids], self.rank,
+                                       self.device or "cpu")
+                    handle, ring = ctx.group, ctx.ring
+                shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device,
+                                          ring))
         load = time.perf_counter() - loaded
         step = Step(epoch=self._epoch, index=self._index, step=self._step, plan=plan, indices=indices,
                     lengths=lengths, num_tokens=sum(lengths), loss_tokens=loss_tokens(lengths),

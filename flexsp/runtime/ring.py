@@ -37,7 +37,7 @@ from .attention import AttentionError, LseSpec, lse_backward, lse_forward, merge
 from .comm import head_to_seq, seq_to_head
 from .ring_comm import RingComm, place
 from .ulysses import AttentionContext, check_heads
-from .zigzag import RingShard, RingTensors, zigzag_pack
+from .zigzag import RingShard, RingTensors, zigzag_layout, zigzag_pack
 
 
 @dataclass(frozen=True)
@@ -168,19 +168,26 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Atten
     return head_to_seq(out, ctx.group)
 
 
-def ring_inputs(pool, group, sequences: Sequence[torch.Tensor], rank: int, device: torch.device | str,
-                backend: str = "auto") -> tuple[RingShard, AttentionContext]:
-    """This rank's token slice and attention context for a plan ``group`` with ``group.ring > 1``.
+def ring_context(pool, group, lengths: Sequence[int], rank: int, device: torch.device | str,
+                 backend: str = "auto") -> AttentionContext:
+    """This rank's attention context for a plan ``group`` with ``group.ring > 1``, from the lengths alone.
 
     Every rank of the group derives the same zigzag layout from the sequence lengths; the device
-    tensors are built once here and reused by every layer.
+    tensors are built once here and reused by every layer. Pair it with ``zigzag_pack`` for the tokens.
     """
     ulysses = group.degree // group.ring
-    packed = zigzag_pack([s.to(device) for s in sequences], ulysses, group.ring)
+    layout = zigzag_layout(lengths, ulysses, group.ring)
     ulysses_group, ring_group = pool.ring_groups(group.ranks, group.ring)
     _, ring_ranks, ring_index = place(rank, tuple(group.ranks), ulysses)
-    tensors = RingTensors.build(packed.layout, ring_index, device)
-    ctx = AttentionContext(cu_seqlens=tensors.cu_local[ring_index], max_seqlen=tensors.max_local[ring_index],
-                       group=ulysses_group, backend=backend,
-                       ring=RingContext(RingComm(ring_group, ring_ranks, ring_index), tensors))
+    tensors = RingTensors.build(layout, ring_index, device)
+    return AttentionContext(cu_seqlens=tensors.cu_local[ring_index], max_seqlen=tensors.max_local[ring_index],
+                            group=ulysses_group, backend=backend,
+                            ring=RingContext(RingComm(ring_group, ring_ranks, ring_index), tensors))
+
+
+def ring_inputs(pool, group, sequences: Sequence[torch.Tensor], rank: int, device: torch.device | str,
+                backend: str = "auto") -> tuple[RingShard, AttentionContext]:
+    """This rank's token slice (zigzag order) and attention context for a ring ``group``."""
+    packed = zigzag_pack([s.to(device) for s in sequences], group.degree // group.ring, group.ring)
+    ctx = ring_context(pool, group, packed.layout.lengths, rank, device, backend)
     return packed.shard(tuple(group.ranks).index(rank)), ctx

@@ -119,12 +119,40 @@ def _model():
     return TinyLM(ModelConfig(**CFG)).double()
 
 
+def _cost(heads=2):
+    return flexsp.CostModel(alpha1=1e-6, alpha2=1e-4, beta1=1e-3, comm_bytes_per_token=1e3,
+                            alltoall_bandwidth={2: 1e9, 4: 1e9, 8: 1e9}, token_capacity=6, heads=heads, kv_heads=2,
+                            ring_bytes_per_token=1e3, ring_bandwidth=1e9)
+
+
 def _planned():
     """What plan_batch makes of the batch when the cost model knows only 2 heads: 2 x 4 hybrids."""
-    cost = flexsp.CostModel(alpha1=1e-6, alpha2=1e-4, beta1=1e-3, comm_bytes_per_token=1e3,
-                            alltoall_bandwidth={2: 1e9, 4: 1e9, 8: 1e9}, token_capacity=6, heads=2, kv_heads=2,
-                            ring_bytes_per_token=1e3, ring_bandwidth=1e9)
+    cost = _cost()
     return plan_batch(LENGTHS, cost, flexsp.Cluster(num_gpus=8, gpus_per_node=8), time_limit=1.0), cost.ulysses_limit
+
+
+def _loader_step(pool, limit):
+    """One step the way examples/train.py runs it: FlexSPLoader plans (2-head cost model) and shards."""
+    from flexsp.data import FlexSPLoader, LoaderConfig
+    from flexsp.runtime.packing import IGNORE_INDEX
+    import torch.distributed as dist
+    batch = _batch()
+    cost, cluster = _cost(limit), flexsp.Cluster(num_gpus=8, gpus_per_node=8)
+    loader = FlexSPLoader([t.tolist() for t in batch], cost, cluster, pool=pool, lengths=LENGTHS,
+                          config=LoaderConfig(batch_size=len(LENGTHS), seed=3, lookahead=0, time_limit=1.0))
+    step = next(iter(loader))
+    loader.close()
+    model = _model()
+    for mb in step.micro_batches:
+        logits = model(mb.input_ids, mb.position_ids, mb.context("sdpa"))
+        loss = F.cross_entropy(logits, mb.labels, ignore_index=IGNORE_INDEX, reduction="sum") / step.loss_tokens
+        loss.backward()
+    for p in model.parameters():
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(grad)
+        p.grad = grad
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return model, step
 
 
 def _step_worker(rank, world_size, plan, planned, limit):
@@ -135,6 +163,7 @@ def _step_worker(rank, world_size, plan, planned, limit):
     planned_model = _model()
     StepExecutor(planned_model, torch.optim.SGD(planned_model.parameters(), lr=0.5), pool,
                  backend="sdpa").step(Plan.from_dict(planned), _batch())
+    loaded_model, loaded = _loader_step(pool, limit)
     errors = []
     for bad in ({"ring": 8, "ranks": range(8)}, {"ring": 2, "ranks": range(2)}):   # 1 x 8 and 1 x 2: not pooled
         p = Plan(num_gpus=8, predicted_time=0.0, micro_batches=(MicroBatch((
@@ -145,6 +174,8 @@ def _step_worker(rank, world_size, plan, planned, limit):
             errors.append(str(exc))
     vector = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
     return {"params": vector(model), "planned_params": vector(planned_model), "result": result,
+            "loader_params": vector(loaded_model), "loader_indices": loaded.indices,
+            "loader_rings": sorted({g.ring for mb in loaded.plan.micro_batches for g in mb.groups}),
             "stats": pool.stats, "splits": pool.splits, "errors": errors}
 
 
@@ -163,6 +194,9 @@ def test_hybrid_plan_step_equals_one_process():
     for run in runs:
         assert abs(run["params"] - want).max() < 1e-10
         assert abs(run["planned_params"] - want).max() < 1e-10
+        assert sorted(run["loader_indices"]) == list(range(len(LENGTHS)))   # the loader's batch is this batch
+        assert abs(run["loader_params"] - want).max() < 1e-10
+        assert run["loader_rings"][-1] > 1                                     # and its plan had ring groups
         assert run["splits"] == ((1, 4), (2, 2), (2, 4))
         assert run["result"].loss == pytest.approx(loss.item(), rel=1e-12)
     assert sum(r["result"].tokens_processed for r in runs) == sum(LENGTHS)   # every token once
