@@ -14,7 +14,7 @@ from typing import Iterable
 import torch.distributed as dist
 
 from ..errors import PlanError
-from .ring_comm import place, ring_blocks
+from .ring_comm import place, pool_splits, ring_blocks
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class GroupPool:
             created += 1
             if self.rank in ranks:
                 self._groups[ranks] = handle
-        self.splits = _splits(chosen, splits, ulysses_limit)
+        self.splits = pool_splits(chosen, splits, ulysses_limit)
         created += self._add_rings(backend)
         held = {id(g) for g in self._groups.values() if g is not None}
         self.stats = PoolStats(count=created, seconds=time.perf_counter() - start, per_rank=len(held))
@@ -135,30 +135,6 @@ class GroupPool:
         s = self.stats
         return (f"GroupPool(world_size={self.world_size}, degrees={list(self.degrees)}, groups={s.count}, "
                 f"per_rank={s.per_rank}, seconds={s.seconds:.3f})")
-
-
-def _splits(degrees: tuple[int, ...], splits: Iterable[tuple[int, int]] | None,
-            ulysses_limit: int | None) -> tuple[tuple[int, int], ...]:
-    """The pool's (ulysses, ring) pairs: given, or derived from the Ulysses limit; each inside ``degrees``."""
-    if ulysses_limit is not None:
-        if isinstance(ulysses_limit, bool) or not isinstance(ulysses_limit, int) or ulysses_limit < 1 \
-                or ulysses_limit & (ulysses_limit - 1):
-            raise PlanError(f"ulysses_limit must be a power of two >= 1, got {ulysses_limit!r}")
-        derived = {(ulysses_limit, d // ulysses_limit) for d in degrees if d > ulysses_limit}
-        splits = derived | set(splits or ())
-    out = set()
-    for pair in splits or ():
-        try:
-            u, r = (int(x) for x in pair)
-        except (TypeError, ValueError):
-            raise PlanError(f"a split is a (ulysses, ring) pair of ints, got {pair!r}") from None
-        if u < 1 or r < 1 or u & (u - 1) or r & (r - 1):
-            raise PlanError(f"split {u} x {r}: Ulysses and ring degrees must be powers of two")
-        if u * r not in degrees:
-            raise PlanError(f"split {u} x {r} is a group of {u * r} GPUs, not a pooled degree {list(degrees)}")
-        if r > 1:
-            out.add((u, r))
-    return tuple(sorted(out))
 
 
 def _powers_of_two(n: int) -> tuple[int, ...]:

@@ -17,6 +17,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ..errors import PlanError
+
 
 def ring_blocks(world_size: int, splits: Iterable[tuple[int, int]]) -> list[tuple[int, ...]]:
     """Every ring (global ranks, in ring order) of every ``(ulysses, ring)`` split, in one fixed order."""
@@ -27,6 +29,31 @@ def ring_blocks(world_size: int, splits: Iterable[tuple[int, int]]) -> list[tupl
             for j in range(ulysses):
                 rings.append(tuple(block * degree + j + ulysses * t for t in range(ring)))
     return rings
+
+
+def pool_splits(degrees: tuple[int, ...], splits: Iterable[tuple[int, int]] | None,
+                ulysses_limit: int | None) -> tuple[tuple[int, int], ...]:
+    """The pool's (ulysses, ring) pairs: given, or derived from the Ulysses limit; each inside ``degrees``."""
+    if ulysses_limit is not None:
+        if isinstance(ulysses_limit, bool) or not isinstance(ulysses_limit, int) or ulysses_limit < 1 \
+                or ulysses_limit & (ulysses_limit - 1):
+            raise PlanError(f"ulysses_limit must be a power of two >= 1, got {ulysses_limit!r}")
+    pairs = list(splits or ())
+    if ulysses_limit is not None:
+        pairs += [(ulysses_limit, d // ulysses_limit) for d in degrees if d > ulysses_limit]
+    out = set()
+    for pair in pairs:
+        try:
+            u, r = (int(x) for x in pair)
+        except (TypeError, ValueError):
+            raise PlanError(f"a split is a (ulysses, ring) pair of ints, got {pair!r}") from None
+        if u < 1 or r < 1 or u & (u - 1) or r & (r - 1):
+            raise PlanError(f"split {u} x {r}: Ulysses and ring degrees must be powers of two")
+        if u * r not in degrees:
+            raise PlanError(f"split {u} x {r} is a group of {u * r} GPUs, not a pooled degree {list(degrees)}")
+        if r > 1:
+            out.add((u, r))
+    return tuple(sorted(out))
 
 
 def place(rank: int, ranks: tuple[int, ...], ulysses: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:

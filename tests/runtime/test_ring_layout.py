@@ -155,7 +155,7 @@ def test_ring_placement_and_fixed_order():
 
 def test_pool_splits_follow_the_ulysses_limit_and_the_degrees():
     from flexsp import PlanError
-    from flexsp.runtime.groups import _splits
+    from flexsp.runtime.ring_comm import pool_splits as _splits
     assert _splits((1, 2, 4, 8), None, 2) == ((2, 2), (2, 4))         # as the planner splits past the limit
     assert _splits((1, 8), None, 2) == ((2, 4),)                      # degrees= bounds them
     assert _splits((1, 2, 4, 8), [(1, 4), (4, 1)], None) == ((1, 4),)  # ring 1 is plain Ulysses
