@@ -166,3 +166,40 @@ def test_pool_splits_follow_the_ulysses_limit_and_the_degrees():
         _splits((1, 2, 4, 8), [(3, 2)], None)
     with pytest.raises(PlanError, match="ulysses_limit must be a power of two"):
         _splits((1, 2), None, 3)
+
+
+def test_each_hop_is_in_flight_while_a_block_is_computed(monkeypatch):
+    """Event order on one rank (hops looped back): start hop, compute the current block, then wait -
+    forward and backward; the backward's dK/dV sums hop once per foreign block."""
+    import flexsp.runtime.ring as ring_mod
+    from flexsp.runtime.ring_comm import Pending
+
+    events = []
+
+    class Recorder:
+        size, index = 4, 2
+
+        def hop(self, x, tag=0):
+            events.append(f"hop{tag}")
+            pending = Pending(x.clone(), [], x)
+            wait = pending.wait
+            pending.wait = lambda: (events.append(f"wait{tag}"), wait())[1]
+            return pending
+
+    for name in ("lse_forward", "lse_backward"):
+        real = getattr(ring_mod, name)
+        monkeypatch.setattr(ring_mod, name, lambda *a, _real=real, _name=name, **k: (events.append(_name[4:]),
+                                                                                     _real(*a, **k))[1])
+    lay = zigzag_layout([16, 8], 1, 4)
+    rt = RingTensors.build(lay, 2, "cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(lay.shard_tokens, h, 8, generator=g, dtype=torch.float64).requires_grad_() for h in (2, 1, 1))
+    out = ring_mod._RingAttention.apply(q, k, v, rt, Recorder(), "sdpa", 0.5)
+    forward = list(events)
+    assert forward == ["hop0", "forward", "wait0"] * 3 + ["forward"]
+    events.clear()
+    out.sum().backward()
+    assert events == (["hop0", "backward"]                                            # diagonal block
+                      + ["wait0", "hop0", "backward", "hop1"]                         # step 1
+                      + ["wait0", "hop0", "backward", "wait1", "hop1"]                # step 2
+                      + ["wait0", "backward", "wait1", "hop1", "wait1"])              # step 3, own sums home
