@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..plan import Group
 from ..runtime.packing import pack
+from ..runtime.zigzag import zigzag_pack
 from ..runtime.ulysses import AttentionContext
 from .errors import LoaderError
 from .source import item_tokens
@@ -38,6 +39,7 @@ class MicroBatchShard:
     local_rank: int                   # this rank's position in ``ranks``
     group: dist.ProcessGroup | None   # from the GroupPool; None for degree 1 or without a pool
     indices: tuple[int, ...]          # dataset indices of the group's sequences
+    ring: Any = None                  # a Ulysses x ring group's RingContext (then group = its Ulysses part)
 
     @property
     def degree(self) -> int:
@@ -47,7 +49,7 @@ class MicroBatchShard:
         """The ``AttentionContext`` a ``TinyLM``-style model takes for this shard (no host copy: ``cu_seqlens``
         is already on the device)."""
         return AttentionContext(cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, group=self.group,
-                                backend=backend)
+                                backend=backend, ring=self.ring)
 
 
 def to_tokens(item: Any, index: int) -> torch.Tensor:
@@ -68,7 +70,7 @@ def to_tokens(item: Any, index: int) -> torch.Tensor:
 
 def shard_group(fetch: Callable[[int], torch.Tensor], micro_batch: int, group: Group, rank: int,
                 indices: Sequence[int], lengths: Sequence[int], handle: dist.ProcessGroup | None,
-                device: torch.device | None) -> MicroBatchShard:
+                device: torch.device | None, ring: Any = None) -> MicroBatchShard:
     """Fetch ``group``'s sequences (plan seq id -> ``indices``), pack, and cut out ``rank``'s shard."""
     seqs = []
     for s in group.seq_ids:
@@ -77,8 +79,14 @@ def shard_group(fetch: Callable[[int], torch.Tensor], micro_batch: int, group: G
             raise LoaderError(f"dataset item {indices[s]} has {tokens.numel()} tokens but its planned length is "
                               f"{lengths[s]}: the lengths given to the loader are stale or wrong")
         seqs.append(tokens)
-    packed = pack(seqs, group.degree)
     local = group.ranks.index(rank)
+    if group.ring > 1:   # Ulysses x ring: zigzag order; the attention context comes from runtime.ring.ring_context
+        packed = zigzag_pack(seqs, group.ulysses, group.ring)
+        bounds = packed.layout.cu_local(local // group.ulysses)
+        packed_cu, packed_max = bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    else:
+        packed = pack(seqs, group.degree)
+        packed_cu, packed_max = packed.cu_seqlens, packed.max_seqlen
     shard = packed.shard(local)
 
     def move(t: torch.Tensor) -> torch.Tensor:
@@ -87,6 +95,6 @@ def shard_group(fetch: Callable[[int], torch.Tensor], micro_batch: int, group: G
     return MicroBatchShard(
         micro_batch=micro_batch, input_ids=move(shard.input_ids), labels=move(shard.labels),
         position_ids=move(shard.position_ids),
-        cu_seqlens=move(torch.tensor(packed.cu_seqlens, dtype=torch.int32)), max_seqlen=packed.max_seqlen,
+        cu_seqlens=move(torch.tensor(packed_cu, dtype=torch.int32)), max_seqlen=packed_max,
         real_tokens=shard.real_tokens, ranks=tuple(group.ranks), local_rank=local, group=handle,
-        indices=tuple(int(indices[s]) for s in group.seq_ids))
+        indices=tuple(int(indices[s]) for s in group.seq_ids), ring=ring)

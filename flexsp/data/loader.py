@@ -6,7 +6,7 @@ or the error that stopped planning), so every rank runs the same plan and a solv
 the same ``LoaderError`` everywhere instead of leaving ranks waiting. Each rank then fetches only the
 items of its own groups, packs them and keeps its shard; a data error on any rank (a bad item, a
 stale length) is agreed (``flexsp.runtime.failures.agree``) so every rank raises it, none waits.
-Plans use only the pool's degrees and, as the runtime has no ring axis, Ulysses-only groups. Without a process group (or with one rank)
+Plans use only the pool's degrees (and Ulysses x ring splits). Without a process group (or with one rank)
 the loader plans for ``cluster.num_gpus`` ranks and loads the share of ``rank``, which is how one
 process can stand in for one rank of a large cluster.
 """
@@ -26,6 +26,7 @@ from ..plan import Plan
 from ..runtime.failures import agree
 from ..runtime.groups import GroupPool
 from ..runtime.packing import loss_tokens
+from ..runtime.ring import ring_context
 from ..sharding import assumed as assumed_sharding
 from .batching import EpochBatches
 from .collate import MicroBatchShard, shard_group, to_tokens
@@ -78,15 +79,16 @@ class FlexSPLoader:
     pass over the items on the planning rank (see ``flexsp.data.source``). ``pool`` (a ``GroupPool``
     over ``cluster.num_gpus`` ranks) is needed with more than one process and supplies each shard's
     process group; without it the loader stands in for ``rank`` of the cluster. ``planner``, if
-    given, replaces ``plan_batch``: ``planner(lengths) -> Plan``. Plans use only ``pool.degrees`` and,
-    with ``ulysses_only`` (default: the runtime has no ring axis yet), groups within the model's
-    Ulysses limit. Call ``close()`` (or use ``with``).
+    given, replaces ``plan_batch``: ``planner(lengths) -> Plan``. Plans use only ``pool.degrees``, and a
+    degree the cost model runs as Ulysses x ring only when the pool holds that split
+    (``GroupPool(ulysses_limit=cost.ulysses_limit)``); ``ulysses_only=True`` keeps every group within
+    the model's Ulysses limit. Call ``close()`` (or use ``with``).
     """
 
     def __init__(self, dataset: Sequence[Any], cost: CostModel, cluster: Cluster, config: LoaderConfig, *,
                  lengths: Any = None, pool: GroupPool | None = None, rank: int | None = None,
                  planner: Solver | None = None, device: torch.device | str | None = None,
-                 ulysses_only: bool = True) -> None:
+                 ulysses_only: bool = False) -> None:
         if not isinstance(config, LoaderConfig):
             raise LoaderError(f"config must be a flexsp.data.LoaderConfig, got {type(config).__name__}")
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
@@ -132,8 +134,12 @@ class FlexSPLoader:
 
     @property
     def _degrees(self) -> tuple[int, ...] | None:
-        """The SP degrees the runtime can run: the pool's (None without a pool: any)."""
-        return None if self.pool is None else tuple(self.pool.degrees)
+        """The SP degrees the runtime can run (None without a pool: any): the pool's, less those the cost
+        model runs as a Ulysses x ring split the pool does not hold."""
+        if self.pool is None:
+            return None
+        splits = set(getattr(self.pool, "splits", ()))
+        return tuple(d for d in self.pool.degrees if self.cost.split(d)[1] == 1 or self.cost.split(d) in splits)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -242,8 +248,15 @@ class FlexSPLoader:
             for m, mb in enumerate(plan.micro_batches):
                 group = mb.group_of_rank(self.rank)
                 if group is not None:
-                    handle = self.pool.get(group.ranks) if self.pool is not None else None
-                    shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device))
+                    handle, ring = None, None
+                    if group.ring > 1 and self.pool is not None:   # Ulysses x ring: sub-groups, zigzag layout
+                        ctx = ring_context(self.pool, group, [lengths[s] for s in group.seq_ids], self.rank,
+                                           self.device or "cpu")
+                        handle, ring = ctx.group, ctx.ring
+                    elif self.pool is not None:
+                        handle = self.pool.get(group.ranks)
+                    shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device,
+                                              ring))
         except LoaderError as exc:
             error = exc
         except Exception as exc:   # the dataset's own error (I/O, decoding): name where it happened

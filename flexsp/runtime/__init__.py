@@ -2,7 +2,7 @@
 
 The only part of flexsp that imports torch at module level. See ``README.md`` beside this file.
 """
-from .attention import attend, flash_available
+from .attention import attend, attend_lse, flash_available, merge_partials
 from .comm import all_to_all, head_to_seq, seq_to_head
 from .executor import StepExecutor, StepResult, validate_step
 from .failures import FailureChannel, RankFailure, agree
@@ -11,10 +11,12 @@ from .groups import GroupPool, PoolStats, init_distributed
 from .model import ModelConfig, TinyLM
 from .packing import IGNORE_INDEX, PackedGroup, Shard, loss_tokens, pack
 from .protocol import SPModel, chunked_cross_entropy
+from .ring import RingContext, ring_attention
 from .ulysses import AttentionContext, ShardingError, ulysses_attention
 
 __all__ = ["GroupPool", "PoolStats", "init_distributed", "StepExecutor", "StepResult", "validate_step",
            "prepare_model", "runtime_sharding", "FailureChannel", "RankFailure", "agree", "SPModel",
            "chunked_cross_entropy", "AttentionContext", "ulysses_attention", "ShardingError", "attend",
-           "flash_available", "all_to_all", "seq_to_head", "head_to_seq", "pack", "PackedGroup", "Shard",
-           "loss_tokens", "IGNORE_INDEX", "ModelConfig", "TinyLM"]
+           "attend_lse", "merge_partials", "ring_attention", "RingContext", "flash_available", "all_to_all",
+           "seq_to_head", "head_to_seq", "pack", "PackedGroup", "Shard", "loss_tokens", "IGNORE_INDEX",
+           "ModelConfig", "TinyLM"]

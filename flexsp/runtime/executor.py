@@ -33,6 +33,7 @@ from .failures import FailureChannel, RankFailure, agree
 from .fsdp import is_sharded, runtime_sharding
 from .groups import GroupPool
 from .packing import IGNORE_INDEX, PAD_TOKEN, loss_tokens, pack
+from .ring import ring_inputs
 from .ulysses import AttentionContext, ShardingError, check_heads
 
 
@@ -73,14 +74,10 @@ def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *, num_he
     plan.validate(lengths=lengths)
     for m, mb in enumerate(plan.micro_batches):
         for j, g in enumerate(mb.groups):
-            if g.ring > 1:
-                raise PlanError(f"micro-batch {m} group {j}: a Ulysses x ring group ({g.ulysses} x {g.ring} of "
-                                f"{g.degree} GPUs) cannot run yet: the runtime has no ring-attention axis; plan with "
-                                f"plan_batch(..., ulysses_only=True)")
             try:
-                pool.check(g.ranks)
-                if num_heads is not None:
-                    check_heads(num_heads, num_kv_heads or num_heads, g.degree)
+                pool.check(g.ranks, g.ring)
+                if num_heads is not None:   # a ring group splits heads over its Ulysses part only
+                    check_heads(num_heads, num_kv_heads or num_heads, g.ulysses)
             except (PlanError, ShardingError) as exc:
                 raise PlanError(f"micro-batch {m} group {j}: {exc}") from None
             if cost is not None:
@@ -178,12 +175,14 @@ class StepExecutor:
         if tuple(shard.ranks) != tuple(group.ranks) or shard.local_rank != group.ranks.index(rank):
             raise PlanError(f"{where}: shard is for ranks {list(shard.ranks)} (position {shard.local_rank}) but the "
                             f"plan puts this rank in {list(group.ranks)}")
-        handle = self.pool.get(group.ranks)
-        if shard.group is not handle:
+        ring = group.ring > 1
+        handle = self.pool.ring_groups(group.ranks, group.ring)[0] if ring else self.pool.get(group.ranks)
+        if shard.group is not handle or (ring and getattr(shard, "ring", None) is None):
             raise PlanError(f"{where}: the shard's process group is not the pool's group for {list(group.ranks)}; "
                             f"build the loader with the executor's pool")
         total = sum(int(lengths[s]) for s in group.seq_ids)
-        expect = -(-total // group.degree)
+        # a ring group's zigzag shard pads each sequence to 2 x ring chunks: its length is the layout's
+        expect = shard.input_ids.numel() if ring else -(-total // group.degree)
         for name in ("input_ids", "position_ids", "labels"):
             t = getattr(shard, name)
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != expect:
@@ -194,15 +193,21 @@ class StepExecutor:
                 raise PlanError(f"{where}: shard {name} is on {t.device} but the model is on {self.device}; "
                                 f"give the loader device={self.device}")
         cu = shard.cu_seqlens
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != len(group.seq_ids) + 1 or cu.device != self.device:
-            raise PlanError(f"{where}: cu_seqlens must be int32 [{len(group.seq_ids) + 1}] on {self.device}, got "
+        bounds = cu.numel() if ring else len(group.seq_ids) + 1   # a ring shard bounds its zigzag chunks
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != bounds or cu.device != self.device:
+            raise PlanError(f"{where}: cu_seqlens must be int32 [{bounds}] on {self.device}, got "
                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
-        ctx = AttentionContext(cu_seqlens=cu, max_seqlen=int(shard.max_seqlen), group=handle, backend=self.backend)
+        ctx = AttentionContext(cu_seqlens=cu, max_seqlen=int(shard.max_seqlen), group=handle, backend=self.backend,
+                               ring=shard.ring if ring else None)
         return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, int(shard.real_tokens), group)
 
     def _pack(self, batch: Sequence[torch.Tensor], group: Group | None) -> _Work | None:
         if group is None:
             return None
+        if group.ring > 1:   # Ulysses x ring: zigzag layout, sub-groups from the pool (flexsp.runtime.ring)
+            shard, ctx = ring_inputs(self.pool, group, [batch[s] for s in group.seq_ids], self.pool.rank,
+                                     self.device, self.backend)
+            return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, shard.real_tokens, group)
         packed = pack([batch[s] for s in group.seq_ids], group.degree)    # on the batch's device (host)
         shard = packed.shard(group.ranks.index(self.pool.rank)).to(self.device)
         ctx = packed.context(self.device, group=self.pool.get(group.ranks), backend=self.backend)

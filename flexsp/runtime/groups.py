@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
+from .ring_comm import place, pool_splits, ring_blocks
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,16 @@ class GroupPool:
     ``degrees`` restricts which degrees get a communicator (default: every power of two up to the
     world size). Construct it on every rank at the same point of the program: creation is collective.
     Without an initialised process group the pool describes a world of one rank.
+
+    Ulysses x ring groups: ``splits`` lists the ``(ulysses, ring)`` pairs plans may use (``Group.ring``),
+    or ``ulysses_limit`` (the cost model's ``ulysses_limit``: the largest power of two dividing the
+    heads) derives them the way the planner does - every pooled degree ``d`` above it splits
+    ``(limit, d/limit)``. Each split adds the Ulysses sub-groups (aligned blocks of degree ``ulysses``)
+    and the rings of stride ``ulysses``; all are created after the plain blocks, in one fixed order.
     """
 
     def __init__(self, *, degrees: Iterable[int] | None = None, backend: str | None = None,
+                 splits: Iterable[tuple[int, int]] | None = None, ulysses_limit: int | None = None,
                  warm_up: bool = True) -> None:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -65,33 +73,64 @@ class GroupPool:
                                 f"valid degrees are {list(possible)}")
         self.degrees: tuple[int, ...] = chosen
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._created: set[tuple[int, ...]] = set()
         start = time.perf_counter()
         created = 0
         for ranks in aligned_blocks(self.world_size, chosen):
             if len(ranks) == 1:
                 self._groups[ranks] = None
                 continue
+            self._created.add(ranks)
             # new_group is collective over the world: every rank calls it for every block, in order.
             handle = dist.new_group(list(ranks), backend=backend)
             created += 1
             if self.rank in ranks:
                 self._groups[ranks] = handle
+        self.splits = pool_splits(chosen, splits, ulysses_limit)
+        created += self._add_rings(backend)
+        held = {id(g) for g in self._groups.values() if g is not None}
         warmed = self._warm_up() if warm_up and dist.is_initialized() else False
-        self.stats = PoolStats(count=created, seconds=time.perf_counter() - start,
-                               per_rank=sum(1 for r, g in self._groups.items() if g is not None), warmed=warmed)
+        self.stats = PoolStats(count=created, seconds=time.perf_counter() - start, per_rank=len(held), warmed=warmed)
 
     def _warm_up(self) -> bool:
-        """One small all-reduce on the world and on each of this rank's groups, in the pool's global
-        order: members of a group reach it in the same order, so this cannot deadlock."""
+        """One small all-reduce on the world and on each of this rank's groups (rings included), in the
+        pool's global creation order: members of a group reach it in the same order, so this cannot
+        deadlock, and every communicator exists before the first step."""
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe)
+        seen: set[int] = set()
         for handle in self._groups.values():
-            if handle is not None:
+            if handle is not None and id(handle) not in seen:
+                seen.add(id(handle))
                 dist.all_reduce(probe, group=handle)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return True
+
+    def _add_rings(self, backend: str | None) -> int:
+        """Ulysses sub-groups not pooled as plain blocks, then every ring; returns how many were created."""
+        created = 0
+        extra = sorted({u for u, _ in self.splits if u > 1} - set(self.degrees))
+        rings = ring_blocks(self.world_size, self.splits)
+        for ranks in aligned_blocks(self.world_size, extra) + rings:
+            if ranks in self._created:
+                continue   # a ring of stride 1 is the plain block itself
+            handle = dist.new_group(list(ranks), backend=backend)
+            self._created.add(ranks)
+            created += 1
+            if self.rank in ranks:
+                self._groups[ranks] = handle
+        return created
+
+    def ring_groups(self, ranks: Iterable[int], ring: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup]:
+        """This rank's (Ulysses sub-group or None for ulysses 1, ring group) in the hybrid group on ``ranks``."""
+        ranks = tuple(ranks)
+        self.check(ranks, ring)
+        if self.rank not in ranks:
+            raise PlanError(f"rank {self.rank} asked for SP group {list(ranks)} it does not belong to")
+        ulysses_ranks, ring_ranks, _ = place(self.rank, ranks, len(ranks) // ring)
+        return (self._groups[ulysses_ranks] if len(ulysses_ranks) > 1 else None), self._groups[ring_ranks]
 
     def has(self, ranks: Iterable[int]) -> bool:
         """Whether a group on ``ranks`` is pooled (aligned block of a pooled degree)."""
@@ -100,12 +139,16 @@ class GroupPool:
         return (d in self.degrees and ranks[0] % d == 0 and ranks == tuple(range(ranks[0], ranks[0] + d))
                 and ranks[-1] < self.world_size)
 
-    def check(self, ranks: Iterable[int]) -> None:
-        """Raise ``PlanError`` if a plan asks for a group the pool does not hold."""
+    def check(self, ranks: Iterable[int], ring: int = 1) -> None:
+        """Raise ``PlanError`` if a plan asks for a group (or a Ulysses x ring split) the pool does not hold."""
         ranks = tuple(ranks)
         if not self.has(ranks):
             raise PlanError(f"SP group on ranks {list(ranks)} is not in the pool: pooled groups are aligned "
                             f"blocks [k*d, (k+1)*d) of degrees {list(self.degrees)} in a world of {self.world_size}")
+        if ring > 1 and (len(ranks) // ring, ring) not in self.splits:
+            raise PlanError(f"SP group on ranks {list(ranks)} runs {len(ranks) // ring} x {ring} (Ulysses x ring) but "
+                            f"the pool holds the splits {[f'{u} x {r}' for u, r in self.splits] or 'none'}; build "
+                            f"GroupPool(splits=...) or GroupPool(ulysses_limit=...) to match the plan")
 
     def get(self, ranks: Iterable[int]) -> dist.ProcessGroup | None:
         """The communicator for ``ranks`` (this rank must be one of them); None for degree 1."""

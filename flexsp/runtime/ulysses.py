@@ -29,12 +29,15 @@ class AttentionContext:
     ``cu_seqlens`` (int32, on the compute device) bounds the group's real sequences in its full
     packed stream (not this shard); it is built once per micro-batch (``packed``) so no layer copies
     or reads it on the host. ``max_seqlen`` is a host int for the kernels. ``group`` is None for degree 1.
+    ``ring`` (a ``flexsp.runtime.ring.RingContext``) is set for a Ulysses x ring group: then ``group``
+    is the Ulysses sub-group and ``cu_seqlens`` bounds this rank's ring shard.
     """
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     group: dist.ProcessGroup | None = None
     backend: str = "auto"
+    ring: "RingContext | None" = None   # noqa: F821 - flexsp.runtime.ring.RingContext
 
     @property
     def degree(self) -> int:
@@ -78,6 +81,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
     heads use; the gradient of the copies sums back into the original head. No host sync: the
     layout was checked when the context was built (``pack`` sizes the shards to cover ``cu_seqlens``).
     """
+    if ctx.ring is not None:
+        from .ring import ring_attention
+        return ring_attention(q, k, v, ctx)
     d = ctx.degree
     heads, kv_heads = q.shape[1], k.shape[1]
     check_heads(heads, kv_heads, d)

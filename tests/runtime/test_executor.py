@@ -157,7 +157,7 @@ def _bad_plan_worker(rank, world_size):
         (pool, two_heads, ok, r"degree 4 does not divide the 2 attention heads.*\[1, 2\]"),
         (pool, model, Plan(num_gpus=4, predicted_time=0.0, micro_batches=(MicroBatch((
             Group(ranks=(0, 1, 2, 3), seq_ids=tuple(range(10)), ring=2),)),)),
-         r"Ulysses x ring group \(2 x 2 of 4 GPUs\) cannot run yet"),
+         r"runs 2 x 2 \(Ulysses x ring\) but the pool holds the splits none"),
     ]
     calls = []
     real = dist.all_to_all_single   # the step's first collective (Ulysses); the agreement flag is allowed
