@@ -15,8 +15,10 @@ from flexsp.plan import Plan
 from flexsp.runtime import AttentionContext, GroupPool, loss_tokens, pack
 
 
-def run_step(model, plan: Plan, batch: Sequence[torch.Tensor], pool: GroupPool, backend: str = "sdpa"):
-    """Returns (summed gradient vector over the world, mean loss over the global batch)."""
+def run_step(model, plan: Plan, batch: Sequence[torch.Tensor], pool: GroupPool, backend: str = "sdpa",
+             reduce: bool = True):
+    """Returns (summed gradient vector over the world, mean loss over the global batch); with
+    ``reduce=False`` (FSDP reduces gradients itself) only the loss is summed and no vector is built."""
     denominator = loss_tokens([int(s.numel()) for s in batch])
     params = [p for p in model.parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
@@ -32,6 +34,10 @@ def run_step(model, plan: Plan, batch: Sequence[torch.Tensor], pool: GroupPool, 
         loss = model.shard_loss(shard.input_ids, shard.position_ids, shard.labels, ctx) / denominator
         loss.backward()
         total += loss.detach().to(torch.float64)
+    if not reduce:
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        return None, float(total)
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64)
                       for p in params] + [total.reshape(1)])
     if dist.is_initialized():

@@ -49,7 +49,28 @@ def _worker(rank, world_size, states, plan_dict):
     result = run(plan, sequences)
     out["executor"] = {"loss": result.loss, "degrees": result.degrees,
                        "params": torch.nn.utils.parameters_to_vector(sp.parameters()).detach()}
+    out["fsdp"] = _fsdp_step(rank, world_size, states["gemma"], pool)
     return out
+
+
+# One micro-batch in which every rank has one group, so every rank runs one forward/backward (FSDP2's
+# all-gathers and reduce-scatters span the world; idle ranks are the sharded executor's business).
+PLAN_FSDP = _plan([((0, 1), (0, 1, 2)), ((2,), (3, 4, 5)), ((3,), (6, 7, 8, 9))])
+
+
+def _fsdp_step(rank, world_size, state, pool):
+    """Gemma (tied head, MQA) with fully_shard per fsdp_units() then the root, as prepare_model(shard=True)
+    will do through the sharded runtime: gradients are reduce-scattered shards of the same gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    from flexsp.hf import prepare_model
+    sp = prepare_model(build("gemma", state), max_seqlen=max(LENGTHS), chunk_tokens=5)
+    for unit in sp.fsdp_units():
+        fully_shard(unit)
+    fully_shard(sp)
+    grads, loss = run_step(sp, Plan.from_dict(PLAN_FSDP.to_dict()), batch(0), pool, reduce=False)
+    full = torch.cat([p.grad.full_tensor().reshape(-1) for p in sp.parameters()]) * world_size   # FSDP2 averages
+    return {"grads": full, "loss": loss, "sharded": all(type(p).__name__ == "DTensor" for p in sp.parameters())}
 
 
 def _rel(a, b):
@@ -82,3 +103,13 @@ def test_step_executor_runs_the_hf_adapter(runs):
         assert _rel(torch.as_tensor(res["executor"]["params"]), want) < RTOL
     assert [r["executor"]["degrees"] for r in results] == [(4, 2, 1), (4, 2, 1), (4, 1, 2), (4, None, 2)]
 
+
+
+def test_fully_sharded_states(runs):
+    """fully_shard per decoder layer of the HF model: the same loss and gradient as unmodified HF."""
+    states, results = runs
+    want_loss, want_grads = reference(build("gemma", states["gemma"]), batch(0))
+    for res in results:
+        assert res["fsdp"]["sharded"]
+        assert res["fsdp"]["loss"] == pytest.approx(want_loss, rel=RTOL)
+        assert _rel(torch.as_tensor(res["fsdp"]["grads"]), want_grads) < RTOL
