@@ -205,3 +205,17 @@ def test_config_directory(tmp_path):
     config("qwen3").save_pretrained(tmp_path)
     cfg = load_config(tmp_path)
     assert cfg.model_type == "qwen3" and cfg.head_dim == 16
+
+
+def test_gradient_checkpointing_keeps_the_context():
+    """HF's activation checkpointing re-runs each layer with the same kwargs, context included."""
+    ref = build("mistral")
+    want_loss, want_grads = reference(ref, batch(0))
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    sp = prepare_model(model, max_seqlen=max(LENGTHS))
+    packed = pack(batch(0), 1)
+    (sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed)) / sum(n - 1 for n in LENGTHS)).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in sp.parameters()])
+    assert float((grads - want_grads).abs().max() / want_grads.abs().max()) < 1e-7
