@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..runtime.ulysses import AttentionContext, check_heads
-from .attention import CONTEXT_KWARG
+from .attention import CONTEXT_KWARG, RECEIPT_KWARG, install
 from .features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
 from .loss import linear_cross_entropy
 
@@ -76,9 +76,18 @@ class HFCausalLM(nn.Module):
             check_call(self.model, ctx.max_seqlen, sliding_window=self.window)
         heads, kv_heads = self.sp_heads()
         check_heads(heads, kv_heads, ctx.degree)
+        key = self.model.config._attn_implementation
+        install(key)   # idempotent; covers a key switched after prepare_model (set_attn_implementation)
         no_mask = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)
+        receipt: list = []
         out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=no_mask,
-                           use_cache=False, **{CONTEXT_KWARG: ctx})
+                           use_cache=False, **{CONTEXT_KWARG: ctx, RECEIPT_KWARG: receipt})
+        layers = int(text_config(self.model).num_hidden_layers)
+        if len(receipt) != layers:   # never let SP silently do nothing (or only half of it)
+            raise UnsupportedModelError(
+                f"{self.name}: {len(receipt)} of its {layers} decoder layers ran FlexSP's attention (key {key!r}); the "
+                f"others mix tokens some other way (linear attention, state-space layers, a custom attention call) "
+                f"and would see only this rank's shard")
         return out.last_hidden_state[0]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext | None = None,

@@ -20,6 +20,7 @@ from ..runtime.ulysses import AttentionContext, ulysses_attention
 from .features import UnsupportedModelError, check_call
 
 CONTEXT_KWARG = "flexsp_attention"   # the forward kwarg that carries the AttentionContext
+RECEIPT_KWARG = "flexsp_receipt"     # a list each FlexSP attention call appends to: proof SP really ran
 _MARK = "_flexsp_original"           # attribute of an installed wrapper: the function it wraps
 
 
@@ -71,10 +72,14 @@ def make_wrapper(original: Callable | None) -> Callable:
     def flexsp_or_original(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any):
         ctx = kwargs.pop(CONTEXT_KWARG, None)
+        receipt = kwargs.pop(RECEIPT_KWARG, None)
         if ctx is None:
             fn = original if original is not None else _eager_of(module)
             return fn(module, query, key, value, attention_mask, *args, **kwargs)
-        return flexsp_attention(module, query, key, value, attention_mask, ctx, **kwargs)
+        out = flexsp_attention(module, query, key, value, attention_mask, ctx, **kwargs)
+        if receipt is not None:
+            receipt.append(getattr(module, "layer_idx", None))
+        return out
 
     setattr(flexsp_or_original, _MARK, original)
     return flexsp_or_original

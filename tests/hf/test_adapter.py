@@ -219,3 +219,28 @@ def test_gradient_checkpointing_keeps_the_context():
     (sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed)) / sum(n - 1 for n in LENGTHS)).backward()
     grads = torch.cat([p.grad.reshape(-1) for p in sp.parameters()])
     assert float((grads - want_grads).abs().max() / want_grads.abs().max()) < 1e-7
+
+
+def test_sp_never_silently_does_nothing(monkeypatch):
+    """If a layer's attention does not come through FlexSP (here: the registry entry bypassed), the
+    step fails naming the model, instead of training each rank on its shard alone."""
+    import flexsp.hf.adapter as adapter_module
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    sp = prepare_model(build("llama"), max_seqlen=max(LENGTHS))
+    packed = pack(batch(0), 1)
+    monkeypatch.setattr(adapter_module, "install", lambda key: None)
+    plain = lambda module, q, k, v, mask, **kw: sdpa_attention_forward(module, q, k, v, None, **kw)  # noqa: E731
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", plain)
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM .*0 of its 2 decoder layers ran FlexSP"):
+        sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed))
+
+
+def test_attention_key_switched_after_prepare():
+    ref = build("qwen2")
+    want_loss, _ = reference(ref, batch(0))
+    sp = prepare_model(copy.deepcopy(ref), max_seqlen=max(LENGTHS))
+    sp.model.set_attn_implementation("eager")
+    packed = pack(batch(0), 1)
+    loss = sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed))
+    assert float(loss) / sum(n - 1 for n in LENGTHS) == pytest.approx(want_loss, rel=1e-12)
