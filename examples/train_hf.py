@@ -127,7 +127,7 @@ log(f"data: {len(dataset)} sequences from {', '.join(Path(f).name for f in files
 dtype = torch.bfloat16 if use_cuda else torch.float32
 model = from_config(config, dtype=dtype, device=device, attn_implementation=args.attn, seed=args.seed,
                     max_seqlen=args.max_len)
-heads, kv_heads = model.sp_heads()
+heads, kv_heads = model.sp_heads()   # SP degrees must divide the heads: at most heads & -heads
 name = model.name
 # Sharded model states (FSDP2, fully_shard per decoder layer) need the sharded step executor; a
 # runtime without it trains replicated (data parallel over every rank, one all-reduce per step).
@@ -154,7 +154,7 @@ if args.max_len > cost.token_capacity * world:
     raise SystemExit(f"--max-len {args.max_len} does not fit the whole world ({world} x {cost.token_capacity} tokens)")
 loader = FlexSPLoader(dataset, cost, cluster, pool=pool, device=device, lengths=lengths,
                       config=LoaderConfig(batch_size=args.batch_size, seed=args.seed, strategy=args.strategy,
-                                          time_limit=args.time_limit, max_degree=heads))
+                                          time_limit=args.time_limit, max_degree=heads & -heads))
 executor = runtime.StepExecutor(model, optimizer, pool) if sharded else None
 
 

@@ -39,12 +39,14 @@ def load_config(source: str | os.PathLike | Any):
     if isinstance(source, PretrainedConfig):
         return source
     path = Path(source)
-    if path.is_dir() or path.suffix == ".json":
-        if not (path / "config.json" if path.is_dir() else path).exists():
-            raise UnsupportedModelError(f"no config.json at {path}")
+    if path.name == "config.json":
+        path = path.parent
+    if (path / "config.json").is_file():
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     if str(source) in TINY_ARCH:
         return tiny_config(str(source))
+    if path.is_dir():
+        raise UnsupportedModelError(f"no config.json in {path}")
     raise UnsupportedModelError(f"model config {source!r} is neither a directory with config.json nor one of "
                                 f"the built-in tiny archs {sorted(TINY_ARCH)}")
 

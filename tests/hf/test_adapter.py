@@ -244,3 +244,11 @@ def test_attention_key_switched_after_prepare():
     packed = pack(batch(0), 1)
     loss = sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed))
     assert float(loss) / sum(n - 1 for n in LENGTHS) == pytest.approx(want_loss, rel=1e-12)
+
+
+def test_config_file_and_empty_directory(tmp_path):
+    config("phi3").save_pretrained(tmp_path / "m")
+    assert load_config(tmp_path / "m" / "config.json").model_type == "phi3"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedModelError, match="no config.json in"):
+        load_config(tmp_path / "empty")
