@@ -47,6 +47,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                     "llama3-70b (default tiny); flags below override fields")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
         m.add_argument(f"--{name}", type=int, default=None)
+    m.add_argument("--hf-config", default=None, metavar="DIR|ARCH",
+                   help="time your Hugging Face model instead: a directory holding its config.json (random init, "
+                        "no weights needed), or a built-in tiny arch (llama, qwen2, qwen3, mistral, gemma, phi3); "
+                        "needs the hf extra. Replaces --model and the shape flags")
+    m.add_argument("--hf-attn", default="sdpa", help="the HF model's attn_implementation key (default sdpa)")
     m.add_argument("--run-layers", type=int, default=None,
                    help="run only this many blocks and scale up to --layers (for models that do not fit)")
     d = p.add_argument_group("device")
@@ -122,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..errors import CostModelError
     from ..runtime.groups import GroupPool
     from .compute import DeviceSetup, GroupRunner
-    from .shape import check_model_shape, model_spec
+    from .shape import check_model_shape
 
     if args.cost is not None and args.check is None:
         raise CostModelError("--cost only makes sense with --check (validate a saved profile)")
@@ -136,13 +141,12 @@ def _run(args: argparse.Namespace) -> int:
             raise CostModelError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     setup = DeviceSetup.resolve(args.device, args.dtype, args.attention)
-    spec = model_spec(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                      kv_heads=getattr(args, "kv_heads"), ffn=args.ffn, vocab=args.vocab)
+    spec, build = _model(args, setup)
     pool = GroupPool()
     rank0 = pool.rank == 0
     say = (lambda msg: None) if args.quiet or not rank0 else (lambda msg: print(msg, flush=True))
     gpus_per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", pool.world_size))
-    runner = GroupRunner(spec, setup, args.run_layers, seed=args.seed, clock=args.clock)
+    runner = GroupRunner(spec, setup, args.run_layers, seed=args.seed, clock=args.clock, build=build)
     say(f"flexsp profile: {spec.name} (layers {spec.layers}, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, "
         f"ffn {spec.ffn}, vocab {spec.vocab}; {spec.params / 1e6:.1f} M params), running {runner.run_layers} "
         f"block(s) x{runner.scale:g}, on {setup.name}, {str(setup.dtype).replace('torch.', '')}, "
@@ -176,6 +180,25 @@ def _run(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.barrier()
     return 0
+
+
+def _model(args: argparse.Namespace, setup):
+    """(ModelSpec, build) - ``build`` None means the runtime's TinyLM at the spec's shapes."""
+    from .shape import model_spec
+    shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": getattr(args, "kv_heads"),
+             "ffn": args.ffn, "vocab": args.vocab}
+    if args.hf_config is None:
+        return model_spec(args.model, **shape), None
+    given = sorted(k for k, v in shape.items() if v is not None)
+    if given or args.model != "tiny":
+        raise FlexSPError(f"--hf-config takes the shape from the model's config; drop --model/{given or ''}")
+    try:
+        from .compute import hf_builder
+        lengths = args.lengths or []
+        return hf_builder(args.hf_config, max_seqlen=max(lengths + (args.memory_lengths or []), default=None)
+                          or (32768 if setup.device.type == "cuda" else 2048), attn_implementation=args.hf_attn)
+    except ImportError as exc:
+        raise FlexSPError(f"--hf-config needs transformers (pip install 'flexsp[hf]'): {exc}") from None
 
 
 def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):

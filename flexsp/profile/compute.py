@@ -1,6 +1,8 @@
 """Compute profile: time forward + backward of the runtime's model over a sweep of sequence lengths.
 
-The model is ``flexsp.runtime.TinyLM`` built at the real layer shapes (hidden, heads, FFN, vocab).
+The model is ``flexsp.runtime.TinyLM`` built at the real layer shapes (hidden, heads, FFN, vocab), or
+the user's own transformers model from its config (``GroupRunner(..., build=hf_builder(config))``),
+run through the same adapter training uses.
 A big model need not fit: run ``run_layers`` of its ``layers`` blocks and extrapolate,
 ``T_full(s) = T_0(s) + layers / run_layers * (T_k(s) - T_0(s))``, where ``T_0`` is the same model with
 no blocks (embedding, LM head, loss): blocks are identical, so their time is additive.
@@ -10,13 +12,15 @@ device is synchronised before and after every timed region, so the timer sees fi
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from ..analytic import ModelSpec
 from ..runtime.model import ModelConfig, TinyLM
@@ -88,19 +92,47 @@ def make_shard(lengths: Sequence[int], degree: int, local_rank: int, vocab: int,
     return shard, ctx
 
 
-def forward_backward(model: TinyLM, shard: Shard, ctx: AttentionContext) -> None:
-    """One training micro-step on a shard, as ``StepExecutor`` runs it (no optimizer step)."""
+def forward_backward(model: nn.Module, shard: Shard, ctx: AttentionContext) -> None:
+    """One training micro-step on a shard, as ``StepExecutor`` runs it (no optimizer step): the
+    model's own ``shard_loss`` when it has one (the HF adapter's chunked loss), else logits + CE."""
     model.zero_grad(set_to_none=True)
-    logits = model(shard.input_ids, shard.position_ids, ctx)
-    loss = F.cross_entropy(logits.float(), shard.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if hasattr(model, "shard_loss"):
+        loss = model.shard_loss(shard.input_ids, shard.position_ids, shard.labels, ctx)
+    else:
+        logits = model(shard.input_ids, shard.position_ids, ctx)
+        loss = F.cross_entropy(logits.float(), shard.labels, ignore_index=IGNORE_INDEX, reduction="sum")
     loss.backward()
+
+
+def hf_builder(config: Any, *, max_seqlen: int | None = None,
+               attn_implementation: str = "sdpa") -> tuple[ModelSpec, Callable[[int], nn.Module]]:
+    """The shape of a transformers config (a directory with config.json, a config, or a built-in tiny
+    arch name) and a function building that model with ``layers`` decoder layers behind FlexSP's adapter."""
+    from ..hf.prepare import from_config, load_config
+    cfg = load_config(config)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = int(text.num_attention_heads)
+    spec = ModelSpec(layers=int(text.num_hidden_layers), hidden=int(text.hidden_size), heads=heads,
+                     kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+                     ffn=int(text.intermediate_size), vocab=int(text.vocab_size),
+                     name=f"hf:{getattr(text, 'model_type', 'model')}:{getattr(cfg, 'name_or_path', '') or 'config'}")
+
+    def build(layers: int) -> nn.Module:
+        layered = copy.deepcopy(cfg)
+        layered.num_hidden_layers = layers
+        if getattr(layered, "layer_types", None) is not None:
+            layered.layer_types = list(layered.layer_types)[:layers]
+        return from_config(layered, attn_implementation=attn_implementation, max_seqlen=max_seqlen)
+
+    return spec, build
 
 
 class GroupRunner:
     """Times one SP group's forward + backward of the full model (extrapolated from ``run_layers``)."""
 
     def __init__(self, spec: ModelSpec, setup: DeviceSetup, run_layers: int | None = None, seed: int = 0,
-                 clock: str = "wall") -> None:
+                 clock: str = "wall", build: Callable[[int], nn.Module] | None = None) -> None:
+        """``build(layers)`` makes the model to time (default: ``TinyLM`` at ``spec``'s shapes)."""
         if clock not in CLOCKS:
             raise ValueError(f"unknown clock {clock!r}; choose one of {sorted(CLOCKS)}")
         if clock == "cpu" and setup.device.type != "cpu":
@@ -111,24 +143,24 @@ class GroupRunner:
             raise ValueError(f"run_layers must be >= 1, got {run_layers}")
         self.spec, self.setup = spec, setup
         self.run_layers = min(run_layers, spec.layers)
+        build = build or (lambda layers: TinyLM(model_config(spec, layers)))
         torch.manual_seed(seed)
-        self.model = TinyLM(model_config(spec, self.run_layers)).to(setup.device, setup.dtype)
+        self.model = build(self.run_layers).to(setup.device, setup.dtype)
         # Blocks are identical, so the rest of the model is measured once without any.
-        self.base = (None if self.run_layers == spec.layers
-                     else TinyLM(model_config(spec, 0)).to(setup.device, setup.dtype))
+        self.base = None if self.run_layers == spec.layers else build(0).to(setup.device, setup.dtype)
 
     @property
     def scale(self) -> float:
         return self.spec.layers / self.run_layers
 
-    def models(self) -> list[tuple[TinyLM, float]]:
+    def models(self) -> list[tuple[nn.Module, float]]:
         """(model, weight) pairs whose weighted sum of measurements is the full model's:
         full = k-block model * scale + base * (1 - scale)."""
         if self.base is None:
             return [(self.model, 1.0)]
         return [(self.model, self.scale), (self.base, 1.0 - self.scale)]
 
-    def _time_once(self, model: TinyLM, shard: Shard, ctx: AttentionContext) -> float:
+    def _time_once(self, model: nn.Module, shard: Shard, ctx: AttentionContext) -> float:
         if ctx.group is not None:
             dist.barrier(group=ctx.group)   # start together: the group's time is its slowest rank's
         # Waiting on peers inside an all-to-all costs no CPU time but is real time: wall clock for groups.

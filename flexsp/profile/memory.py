@@ -53,8 +53,11 @@ def _saved_bytes(model: torch.nn.Module, shard, ctx) -> int:
 
     model.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        logits = model(shard.input_ids, shard.position_ids, ctx)
-        loss = torch.nn.functional.cross_entropy(logits.float(), shard.labels, ignore_index=-100, reduction="sum")
+        if hasattr(model, "shard_loss"):   # the HF adapter: its chunked loss, as in training
+            loss = model.shard_loss(shard.input_ids, shard.position_ids, shard.labels, ctx)
+        else:
+            logits = model(shard.input_ids, shard.position_ids, ctx)
+            loss = torch.nn.functional.cross_entropy(logits.float(), shard.labels, ignore_index=-100, reduction="sum")
     loss.backward()
     return sum(seen.values())
 

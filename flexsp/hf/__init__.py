@@ -1,0 +1,24 @@
+"""Train Hugging Face ``transformers`` causal LMs under FlexSP's planned, per-step SP groups.
+
+    from flexsp.hf import prepare_model
+    sp_model = prepare_model(AutoModelForCausalLM.from_config(cfg))   # an SPModel for the executor
+
+| module | job |
+|---|---|
+| ``attention`` | the registry wrapper under the model's own attention key: Ulysses when the call carries a context |
+| ``adapter`` | ``HFCausalLM``: packed shard in, logits or summed loss out; ``sp_heads``/``fsdp_units`` |
+| ``loss`` | chunked LM-head cross-entropy that never holds the whole shard's logits |
+| ``features`` | refuse what the attention cannot honour (sliding window, softcap, sinks, dropout, non-causal) |
+| ``prepare`` | ``prepare_model`` / ``from_config`` / tiny built-in configs |
+
+Needs the ``hf`` extra (``pip install flexsp[hf]``).
+"""
+from .adapter import HFCausalLM
+from .attention import CONTEXT_KWARG, install, is_installed, uninstall
+from .features import UnsupportedModelError, check_supported
+from .loss import linear_cross_entropy
+from .prepare import TINY_ARCH, from_config, load_config, prepare_model, shard_states, tiny_config
+
+__all__ = ["HFCausalLM", "prepare_model", "from_config", "tiny_config", "load_config", "shard_states", "TINY_ARCH",
+           "UnsupportedModelError", "check_supported", "linear_cross_entropy", "install", "uninstall",
+           "is_installed", "CONTEXT_KWARG"]

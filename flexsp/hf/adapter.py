@@ -1,0 +1,101 @@
+"""``HFCausalLM``: a transformers causal LM behind FlexSP's ``SPModel`` protocol.
+
+The executor hands each rank a flat packed token shard (batch dimension 1, position ids restarted
+per sequence) and an ``AttentionContext``. The adapter runs the model's decoder on it with the
+context in the forward kwargs (transformers passes them down to every attention call, where the
+registry wrapper of ``attention.py`` picks them up) and an empty prepared 4-D mask, which
+transformers' mask builders return as is: no ``[tokens, tokens]`` mask is built for a shard whose
+real layout is ``ctx.cu_seqlens``. The loss goes through the LM head in chunks (``loss.py``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..runtime.ulysses import AttentionContext, check_heads
+from .attention import CONTEXT_KWARG, RECEIPT_KWARG, install
+from .features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
+from .loss import linear_cross_entropy
+
+
+class HFCausalLM(nn.Module):
+    """Wraps ``model`` (a ``*ForCausalLM``); its parameters are the model's, unchanged.
+
+    ``forward(input_ids, position_ids, ctx)`` -> this shard's logits ``[tokens, vocab]``;
+    ``forward(..., labels=labels)`` / ``shard_loss`` -> the summed next-token loss of the shard.
+    Build it with ``flexsp.hf.prepare_model``, which also installs the attention function.
+    """
+
+    def __init__(self, model: nn.Module, *, chunk_tokens: int | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.name = model_name(model)
+        self.window = sliding_window(model)
+        head = model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise UnsupportedModelError(f"{self.name}: the output embedding is {type(head).__name__}, not a Linear "
+                                        f"LM head")
+
+    # --- SPModel -------------------------------------------------------------------------------
+    def sp_heads(self) -> tuple[int, int]:
+        cfg = text_config(self.model)
+        heads = int(cfg.num_attention_heads)
+        return heads, int(getattr(cfg, "num_key_value_heads", None) or heads)
+
+    def fsdp_units(self) -> Sequence[nn.Module]:
+        """The decoder layers: the modules transformers itself never splits (``_no_split_modules``)."""
+        names = set(getattr(self.model, "_no_split_modules", None) or ())
+        units = [m for m in self.model.modules() if type(m).__name__ in names]
+        if not units:
+            units = list(getattr(self.decoder, "layers", ()))
+        if not units:
+            raise UnsupportedModelError(f"{self.name}: cannot find its decoder layers (no _no_split_modules and no "
+                                        f".layers)")
+        return units
+
+    def shard_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                   ctx: AttentionContext) -> torch.Tensor:
+        """Through ``__call__`` so that FSDP's hooks on the root module run."""
+        return self(input_ids, position_ids, ctx, labels=labels)
+
+    # --- model ---------------------------------------------------------------------------------
+    @property
+    def decoder(self) -> nn.Module:
+        return self.model.get_decoder()
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      ctx: AttentionContext) -> torch.Tensor:
+        """The decoder's last hidden states for this shard, ``[tokens, hidden]``."""
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(f"input_ids and position_ids must be 1-D and alike, got {tuple(input_ids.shape)} and "
+                             f"{tuple(position_ids.shape)}")
+        if self.window is not None:   # checked before any collective; the same on every rank of the group
+            check_call(self.model, ctx.max_seqlen, sliding_window=self.window)
+        heads, kv_heads = self.sp_heads()
+        check_heads(heads, kv_heads, ctx.degree)
+        key = self.model.config._attn_implementation
+        install(key)   # idempotent; covers a key switched after prepare_model (set_attn_implementation)
+        no_mask = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)
+        receipt: list = []
+        out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=no_mask,
+                           use_cache=False, **{CONTEXT_KWARG: ctx, RECEIPT_KWARG: receipt})
+        layers = int(text_config(self.model).num_hidden_layers)
+        if len(receipt) != layers:   # never let SP silently do nothing (or only half of it)
+            raise UnsupportedModelError(
+                f"{self.name}: {len(receipt)} of its {layers} decoder layers ran FlexSP's attention (key {key!r}); the "
+                f"others mix tokens some other way (linear attention, state-space layers, a custom attention call) "
+                f"and would see only this rank's shard")
+        return out.last_hidden_state[0]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        if ctx is None:
+            ctx = AttentionContext.single(input_ids.numel())
+        hidden = self.hidden_states(input_ids, position_ids, ctx)
+        head = self.model.get_output_embeddings()
+        if labels is None:
+            return head(hidden)
+        return linear_cross_entropy(hidden, head.weight, head.bias, labels, self.chunk_tokens)

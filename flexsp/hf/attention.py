@@ -1,0 +1,111 @@
+"""FlexSP attention inside transformers' attention registry, under the model's own key.
+
+``install(key)`` replaces ``ALL_ATTENTION_FUNCTIONS[key]`` (``"sdpa"``, ``"eager"``,
+``"flash_attention_2"``, ...) with a wrapper. A call that carries the per-step context in the
+``flexsp_attention`` keyword - the adapter passes it to the decoder's ``forward(**kwargs)`` and
+transformers hands every layer's attention function those kwargs - runs FlexSP's Ulysses attention
+over the step's SP group and packed ``cu_seqlens``. Any other call goes to the original function
+unchanged, so the same process can still run the plain model. Keeping the key (rather than a new
+name) keeps transformers' own handling of it: config validation, kernel loading, mask creation.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..runtime.ulysses import AttentionContext, ulysses_attention
+from .features import UnsupportedModelError, check_call
+
+CONTEXT_KWARG = "flexsp_attention"   # the forward kwarg that carries the AttentionContext
+RECEIPT_KWARG = "flexsp_receipt"     # a list each FlexSP attention call appends to: proof SP really ran
+_MARK = "_flexsp_original"           # attribute of an installed wrapper: the function it wraps
+
+
+def _registry():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def _eager_of(module: nn.Module) -> Callable:
+    """The model's own eager attention (each modeling file has one; transformers' default for 'eager')."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise UnsupportedModelError(f"{type(module).__name__}: no eager_attention_forward in {type(module).__module__}")
+    return fn
+
+
+def is_installed(key: str) -> bool:
+    registry = _registry()
+    return key in registry and hasattr(registry[key], _MARK)
+
+
+def install(key: str) -> None:
+    """Wrap the attention function registered as ``key`` (idempotent)."""
+    if key is None or key.startswith("paged"):
+        raise UnsupportedModelError(f"attention implementation {key!r} cannot be trained with FlexSP "
+                                    f"(use sdpa, eager or a flash attention key)")
+    if is_installed(key):
+        return
+    registry = _registry()
+    original = registry[key] if key in registry else None   # None: the model's own eager function
+    registry[key] = make_wrapper(original)
+
+
+def uninstall(key: str) -> None:
+    """Put back the function ``install(key)`` wrapped."""
+    registry = _registry()
+    if not is_installed(key):
+        return
+    original = getattr(registry[key], _MARK)
+    if original is None:
+        del registry[key]
+    else:
+        registry[key] = original
+
+
+def make_wrapper(original: Callable | None) -> Callable:
+    """The registry function: FlexSP when the call carries a context, else ``original`` (or the model's eager)."""
+
+    def flexsp_or_original(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any):
+        ctx = kwargs.pop(CONTEXT_KWARG, None)
+        receipt = kwargs.pop(RECEIPT_KWARG, None)
+        if ctx is None:
+            fn = original if original is not None else _eager_of(module)
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        out = flexsp_attention(module, query, key, value, attention_mask, ctx, **kwargs)
+        if receipt is not None:
+            receipt.append(getattr(module, "layer_idx", None))
+        return out
+
+    setattr(flexsp_or_original, _MARK, original)
+    return flexsp_or_original
+
+
+def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, ctx: AttentionContext, *, scaling: float | None = None,
+                     dropout: float = 0.0, sliding_window: int | None = None, softcap: float | None = None,
+                     s_aux: Any = None, is_causal: bool | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+    """transformers' calling convention around ``ulysses_attention``.
+
+    In: ``query [1, heads, tokens/d, dim]``, ``key``/``value`` ``[1, kv_heads, tokens/d, dim]`` (this
+    rank's shard, rotary already applied from per-sequence position ids). Out: ``[1, tokens/d, heads,
+    dim]`` and no attention weights. The mask is ignored: the packed layout is ``ctx.cu_seqlens``.
+    """
+    check_call(module, ctx.max_seqlen, dropout=dropout, sliding_window=sliding_window, softcap=softcap,
+               s_aux=s_aux, is_causal=is_causal)
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise UnsupportedModelError(f"{type(module).__name__}: FlexSP runs one packed row (batch 1), got query "
+                                    f"{tuple(query.shape)}")
+    if attention_mask is not None and attention_mask.numel() > 0:
+        raise UnsupportedModelError(f"{type(module).__name__}: FlexSP takes no attention mask (the packed layout "
+                                    f"comes from cu_seqlens), got one of shape {tuple(attention_mask.shape)}")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [tokens/d, heads, dim]
+    default = q.shape[-1] ** -0.5
+    if scaling is not None and scaling != default:
+        q = q * (scaling / default)   # the kernel scales by 1/sqrt(dim); fold the model's own scale into q
+    out = ulysses_attention(q, k, v, ctx)
+    return out.unsqueeze(0), None

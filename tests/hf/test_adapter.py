@@ -1,0 +1,255 @@
+"""One process: the adapter at SP degree 1 against the unmodified HF model, the registry wrapper's
+pass-through, the refused features, the chunked loss and the no-[S, S]-mask guarantee."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+import torch.nn.functional as F  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+from flexsp.errors import FlexSPError  # noqa: E402
+from flexsp.hf import (HFCausalLM, UnsupportedModelError, install, is_installed, linear_cross_entropy,  # noqa: E402
+                       load_config, prepare_model, uninstall)
+from flexsp.runtime import AttentionContext, ShardingError, pack  # noqa: E402
+from flexsp.runtime.protocol import SPModel  # noqa: E402
+
+from .models import ARCHS, LENGTHS, SMALL, batch, build, config, reference  # noqa: E402
+
+
+def _ctx(packed, **kw):
+    return AttentionContext(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen, backend="sdpa", **kw)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_degree_one_equals_unmodified_hf(arch):
+    ref = build(arch)
+    want_loss, want_grads = reference(ref, batch(0))
+    sp = prepare_model(copy.deepcopy(ref), max_seqlen=max(LENGTHS), chunk_tokens=7)
+    assert isinstance(sp, SPModel) and isinstance(sp, HFCausalLM)
+    packed = pack(batch(0), 1)
+    loss = sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed)) / sum(n - 1 for n in LENGTHS)
+    loss.backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in sp.parameters()])
+    assert float(loss) == pytest.approx(want_loss, rel=1e-12)
+    assert float((grads - want_grads).abs().max() / want_grads.abs().max()) < 1e-7
+    # Logits of the shard, as the pre-shard_loss executor asks for them.
+    logits = sp(packed.input_ids, packed.position_ids, _ctx(packed))
+    with torch.no_grad():
+        want_logits = ref(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
+                          use_cache=False).logits[0]
+    torch.testing.assert_close(logits, want_logits, rtol=1e-7, atol=1e-9)
+
+
+def test_reference_is_per_sequence():
+    """The reference (HF's own packed-position masking) equals running each sequence alone."""
+    model = build("qwen2")
+    packed_loss, _ = reference(model, batch(0))
+    with torch.no_grad():
+        alone = sum(F.cross_entropy(model(input_ids=s[None], use_cache=False).logits[0, :-1], s[1:], reduction="sum")
+                    for s in batch(0)) / sum(n - 1 for n in LENGTHS)
+    assert packed_loss == pytest.approx(float(alone), rel=1e-12)
+
+
+@pytest.mark.parametrize("key", ["sdpa", "eager"])
+def test_wrapper_passes_other_calls_through(key):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config("gemma"), attn_implementation=key).double()
+    packed = pack(batch(1)[:3], 1)
+    args = dict(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False)
+    was = is_installed(key)
+    uninstall(key)
+    try:
+        plain = model(**args).logits
+        install(key)
+        install(key)   # idempotent
+        assert is_installed(key)
+        assert torch.equal(model(**args).logits, plain)   # no context in the kwargs: the original function
+    finally:
+        if not was:
+            uninstall(key)
+    assert is_installed(key) == was
+
+
+def test_no_square_mask_is_built(monkeypatch):
+    """The adapter hands transformers a prepared empty mask: its mask builders never run."""
+    sp = prepare_model(build("qwen3"), max_seqlen=max(LENGTHS))
+
+    def refuse(*a, **k):
+        raise AssertionError("a [tokens, tokens] mask was built")
+
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping, "sdpa", refuse)
+    packed = pack(batch(0), 1)
+    sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed)).backward()
+
+
+def test_loss_never_holds_the_whole_shards_logits():
+    sp = prepare_model(build("llama"), max_seqlen=10, chunk_tokens=8)
+    gen = torch.Generator().manual_seed(0)
+    packed = pack([torch.randint(1, SMALL["vocab_size"], (10,), generator=gen) for _ in range(30)], 1)
+    tokens, vocab = packed.padded_tokens, SMALL["vocab_size"]
+    saved = []
+    params = {p.data_ptr() for p in sp.parameters()}
+
+    def keep(t):
+        # the CPU attention kernel's [.., tokens, tokens] block-diagonal mask is attention's cost, not the loss's
+        if t.data_ptr() not in params and tuple(t.shape[-2:]) != (tokens, tokens):
+            saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed))
+    loss.backward()
+    assert tokens * vocab > 2 * max(saved)   # nothing kept for backward comes near [tokens, vocab]
+    assert max(saved) >= tokens * SMALL["hidden_size"]   # (the hook did see the decoder's activations)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_linear_cross_entropy_matches_autograd(dtype, tol, chunk):
+    gen = torch.Generator().manual_seed(chunk)
+    hidden = torch.randn(23, 16, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(37, 16, generator=gen).to(dtype).requires_grad_()
+    bias = torch.randn(37, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randint(0, 37, (23,), generator=gen)
+    labels[::4] = -100
+    got = linear_cross_entropy(hidden, weight, bias, labels, chunk)
+    (got * 0.5).backward()
+    mine = [t.grad for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    acc = torch.promote_types(dtype, torch.float32)
+    want = F.cross_entropy(F.linear(hidden, weight, bias).to(acc), labels, reduction="sum")
+    (want * 0.5).backward()
+    assert got.dtype == acc
+    assert float(got) == pytest.approx(float(want), rel=tol)
+    for a, t in zip(mine, (hidden, weight, bias)):
+        assert a.dtype == t.dtype
+        assert float((a.float() - t.grad.float()).abs().max()) <= tol * max(1.0, float(t.grad.float().abs().max()))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_protocol_shapes(arch):
+    sp = prepare_model(build(arch), max_seqlen=max(LENGTHS))
+    cfg = config(arch)
+    assert sp.sp_heads() == (cfg.num_attention_heads, cfg.num_key_value_heads)
+    units = sp.fsdp_units()
+    assert len(units) == cfg.num_hidden_layers and all(u in list(sp.model.modules()) for u in units)
+
+
+def test_heads_the_degree_cannot_split():
+    sp = prepare_model(build("llama"), max_seqlen=max(LENGTHS))
+    packed = pack(batch(0), 8)
+
+    class FakeGroup:   # degree 8 > 4 heads is refused before any communication
+        pass
+
+    ctx = _ctx(packed)
+    object.__setattr__(ctx, "group", FakeGroup())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.distributed, "get_world_size", lambda group=None: 8)
+        with pytest.raises(ShardingError, match="degree 8 does not divide the 4 attention heads"):
+            sp.shard_loss(*(t[:packed.shard_tokens] for t in (packed.input_ids, packed.position_ids, packed.labels)),
+                          ctx)
+
+
+def _tiny(arch, **kw):
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**SMALL, "num_attention_heads": 4,
+                                                                          "num_key_value_heads": 2, **kw}))
+
+
+@pytest.mark.parametrize("arch,kw,pattern", [
+    ("mistral", {"sliding_window": 8}, r"MistralForCausalLM .*sliding-window attention \(window 8 tokens, max_seqlen=17"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
+     r"Qwen2ForCausalLM .*sliding-window attention \(window 16"),
+    ("gemma2", {"head_dim": 8}, r"Gemma2ForCausalLM .*logit softcap \(config.attn_logit_softcapping=50.0"),
+    ("gpt_oss", {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8}, r"GptOssForCausalLM .*attention sinks"),
+    ("llama", {"attention_dropout": 0.1}, r"LlamaForCausalLM .*attention dropout > 0"),
+    ("llama", {"is_causal": False}, r"LlamaForCausalLM .*non-causal attention"),
+    ("cohere", {"logit_scale": 0.5}, r"CohereForCausalLM .*logit scaling"),
+])
+def test_unsupported_features_are_named(arch, kw, pattern):
+    with pytest.raises(UnsupportedModelError, match=pattern) as info:
+        prepare_model(_tiny(arch, **kw), max_seqlen=17)
+    assert isinstance(info.value, FlexSPError)
+
+
+def test_sliding_window_longer_than_every_sequence_is_exact_and_checked_per_step():
+    model = _tiny("mistral", sliding_window=12).double()
+    with pytest.raises(UnsupportedModelError, match="pass max_seqlen <= 12"):
+        prepare_model(model)
+    sp = prepare_model(model, max_seqlen=12)
+    packed = pack(batch(0), 1)   # holds a 17-token sequence: the window would mask something
+    with pytest.raises(UnsupportedModelError, match=r"window 12 tokens but a packed sequence has 17"):
+        sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed))
+
+
+def test_bad_inputs():
+    with pytest.raises(UnsupportedModelError, match="not a transformers causal LM"):
+        prepare_model(torch.nn.Linear(2, 2))
+    with pytest.raises(UnsupportedModelError, match="neither a directory with config.json nor"):
+        load_config("no-such-model")
+    with pytest.raises(UnsupportedModelError, match="cannot be trained with FlexSP"):
+        install("paged|eager")
+    sp = prepare_model(build("llama"), max_seqlen=max(LENGTHS))
+    with pytest.raises(ValueError, match="must be 1-D"):
+        sp.shard_loss(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                      torch.ones(2, 3, dtype=torch.long), AttentionContext.single(6))
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+
+
+def test_config_directory(tmp_path):
+    config("qwen3").save_pretrained(tmp_path)
+    cfg = load_config(tmp_path)
+    assert cfg.model_type == "qwen3" and cfg.head_dim == 16
+
+
+def test_gradient_checkpointing_keeps_the_context():
+    """HF's activation checkpointing re-runs each layer with the same kwargs, context included."""
+    ref = build("mistral")
+    want_loss, want_grads = reference(ref, batch(0))
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    sp = prepare_model(model, max_seqlen=max(LENGTHS))
+    packed = pack(batch(0), 1)
+    (sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed)) / sum(n - 1 for n in LENGTHS)).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in sp.parameters()])
+    assert float((grads - want_grads).abs().max() / want_grads.abs().max()) < 1e-7
+
+
+def test_sp_never_silently_does_nothing(monkeypatch):
+    """If a layer's attention does not come through FlexSP (here: the registry entry bypassed), the
+    step fails naming the model, instead of training each rank on its shard alone."""
+    import flexsp.hf.adapter as adapter_module
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    sp = prepare_model(build("llama"), max_seqlen=max(LENGTHS))
+    packed = pack(batch(0), 1)
+    monkeypatch.setattr(adapter_module, "install", lambda key: None)
+    plain = lambda module, q, k, v, mask, **kw: sdpa_attention_forward(module, q, k, v, None, **kw)  # noqa: E731
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", plain)
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM .*0 of its 2 decoder layers ran FlexSP"):
+        sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed))
+
+
+def test_attention_key_switched_after_prepare():
+    ref = build("qwen2")
+    want_loss, _ = reference(ref, batch(0))
+    sp = prepare_model(copy.deepcopy(ref), max_seqlen=max(LENGTHS))
+    sp.model.set_attn_implementation("eager")
+    packed = pack(batch(0), 1)
+    loss = sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed))
+    assert float(loss) / sum(n - 1 for n in LENGTHS) == pytest.approx(want_loss, rel=1e-12)
+
+
+def test_config_file_and_empty_directory(tmp_path):
+    config("phi3").save_pretrained(tmp_path / "m")
+    assert load_config(tmp_path / "m" / "config.json").model_type == "phi3"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedModelError, match="no config.json in"):
+        load_config(tmp_path / "empty")
