@@ -5,7 +5,7 @@ torch = pytest.importorskip("torch")
 
 from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
 from flexsp.runtime.packing import pack  # noqa: E402
-from flexsp.runtime.ulysses import AttentionContext, ShardingError  # noqa: E402
+from flexsp.runtime.ulysses import ShardingError  # noqa: E402
 
 CFG = ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
 
@@ -16,7 +16,9 @@ def test_packed_forward_equals_separate_forwards(tie):
     model = TinyLM(ModelConfig(**{**CFG.__dict__, "tie_embeddings": tie})).double()
     seqs = [torch.randint(1, 64, (n,)) for n in (7, 1, 5)]
     p = pack(seqs, degree=1)
-    ctx = AttentionContext(cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen, backend="sdpa")
+    ctx = p.context(backend="sdpa")   # device int32 cu_seqlens, host max_seqlen
+    assert ctx.cu_seqlens.dtype == torch.int32 and ctx.cu_seqlens.tolist() == list(p.cu_seqlens)
+    assert ctx.max_seqlen == 7
     packed = model(p.input_ids, p.position_ids, ctx)
     alone = torch.cat([model(s) for s in seqs])   # each from position 0, attending to itself only
     torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-12)
