@@ -17,6 +17,7 @@ Two phases of a step need two mechanisms:
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -115,8 +116,10 @@ class FailureChannel:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.ack_timeout = ack_timeout
-        self._key = f"flexsp/failure/{name}"
-        self._ack = f"flexsp/failure/{name}/ack"
+        # torchrun's store outlives a restarted attempt: key the record by the attempt too.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._key = f"flexsp/failure/{attempt}/{name}"
+        self._ack = f"{self._key}/ack"
         default = dist.distributed_c10d._get_default_store()
         # Separate connections for this thread and the watcher; the same store if it is not TCP.
         self._store = _tcp_client(default, timedelta(seconds=30)) or default

@@ -20,7 +20,7 @@ def _pool_worker(rank, world_size, degrees):
             dist.all_reduce(x, group=pool.get(ranks))
             sums[ranks] = float(x)
     return {"count": pool.stats.count, "per_rank": pool.stats.per_rank, "seconds": pool.stats.seconds,
-            "sums": sums, "degrees": pool.degrees}
+            "sums": sums, "degrees": pool.degrees, "warmed": pool.stats.warmed}
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
@@ -33,6 +33,7 @@ def test_pool_holds_every_aligned_block(world_size):
         for ranks, total in res["sums"].items():
             assert total == sum(ranks)
         assert len(res["sums"]) == log2
+        assert res["warmed"]                           # every communicator ran a collective inside the timing
     seconds = max(r["seconds"] for r in results)
     print(f"\npool world={world_size}: {results[0]['count']} groups, {results[0]['per_rank']} per rank, "
           f"{seconds:.3f}s")

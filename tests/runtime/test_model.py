@@ -5,7 +5,7 @@ torch = pytest.importorskip("torch")
 
 from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
 from flexsp.runtime.packing import pack  # noqa: E402
-from flexsp.runtime.ulysses import AttentionContext, ShardingError  # noqa: E402
+from flexsp.runtime.ulysses import ShardingError  # noqa: E402
 
 CFG = ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
 
@@ -16,7 +16,9 @@ def test_packed_forward_equals_separate_forwards(tie):
     model = TinyLM(ModelConfig(**{**CFG.__dict__, "tie_embeddings": tie})).double()
     seqs = [torch.randint(1, 64, (n,)) for n in (7, 1, 5)]
     p = pack(seqs, degree=1)
-    ctx = AttentionContext(cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen, backend="sdpa")
+    ctx = p.context(backend="sdpa")   # device int32 cu_seqlens, host max_seqlen
+    assert ctx.cu_seqlens.dtype == torch.int32 and ctx.cu_seqlens.tolist() == list(p.cu_seqlens)
+    assert ctx.max_seqlen == 7
     packed = model(p.input_ids, p.position_ids, ctx)
     alone = torch.cat([model(s) for s in seqs])   # each from position 0, attending to itself only
     torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-12)
@@ -35,3 +37,38 @@ def test_config_errors_name_the_value():
         ModelConfig(hidden=30, num_heads=4)
     with pytest.raises(ShardingError, match="4 query heads are not a multiple of 3 kv heads"):
         ModelConfig(num_heads=4, num_kv_heads=3)
+
+
+def _device_only_attend(q, k, v, cu_seqlens, *, max_seqlen=None, backend="auto", scale=None):
+    """Block-diagonal causal attention built from the device ``cu_seqlens`` alone (a stand-in kernel)."""
+    tokens, heads, dim = q.shape
+    k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+    pos = torch.arange(tokens, device=q.device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), pos, right=True)
+    real = pos < cu_seqlens[-1]
+    allowed = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]) & real[None, :]
+    allowed = allowed | torch.eye(tokens, dtype=torch.bool, device=q.device)   # padding rows see themselves
+    scores = torch.einsum("qhd,khd->hqk", q, k) / dim ** 0.5
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1), v)
+    return out * real[:, None, None]
+
+
+def test_no_host_sync_in_forward_or_backward(monkeypatch):
+    """The model, Ulysses layer, packing context and chunked loss read nothing back to the host."""
+    import flexsp.runtime.ulysses as ulysses
+    torch.manual_seed(0)
+    model = TinyLM(CFG, loss_chunk_tokens=4).double()   # several checkpointed loss chunks
+    p = pack([torch.randint(1, 64, (n,)) for n in (7, 1, 5)], degree=1)
+    ctx = p.context()                                     # the one host-to-device copy, before the step
+    monkeypatch.setattr(ulysses, "attend", _device_only_attend)
+
+    def sync(*args, **kwargs):
+        raise AssertionError("host sync inside forward/backward")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    loss = model.shard_loss(p.input_ids, p.position_ids, p.labels, ctx)
+    loss.backward()
+    monkeypatch.undo()
+    want = sum(torch.nn.functional.cross_entropy(model(s.view(-1))[:-1], s.view(-1)[1:], reduction="sum")
+               for s in torch.split(p.input_ids[:13], [7, 1, 5]))
+    assert abs(loss.item() - want.item()) < 1e-10

@@ -59,7 +59,7 @@ def _ulysses_worker(rank, world_size):
             n = padded // d
             part = slice(local * n, (local + 1) * n)
             shards = [_pad(t, padded)[part].clone().requires_grad_() for t in (q, k, v)]
-            ctx = AttentionContext(cu_seqlens=cu, max_seqlen=max(lengths), group=pool.get(ranks), backend="sdpa")
+            ctx = AttentionContext.packed(cu, group=pool.get(ranks), backend="sdpa")
             out = ulysses_attention(*shards, ctx)
             grads = torch.autograd.grad((out * _pad(w, padded)[part]).sum(), shards)
             real = max(0, min(n, cu[-1] - local * n))
@@ -85,7 +85,7 @@ def test_ulysses_equals_single_process_attention():
 
 def _indivisible_heads_worker(rank, world_size):
     pool = GroupPool()
-    ctx = AttentionContext(cu_seqlens=(0, 8), max_seqlen=8, group=pool.get((0, 1, 2, 3)))
+    ctx = AttentionContext.packed((0, 8), group=pool.get((0, 1, 2, 3)))
     q = torch.randn(2, 6, DIM)
     with pytest.raises(ShardingError, match=r"degree 4 does not divide the 6 attention heads.*\[1, 2\]"):
         ulysses_attention(q, q, q, ctx)
