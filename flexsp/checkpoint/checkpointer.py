@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -154,7 +155,7 @@ class Checkpointer:
             try:
                 record = layout.Record(step=step, world_size=self.world_size, files=manifest,
                                        loader=self.loader.state_dict() if self.loader is not None else None,
-                                       per_rank=(), extra={"torch": torch.__version__})
+                                       skipped=_skipped(self.loader), extra={"torch": torch.__version__})
                 layout.write_record(partial, record)
                 layout.commit(partial, final)
                 layout.prune(self.directory, self.keep)
@@ -182,9 +183,13 @@ class Checkpointer:
         except CheckpointError as exc:
             failure = str(exc)
         self.control.check(failure, what=what, error=_Damaged)
-        if record.per_rank and record.world_size != self.world_size:
-            raise CheckpointError(f"{path}: holds per-rank state {list(record.per_rank)} of {record.world_size} "
-                                  f"ranks, which cannot be split over this world of {self.world_size}")
+        failure = None
+        if self.rank == 0 and self.loader is not None and record.skipped != _skipped(self.loader):
+            failure = (f"{path / layout.META}: the epoch saved by {record.world_size} ranks left out "
+                       f"{(record.skipped or [0])[0]} too-long sequence(s); on this world of {self.world_size} the "
+                       f"largest SP group holds a different set ({(_skipped(self.loader) or [0])[0]}), so resuming "
+                       f"would lose or repeat sequences: resume on {record.world_size} ranks, or start a new epoch")
+        self.control.check(failure, what=what, error=CheckpointError)
         state = self._state()
         _check_shapes(path, state["model"])
         try:
@@ -243,6 +248,15 @@ class Checkpointer:
 
 class _Damaged(CheckpointError):
     """A checkpoint's files fail verification: ``restore()`` falls back to an older one."""
+
+
+def _skipped(loader: Any) -> list[int] | None:
+    """Which sequences the loader's epochs leave out as too long: with on_too_long="skip" this set
+    depends on the world (the largest SP group's capacity), and the epoch's batches depend on it."""
+    if loader is None or getattr(loader.config, "on_too_long", "error") != "skip":
+        return None
+    too_long = np.asarray(loader.batches.too_long, dtype=np.int64)
+    return [int(too_long.size), zlib.crc32(too_long.tobytes())]
 
 
 def _check_shapes(path: Path, model_state: Mapping[str, Any]) -> None:

@@ -85,12 +85,12 @@ class Record:
     world_size: int
     files: dict[str, list[int]]          # name -> [size, crc32]
     loader: dict[str, Any] | None
-    per_rank: tuple[str, ...]            # state names that hold one entry per rank (no resharding)
+    skipped: list[int] | None            # [count, crc32] of the sequences the epoch leaves out as too long
     extra: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
         record = {"format": FORMAT, "step": self.step, "world_size": self.world_size, "files": self.files,
-                  "loader": self.loader, "per_rank": list(self.per_rank), "extra": self.extra}
+                  "loader": self.loader, "skipped": self.skipped, "extra": self.extra}
         record["crc32"] = _self_crc(record)
         return record
 
@@ -125,7 +125,7 @@ def read_record(checkpoint: Path) -> Record:
                               f"or corrupted")
     try:
         record = Record(step=_int(data, "step"), world_size=_int(data, "world_size", 1), files=_files(data["files"]),
-                        loader=data["loader"], per_rank=tuple(str(s) for s in data["per_rank"]),
+                        loader=data["loader"], skipped=_pair(data["skipped"]),
                         extra=dict(data["extra"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: malformed checkpoint record ({type(exc).__name__}: {exc})") from None
@@ -138,6 +138,15 @@ def _int(data: dict, key: str, minimum: int = 0) -> int:
     value = data[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _pair(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2 or any(isinstance(v, bool) or not isinstance(v, int)
+                                                             for v in value):
+        raise ValueError(f"'skipped' must be [count, crc32] or null, got {value!r}")
     return value
 
 
