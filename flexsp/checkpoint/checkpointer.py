@@ -68,6 +68,7 @@ class Checkpointer:
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.every, self.keep, self.verify = every, keep, verify
         self.extra = dict(extra or {})
+        self._owns_control = control is None
         self.control = control if control is not None else ControlGroup(timeout)
         self.rank, self.world_size = self.control.rank, self.control.world_size
         self.step = 0                     # optimizer steps completed (restored by ``restore``)
@@ -233,7 +234,10 @@ class Checkpointer:
         return self._signalled.is_set()
 
     def close(self) -> None:
-        """Put the previous signal handlers back."""
+        """Put the previous signal handlers back and release the side group this checkpointer made."""
+        if self._owns_control:
+            self.control.close()
+            self._owns_control = False
         if threading.current_thread() is threading.main_thread():
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)

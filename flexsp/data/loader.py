@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..cluster import Cluster
 from ..cost import CostModel
 from ..plan import Plan
+from ..runtime.agreement import ControlGroup, describe
 from ..runtime.groups import GroupPool
 from ..runtime.packing import loss_tokens
 from .batching import EpochBatches
@@ -102,6 +103,8 @@ class FlexSPLoader:
             if not 0 <= self.rank < cluster.num_gpus:
                 raise LoaderError(f"rank {self.rank} is outside the cluster's ranks 0..{cluster.num_gpus - 1}")
         self.plans_here = not self._communicate or self.rank == 0   # this process runs the solver
+        # plan broadcast and load outcomes go over a gloo side group with config.failure_timeout
+        self._control = ControlGroup(config.failure_timeout) if self._communicate else None
         self._lengths_arg = lengths
         self._solve = planner if planner is not None else self._plan_with(config.strategy)
         self._fallback = self._plan_with("greedy") if config.fallback_after is not None else None
@@ -187,11 +190,12 @@ class FlexSPLoader:
                 "plan": result.plan.to_dict(), "fallback": result.fallback}
 
     def _broadcast(self, payload: dict[str, Any] | None) -> dict[str, Any]:
+        if self._control is None:
+            raise LoaderError("the loader is closed; build a new one to continue")
         box = [payload]
-        device = None
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        dist.broadcast_object_list(box, src=0, device=device)
+        what = f"waiting for rank 0's plan of global batch {self._index} of epoch {self._epoch}"
+        self._control.call(lambda: dist.broadcast_object_list(box, src=0, group=self._control.group), what,
+                           LoaderError)
         return box[0]
 
     # --- iteration (every rank) -----------------------------------------------------------------
@@ -220,12 +224,21 @@ class FlexSPLoader:
         plan = Plan.from_dict(payload["plan"])
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
         loaded = time.perf_counter()
-        shards = []
-        for m, mb in enumerate(plan.micro_batches):
-            group = mb.group_of_rank(self.rank)
-            if group is not None:
-                handle = self.pool.get(group.ranks) if self.pool is not None else None
-                shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device))
+        shards, failure = [], None
+        try:
+            for m, mb in enumerate(plan.micro_batches):
+                group = mb.group_of_rank(self.rank)
+                if group is not None:
+                    handle = self.pool.get(group.ranks) if self.pool is not None else None
+                    shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle,
+                                              self.device))
+        except Exception as exc:
+            if self._control is None:
+                raise
+            failure = describe(exc)
+        if self._control is not None:   # a bad item on one rank stops every rank with the same error
+            self._control.check(failure, what=f"loading global batch {self._index} of epoch {self._epoch}",
+                                error=LoaderError)
         load = time.perf_counter() - loaded
         step = Step(epoch=self._epoch, index=self._index, step=self._step, plan=plan, indices=indices,
                     lengths=lengths, num_tokens=sum(lengths), loss_tokens=loss_tokens(lengths),
@@ -280,6 +293,9 @@ class FlexSPLoader:
     def close(self) -> None:
         """Stop the background planner (a solve in progress finishes in its daemon thread)."""
         self._close_planner()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
 
     def __enter__(self) -> "FlexSPLoader":
         return self

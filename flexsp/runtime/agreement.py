@@ -40,7 +40,7 @@ class ControlGroup:
         if not self.distributed:
             return bool(flag)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self._run(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group), what, error)
+        self.call(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group), what, error)
         return bool(t.item())
 
     def gather(self, value: object, *, what: str = "agreement",
@@ -49,7 +49,7 @@ class ControlGroup:
         if not self.distributed:
             return [value]
         out: list = [None] * self.world_size
-        self._run(lambda: dist.all_gather_object(out, value, group=self.group), what, error)
+        self.call(lambda: dist.all_gather_object(out, value, group=self.group), what, error)
         return out
 
     def check(self, failure: str | None, *, what: str,
@@ -65,13 +65,21 @@ class ControlGroup:
         also = f" (also failed on ranks {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""
         raise error(f"{what} failed on rank {rank}: {message}{also}")
 
-    def _run(self, op: Callable[[], object], what: str, error: Callable[[str], Exception]) -> None:
+    def call(self, op: Callable[[], object], what: str, error: Callable[[str], Exception] = FlexSPError) -> None:
+        """Run a collective on ``self.group``; a timeout or a dead peer becomes ``error`` naming ``what``."""
         try:
             op()
         except RuntimeError as exc:   # gloo: timeout, or a peer's socket closed because it died
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise error(f"{what}: not every rank arrived within {self.timeout:g} s (a rank hung, crashed or "
                         f"left): {first}") from None
+
+    def close(self) -> None:
+        """Release the side group (local; call on every rank once it is no longer used)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+            self.distributed = False
 
 
 def describe(exc: BaseException) -> str:
