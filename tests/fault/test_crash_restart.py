@@ -73,3 +73,28 @@ def test_sigkill_one_rank_of_four_then_restart_trains_every_sequence_once(tmp_pa
     assert all((p == params[0]).all() for p in params)
     reference = torch.load(tmp_path / "reference.pt").numpy()
     assert (params[0] == reference).all()                          # fp64, bit for bit
+
+
+def _sigterm_job(rank, world, directory):
+    import os
+    import signal
+
+    from flexsp.checkpoint import Checkpointer
+    from flexsp.checkpoint import layout
+    data = dataset(NUM_SEQS)
+    model, opt, loader, executor = build(world, data)
+    with loader, Checkpointer(directory, model, opt, loader=loader, every=0, timeout=10) as ckpt:
+        for step in loader:
+            train_step(executor, step, data)
+            if rank == 1 and ckpt.step + 1 == 3:
+                os.kill(os.getpid(), signal.SIGTERM)    # only rank 1 is told, as when a node is drained
+            if ckpt.step_done():
+                break
+        return {"step": ckpt.step, "saved": [s for s, _ in layout.committed(Path(directory))],
+                "next_batch": loader.state_dict()["index"]}
+
+
+def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank_at_the_same_step(tmp_path):
+    from runtime.distributed import run_distributed
+    out = run_distributed(_sigterm_job, WORLD, str(tmp_path), timeout=60)
+    assert out == [{"step": 3, "saved": [3], "next_batch": 3}] * WORLD
