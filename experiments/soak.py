@@ -134,6 +134,16 @@ def run(steps: int, every: int, timeout: float) -> dict:
             "children_left": [c.pid for c in mp.active_children()], "ranks": [results[r] for r in range(WORLD)]}
 
 
+def _slope(values: list[float]) -> float:
+    """Least-squares slope per step (0 for fewer than two points)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    num = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
+    return num / sum((i - mean_x) ** 2 for i in range(n))
+
+
 def summarise(raw: dict) -> dict:
     warm = max(1, int(raw["steps"] * WARMUP_FRACTION))
     ranks = []
@@ -141,7 +151,12 @@ def summarise(raw: dict) -> dict:
         rss = [t[0] for t in out["trace"]]
         comms = [t[1] for t in out["trace"]]
         threads = [t[2] for t in out["trace"]]
-        ranks.append({"rank": r, "rss_start_mib": rss[0], "rss_warm_mib": rss[warm - 1], "rss_max_after_warm_mib":
+        after = rss[warm:]
+        half = len(after) // 2
+        slope = _slope(after) * 100
+        ranks.append({"rank": r, "rss_slope_mib_per_100_steps": slope,
+                      "rss_growth_second_half_mib": max(after[half:]) - after[half] if half else 0.0,
+                      "rss_start_mib": rss[0], "rss_warm_mib": rss[warm - 1], "rss_max_after_warm_mib":
                       max(rss[warm:]), "rss_end_mib": rss[-1], "rss_growth_mib": max(rss[warm:]) - rss[warm - 1],
                       "communicators": sorted(set(comms[warm:])), "max_threads": max(threads),
                       "threads_at_exit": out["threads_at_exit"]})
@@ -161,11 +176,13 @@ def markdown(summary: dict, quick: bool) -> str:
              "Measured on a shared 2-core CPU machine, gloo; background planning (lookahead 2), checkpoints every "
              f"{summary['checkpoint_every']} steps. Warm-up: first {summary['warmup_steps']} steps. Bound: RSS growth after warm-up "
              f"<= {summary['rss_bound_mib']:g} MiB, communicator count constant.", "",
-             "| rank | RSS start MiB | RSS after warm-up | max after warm-up | end | growth MiB | communicators | "
-             "max threads | threads left at exit |", "|---|---|---|---|---|---|---|---|---|"]
+             "| rank | RSS start MiB | RSS after warm-up | max after warm-up | end | growth MiB | slope MiB/100 steps "
+             "| growth in 2nd half MiB | communicators | max threads | threads left at exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["ranks"]:
         lines.append(f"| {r['rank']} | {r['rss_start_mib']:.1f} | {r['rss_warm_mib']:.1f} | "
                      f"{r['rss_max_after_warm_mib']:.1f} | {r['rss_end_mib']:.1f} | {r['rss_growth_mib']:.2f} | "
+                     f"{r['rss_slope_mib_per_100_steps']:.2f} | {r['rss_growth_second_half_mib']:.2f} | "
                      f"{r['communicators']} | {r['max_threads']} | {len(r['threads_at_exit'])} |")
     lines += ["", f"Wall time {summary['seconds']:.1f} s ({summary['loop_seconds']:.1f} s in the training loop). "
               "Checks: " +

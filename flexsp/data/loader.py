@@ -75,6 +75,8 @@ class FlexSPLoader:
     over ``cluster.num_gpus`` ranks) is needed with more than one process and supplies each shard's
     process group; without it the loader stands in for ``rank`` of the cluster. ``planner``, if
     given, replaces ``plan_batch``: ``planner(lengths) -> Plan``. Call ``close()`` (or use ``with``).
+    With a pool of several ranks, build it on every rank at the same point: it creates a gloo side group
+    for plans and load outcomes (``config.failure_timeout``).
     """
 
     def __init__(self, dataset: Sequence[Any], cost: CostModel, cluster: Cluster, config: LoaderConfig, *,
