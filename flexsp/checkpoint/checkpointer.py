@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -126,7 +127,6 @@ class Checkpointer:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 if partial.exists():
-                    import shutil
                     shutil.rmtree(partial)
                 partial.mkdir()
             except OSError as exc:
@@ -139,10 +139,13 @@ class Checkpointer:
             raise CheckpointError(f"{what}: {_short(exc)}") from None
         rng = self.control.gather(_rng_state(), what=what, error=CheckpointError)
         failure = None
-        try:
-            if self.rank == 0:
+        if self.rank == 0:
+            try:
                 torch.save(rng, partial / layout.RNG)
-            self.control.any(False, what=what, error=CheckpointError)   # rng.pt is on disk before listing
+            except Exception as exc:
+                failure = describe(exc)
+        self.control.check(failure, what=what, error=CheckpointError)   # also: rng.pt is on disk before listing
+        try:
             names = layout.files_of(partial)
             mine = layout.describe(partial, names[self.rank::self.world_size])
         except OSError as exc:
@@ -160,7 +163,7 @@ class Checkpointer:
                 layout.write_record(partial, record)
                 layout.commit(partial, final)
                 layout.prune(self.directory, self.keep)
-            except OSError as exc:
+            except Exception as exc:   # whatever it is, every rank must hear of it
                 failure = describe(exc)
         self.control.check(failure, what=what, error=CheckpointError)
         self.last_saved = final

@@ -74,6 +74,15 @@ def _load_worker(rank, world, directory):
             ckpt.restore()
         except CheckpointError as exc:
             out["refused"] = str(exc)
+    # a save that fails on rank 0 (its directory is a file) fails on every rank with the same error
+    blocker = f"{directory}/not-a-directory"
+    if rank == 0:
+        open(blocker, "w").close()
+    with Checkpointer(blocker, plain, popt, timeout=20) as ckpt:
+        try:
+            ckpt.save()
+        except CheckpointError as exc:
+            out["save_failed"] = str(exc)
     return out
 
 
@@ -93,3 +102,5 @@ def test_fsdp2_checkpoint_of_4_ranks_restores_on_2_sharded_and_unsharded(tmp_pat
     message = messages.pop()
     assert "flexsp.json: the epoch saved by 4 ranks left out 0 too-long sequence(s)" in message
     assert "different set (2)" in message and "resume on 4 ranks" in message
+    failed = {out.get("save_failed") for out in loaded}
+    assert len(failed) == 1 and "not-a-directory/step-000000000 failed on rank 0: FileExistsError" in failed.pop()
