@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 from fault.common import MODEL, cost_model, dataset  # noqa: E402
 from runtime.distributed import run_distributed  # noqa: E402
 
-TIMEOUT = 60
+TIMEOUT = 90
 
 
 def _model(fsdp: bool):
