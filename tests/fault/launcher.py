@@ -15,7 +15,16 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
-from runtime.distributed import _context, free_port
+import torch.multiprocessing as mp
+from runtime.distributed import free_port
+
+
+def _context():
+    # the same forkserver as tests/runtime/distributed.py (one per test session): ranks fork from a
+    # process that imported torch once
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest", "flexsp.runtime"])
+    return ctx
 
 
 @dataclass(frozen=True)
@@ -28,12 +37,23 @@ class Attempt:
     killed: int | None
 
 
+def _plain(value: Any) -> Any:
+    """Tensors as numpy copies: a tensor sent through a queue lives in the sender, which may exit first."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().copy()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
 def _entry(rank: int, world: int, port: int, pg_timeout: float, fn: Callable, args: tuple, results) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout))
-        results.put((rank, fn(rank, world, *args), None))
+        results.put((rank, _plain(fn(rank, world, *args)), None))
     except BaseException as exc:
         results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise SystemExit(1)
