@@ -12,6 +12,7 @@ import functools
 import gzip
 import os
 import types
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -131,7 +132,7 @@ def _read_text(path: Path) -> str:
             with gzip.open(path, "rt", encoding="utf-8-sig") as f:
                 return f.read()
         return path.read_text(encoding="utf-8-sig")   # a byte-order mark (Windows editors) is not data
-    except (OSError, EOFError, UnicodeDecodeError) as e:  # BadGzipFile is an OSError
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # BadGzipFile is an OSError
         raise LengthsError(f"{path}: cannot read lengths ({e}); expected {_FORMATS}") from None
 
 

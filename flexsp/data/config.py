@@ -21,6 +21,8 @@ class LoaderConfig:
     background planner may solve ahead of training (0: plan synchronously in the loop).
     ``fallback_after``: if the loop has waited this many seconds for a plan, rank 0 plans that
     batch with the fast "greedy" strategy instead (None: wait for the solver).
+    ``failure_timeout``: seconds a rank waits for the others' plan or load outcome before it raises;
+    a failure on one rank (a bad item, a failed plan) reaches every rank as the same ``LoaderError``.
     """
 
     batch_size: int | None = None
@@ -35,6 +37,7 @@ class LoaderConfig:
     sp_degree: int | None = None
     lookahead: int = 2
     fallback_after: float | None = None
+    failure_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -51,6 +54,8 @@ class LoaderConfig:
             raise LoaderError(f"lookahead must be an integer >= 0 (0 plans synchronously), got {self.lookahead!r}")
         if self.time_limit <= 0:
             raise LoaderError(f"time_limit must be > 0 seconds, got {self.time_limit}")
+        if not self.failure_timeout > 0:
+            raise LoaderError(f"failure_timeout must be > 0 seconds, got {self.failure_timeout!r}")
         if self.fallback_after is not None and self.fallback_after < 0:
             raise LoaderError(f"fallback_after must be >= 0 seconds or None, got {self.fallback_after}")
 

@@ -1,11 +1,12 @@
 """``FlexSPLoader``: a map-style dataset in, this rank's packed micro-batches of every step out.
 
 Per step: rank 0 takes the next global batch's plan from the background planner and broadcasts it
-(``broadcast_object_list`` of a JSON-safe dict: the batch's dataset indices and lengths, the plan,
-or the error that stopped planning), so every rank runs the same plan and a solver failure raises
-the same ``LoaderError`` everywhere instead of leaving ranks waiting. Each rank then fetches only the
-items of its own groups, packs them and keeps its shard; a data error on any rank (a bad item, a
-stale length) is agreed (``flexsp.runtime.failures.agree``) so every rank raises it, none waits.
+(``broadcast_object_list`` of a JSON-safe dict on a gloo side group with ``config.failure_timeout``:
+the batch's dataset indices and lengths, the plan, or the error that stopped planning), so every rank
+runs the same plan and a solver failure raises the same ``LoaderError`` everywhere instead of leaving
+ranks waiting. Each rank then fetches only the items of its own groups, packs them and keeps its
+shard; a data error on any rank (a bad item, a stale length, a read that hangs past the timeout) is
+agreed on the side group (``flexsp.runtime.agreement``) so every rank raises it, none waits.
 Plans use only the pool's degrees (and Ulysses x ring splits). Without a process group (or with one rank)
 the loader plans for ``cluster.num_gpus`` ranks and loads the share of ``rank``, which is how one
 process can stand in for one rank of a large cluster.
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from ..cluster import Cluster
 from ..cost import CostModel
 from ..plan import Plan
-from ..runtime.failures import agree
+from ..runtime.agreement import ControlGroup, describe
 from ..runtime.groups import GroupPool
 from ..runtime.packing import loss_tokens
 from ..runtime.ring import ring_context
@@ -83,6 +84,8 @@ class FlexSPLoader:
     degree the cost model runs as Ulysses x ring only when the pool holds that split
     (``GroupPool(ulysses_limit=cost.ulysses_limit)``); ``ulysses_only=True`` keeps every group within
     the model's Ulysses limit. Call ``close()`` (or use ``with``).
+    With a pool of several ranks, build it on every rank at the same point: it creates a gloo side group
+    for plans and load outcomes (``config.failure_timeout``).
     """
 
     def __init__(self, dataset: Sequence[Any], cost: CostModel, cluster: Cluster, config: LoaderConfig, *,
@@ -114,6 +117,8 @@ class FlexSPLoader:
             if not 0 <= self.rank < cluster.num_gpus:
                 raise LoaderError(f"rank {self.rank} is outside the cluster's ranks 0..{cluster.num_gpus - 1}")
         self.plans_here = not self._communicate or self.rank == 0   # this process runs the solver
+        # plan broadcast and load outcomes go over a gloo side group with config.failure_timeout
+        self._control = ControlGroup(config.failure_timeout) if self._communicate else None
         self._lengths_arg = lengths
         self._solve = planner if planner is not None else self._plan_with(config.strategy)
         self._fallback = self._plan_with("greedy") if config.fallback_after is not None else None
@@ -210,11 +215,12 @@ class FlexSPLoader:
                 "plan": result.plan.to_dict(), "fallback": result.fallback}
 
     def _broadcast(self, payload: dict[str, Any] | None) -> dict[str, Any]:
+        if self._control is None:
+            raise LoaderError("the loader is closed; build a new one to continue")
         box = [payload]
-        device = None
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        dist.broadcast_object_list(box, src=0, device=device)
+        what = f"waiting for rank 0's plan of global batch {self._index} of epoch {self._epoch}"
+        self._control.call(lambda: dist.broadcast_object_list(box, src=0, group=self._control.group), what,
+                           LoaderError)
         return box[0]
 
     # --- iteration (every rank) -----------------------------------------------------------------
@@ -243,7 +249,7 @@ class FlexSPLoader:
         plan = Plan.from_dict(payload["plan"])
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
         loaded = time.perf_counter()
-        shards, error = [], None
+        shards, failure = [], None
         try:
             for m, mb in enumerate(plan.micro_batches):
                 group = mb.group_of_rank(self.rank)
@@ -257,15 +263,17 @@ class FlexSPLoader:
                         handle = self.pool.get(group.ranks)
                     shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device,
                                               ring))
-        except LoaderError as exc:
-            error = exc
-        except Exception as exc:   # the dataset's own error (I/O, decoding): name where it happened
-            error = LoaderError(f"loading global batch {self._index} of epoch {self._epoch} "
-                                f"failed: {type(exc).__name__}: {exc}")
-        if self._communicate:
-            agree(error)   # one flag all-reduce: a data error on any rank is raised on every rank
-        elif error is not None:
-            raise error
+        except Exception as exc:
+            if self._control is not None:
+                failure = describe(exc)   # named with the batch and the rank by the agreement below
+            elif isinstance(exc, LoaderError):
+                raise
+            else:   # the dataset's own error (I/O, decoding): name where it happened
+                raise LoaderError(f"loading global batch {self._index} of epoch {self._epoch} "
+                                  f"failed: {type(exc).__name__}: {exc}") from None
+        if self._control is not None:   # a bad item (or a hung read) on one rank stops every rank with the same error
+            self._control.check(failure, what=f"loading global batch {self._index} of epoch {self._epoch}",
+                                error=LoaderError)
         load = time.perf_counter() - loaded
         step = Step(epoch=self._epoch, index=self._index, step=self._step, plan=plan, indices=indices,
                     lengths=lengths, num_tokens=sum(lengths), loss_tokens=loss_tokens(lengths),
@@ -320,6 +328,9 @@ class FlexSPLoader:
     def close(self) -> None:
         """Stop the background planner (a solve in progress finishes in its daemon thread)."""
         self._close_planner()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
 
     def __enter__(self) -> "FlexSPLoader":
         return self

@@ -207,34 +207,21 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
 
     from ..cost import CostModel
     from .assemble import assemble_cost_model
-    from .compute import compute_sweep
-    from .fit import fit_bandwidth, fit_compute
+    from .fit import fit_bandwidth
 
     on_gpu = setup.device.type == "cuda"
     lengths = sorted(set(args.lengths or ([1024, 2048, 4096, 8192, 16384, 32768] if on_gpu
                                           else [128, 256, 512, 768, 1024, 1536, 2048])))
-    estimates = []
-    payload = [None]
+    payload: list[Any] = [None]
     if pool.rank == 0:   # compute and memory on one device; the others wait (no interference)
-        from .memory import activation_profile, capacity, device_memory_bytes
-        sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            compute = fit_compute(sweep.lengths, sweep.seconds, statistic=args.statistic)
-        for w in caught:
-            say(f"warning: {w.message}")
-        mem = activation_profile(runner, args.memory_lengths or lengths[-3:])
-        memory_bytes = args.memory_gb * 2**30 if args.memory_gb else device_memory_bytes(setup.device)
-        cap = capacity(spec.params, mem.bytes_per_token, memory_bytes, zero_stage=args.zero_stage,
-                       num_gpus=args.num_gpus or pool.world_size, usable_fraction=args.usable)
-        if mem.estimate:
-            estimates.append("activation memory (CPU saved-tensor estimate)")
-        if not on_gpu:
-            estimates.append("device memory (CPU RAM stands in for GPU memory)" if not args.memory_gb
-                             else "device memory (given, CPU run)")
-        payload = [(compute, mem, cap, estimates)]
+        try:
+            payload = [_sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say)]
+        except FlexSPError as exc:   # shared below, so every rank stops with it instead of waiting
+            payload = [exc]
     if dist.is_initialized():
         dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], FlexSPError):
+        raise payload[0]
     compute, mem, cap, estimates = payload[0]
     _print_compute(compute, say)
     say(f"memory: {mem.bytes_per_token / 2**10:.2f} KiB activations per token "
@@ -270,10 +257,35 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
     return cost
 
 
+def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
+    """Compute and memory profile on rank 0 alone: (compute fit, memory profile, capacity, estimates)."""
+    from .compute import compute_sweep
+    from .fit import fit_compute
+
+    from .memory import activation_profile, capacity, device_memory_bytes
+
+    estimates = []
+    sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compute = fit_compute(sweep.lengths, sweep.seconds, statistic=args.statistic)
+    for w in caught:
+        say(f"warning: {w.message}")
+    mem = activation_profile(runner, args.memory_lengths or lengths[-3:])
+    memory_bytes = args.memory_gb * 2**30 if args.memory_gb else device_memory_bytes(setup.device)
+    cap = capacity(spec.params, mem.bytes_per_token, memory_bytes, zero_stage=args.zero_stage,
+                   num_gpus=args.num_gpus or pool.world_size, usable_fraction=args.usable)
+    if mem.estimate:
+        estimates.append("activation memory (CPU saved-tensor estimate)")
+    if not on_gpu:
+        estimates.append("device memory (CPU RAM stands in for GPU memory)" if not args.memory_gb
+                         else "device memory (given, CPU run)")
+    return compute, mem, cap, estimates
+
+
 def _check(args, cost, runner, pool, gpus_per_node, say):
     import numpy as np
 
-    from ..cluster import Cluster
     from ..errors import CostModelError
     from ..lengths import load_lengths
     from ..plan import Plan
@@ -284,19 +296,25 @@ def _check(args, cost, runner, pool, gpus_per_node, say):
         # Held-out batches: random lengths inside the swept range, planned by the real planner.
         swept = cost.meta.get("lengths") or [256, 4096]
         rng = np.random.default_rng(args.seed + 1)
-        cluster = Cluster(pool.world_size, min(gpus_per_node, pool.world_size))
+        cluster = planning_cluster(pool.world_size, gpus_per_node)
         plans = [None]
         if pool.rank == 0:   # a time-limited search may differ between ranks: plan once, broadcast
-            plans = []
-            for _ in range(6):
-                n = int(rng.integers(1, 5))
-                lengths = np.exp(rng.uniform(np.log(min(swept)), np.log(max(swept)), n)).astype(int)
-                plans.append((plan_batch(lengths, cost, cluster, "flexsp", time_limit=0.5).to_dict(), lengths.tolist()))
+            try:
+                plans = []
+                for _ in range(6):
+                    n = int(rng.integers(1, 5))
+                    lengths = np.exp(rng.uniform(np.log(min(swept)), np.log(max(swept)), n)).astype(int)
+                    plans.append((plan_batch(lengths, cost, cluster, "flexsp", time_limit=0.5).to_dict(),
+                                  lengths.tolist()))
+            except FlexSPError as exc:   # every rank raises it, none waits in the broadcast
+                plans = exc
         if pool.world_size > 1:
             import torch.distributed as dist
             box = [plans]
             dist.broadcast_object_list(box, src=0)
             plans = box[0]
+        if isinstance(plans, FlexSPError):
+            raise plans
         plans = [(Plan.from_dict(p), lengths) for p, lengths in plans]
     else:
         if args.check_lengths is None:
@@ -312,6 +330,15 @@ def _check(args, cost, runner, pool, gpus_per_node, say):
         say(f"check: {len(merged.groups)} groups, |relative error| mean {merged.mean_abs_error:.1%}, "
             f"max {merged.max_abs_error:.1%} (the paper reports < 6% on A100s)")
     return merged
+
+
+def planning_cluster(world_size: int, gpus_per_node: int):
+    """The ``Cluster`` to plan check batches for. A world that fits in one node (3 or 6 local ranks) is
+    one partial node of the next power-of-two size; several nodes need a power-of-two node size."""
+    from ..cluster import Cluster
+    if world_size <= gpus_per_node:
+        return Cluster(world_size, 1 << (world_size - 1).bit_length())
+    return Cluster(world_size, gpus_per_node)
 
 
 def _print_compute(fit, say) -> None:

@@ -114,6 +114,17 @@ class StepExecutor:
         self.steps = 0
         self._dummy: _Work | None = None
 
+    def close(self) -> None:
+        """Stop the failure watcher thread; call at the end of training (or use ``with``)."""
+        if self.channel is not None:
+            self.channel.close()
+
+    def __enter__(self) -> "StepExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # --- entry points ---------------------------------------------------------------------------
     def step(self, step: Any) -> StepResult:
         """One optimizer step on the loader's per-rank ``flexsp.data.Step`` (every rank passes its own)."""

@@ -200,5 +200,8 @@ class FailureChannel:
                 return None
             time.sleep(0.05)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the watcher thread (and wait for it, so no thread outlives the training loop)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)

@@ -62,3 +62,72 @@ def test_check_runs_every_group_of_a_plan_on_four_ranks():
     assert groups[0]["predicted"] == pytest.approx(model.group_time([64, 32], 4))
     assert groups[2]["predicted"] == pytest.approx(model.group_time([48], 1))
     assert reports[0]["skipped"] == []
+
+
+# --- worlds that are not powers of two: ranks past the last aligned block sit a degree out -------------
+
+def _profile_cli_worker(rank, world_size, out_dir):
+    from flexsp.profile.cli import main
+    code = main(["profile", "--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
+                 "--vocab", "64", "--lengths", "32,64,128,256", "--repeats", "1", "--warmup", "1",
+                 "--comm-sizes", "64K,1M,4M", "--memory-gb", "1", "--threads", "1", "--check", "auto",
+                 "--gpus-per-node", str(world_size), "--quiet", "-o", f"{out_dir}/cost.json"])
+    return code
+
+
+@pytest.mark.parametrize("world", [3, 6])
+def test_flexsp_profile_runs_on_a_world_that_is_not_a_power_of_two(world, tmp_path):
+    """Before: rank 2 of 3 asked the pool for the block [2, 3], raised, and the others hung in a barrier."""
+    from flexsp import CostModel
+    codes = run_distributed(_profile_cli_worker, world, str(tmp_path), timeout=60)
+    assert codes == [0] * world
+    cost = CostModel.load(tmp_path / "cost.json")
+    expected = [d for d in (2, 4) if d <= world]
+    assert sorted(cost.alltoall_bandwidth) == expected
+    assert cost.meta["check"]["groups"] > 0 and cost.meta["world_size"] == world
+
+
+@pytest.mark.parametrize("world", [3, 6, 24, 48])
+def test_every_rank_of_a_world_agrees_who_sits_out_of_each_degree(world):
+    from flexsp.profile.comm import block_of, participants
+    from flexsp.runtime.groups import aligned_blocks
+    for degree in (d for d in (2, 4, 8, 16, 32, 64) if d <= world):
+        blocks = [block_of(r, world, degree) for r in range(world)]
+        taking_part = [r for r, b in enumerate(blocks) if b is not None]
+        assert len(taking_part) == participants(world, degree) == world - world % degree
+        assert taking_part == list(range(len(taking_part)))             # only the tail sits out
+        assert sorted({b for b in blocks if b}) == aligned_blocks(world, [degree])   # the pool's blocks
+        for r in taking_part:
+            assert r in blocks[r] and len(blocks[r]) == degree and blocks[r][0] % degree == 0
+    assert participants(48, 32) == 32 and block_of(40, 48, 32) is None and block_of(47, 48, 16) == tuple(range(32, 48))
+    assert participants(24, 16) == 16 and block_of(16, 24, 16) is None and block_of(23, 24, 8) == tuple(range(16, 24))
+
+
+def test_planning_cluster_for_partial_and_multi_node_worlds():
+    from flexsp.errors import ClusterError
+    from flexsp.profile.cli import planning_cluster
+    assert (planning_cluster(3, 3).num_gpus, planning_cluster(3, 3).gpus_per_node) == (3, 4)
+    assert planning_cluster(6, 8).gpus_per_node == 8
+    assert (planning_cluster(24, 8).num_nodes, planning_cluster(48, 8).num_nodes) == (3, 6)
+    with pytest.raises(ClusterError, match="power of two"):
+        planning_cluster(24, 6)
+
+
+def _profile_bad_input_worker(rank, world_size, out_dir):
+    import contextlib
+    import io
+
+    from flexsp.profile.cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["profile", "--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
+                     "--vocab", "64", "--lengths", "32,64,128", "--repeats", "1", "--memory-gb", "1", "--quiet",
+                     "-o", f"{out_dir}/cost.json"])
+    return code, err.getvalue()
+
+
+def test_a_fit_error_on_rank_0_stops_every_rank_with_the_same_exit_code(tmp_path):
+    """Too few lengths for the compute fit: rank 0 raises; before, the others died in the broadcast."""
+    out = run_distributed(_profile_bad_input_worker, 2, str(tmp_path), timeout=40)
+    assert [code for code, _ in out] == [2, 2]
+    assert out[0][1] == out[1][1] and "compute fit needs at least 4 distinct sequence lengths" in out[0][1]

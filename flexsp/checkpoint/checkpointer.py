@@ -1,0 +1,317 @@
+"""``Checkpointer``: save and restore a training job's model, optimizer, loader and RNG state.
+
+Model and optimizer go through ``torch.distributed.checkpoint`` (DCP) with the ``state_dict`` helpers
+of ``torch.distributed.checkpoint.state_dict``, so FSDP2-sharded (DTensor) and plain replicated states
+are both written once, in shards, and read back at the same or another world size (DCP reshards
+DTensors; replicated tensors are read whole). The loader's state and a commit record go in
+``flexsp.json``; each rank's RNG state in ``rng.pt``. See ``layout`` for the atomic on-disk format.
+
+In a training loop::
+
+    ckpt = Checkpointer("ckpt/", model, optimizer, loader=loader, every=100)
+    ckpt.restore()                 # continue from the newest good checkpoint, if any
+    for step in loader:
+        ...                        # one optimizer step
+        if ckpt.step_done():       # saves every 100 steps, and at once after SIGTERM (then returns True)
+            break
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..runtime.agreement import DEFAULT_TIMEOUT, ControlGroup, describe
+from . import layout
+from .errors import CheckpointError
+
+
+class Checkpointer:
+    """Checkpoints one job into ``directory`` (a filesystem every rank sees). Build it on every rank.
+
+    ``every``: save after every ``every`` optimizer steps (0: only on a signal or ``save()``).
+    ``keep``: committed checkpoints kept (older ones are deleted after each save).
+    ``extra``: more state to save, ``{name: obj}`` with ``state_dict()``/``load_state_dict()``, identical on
+    every rank (a global counter, a scheduler). ``signals``: signals that ask for a checkpoint and a stop
+    (default SIGTERM, what schedulers and ``torchrun`` send before killing a job). ``timeout``: seconds
+    every rank waits for the others in the checkpointer's agreements. ``verify``: check every file's
+    CRC-32 on restore (sizes are always checked); the work is split over the ranks.
+    """
+
+    def __init__(self, directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 loader: Any = None, every: int = 100, keep: int = 2, extra: Mapping[str, Any] | None = None,
+                 signals: Sequence[int] = (signal.SIGTERM,), timeout: float = DEFAULT_TIMEOUT,
+                 verify: bool = True, control: ControlGroup | None = None) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise CheckpointError(f"every must be an integer >= 0 (0: save only on a signal), got {every!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise CheckpointError(f"keep must be an integer >= 1, got {keep!r}")
+        for name, obj in (extra or {}).items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise CheckpointError(f"extra[{name!r}] needs state_dict() and load_state_dict(), "
+                                      f"got {type(obj).__name__}")
+        self.directory = Path(directory)
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.every, self.keep, self.verify = every, keep, verify
+        self.extra = dict(extra or {})
+        self._owns_control = control is None
+        self.control = control if control is not None else ControlGroup(timeout)
+        self.rank, self.world_size = self.control.rank, self.control.world_size
+        self.step = 0                     # optimizer steps completed (restored by ``restore``)
+        self.last_saved: Path | None = None
+        self._signalled = threading.Event()
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    # --- the loop's two calls -------------------------------------------------------------------
+    def step_done(self) -> bool:
+        """Count one optimizer step; save when due or when any rank got a signal. True: stop now.
+
+        One tiny host all-reduce per call, so that a signal seen by one rank stops every rank at the
+        same step (a scheduler's SIGTERM does not reach all ranks at the same instant).
+        """
+        self.step += 1
+        stop = self.control.any(self._signalled.is_set(), what=f"checkpoint signal check at step {self.step}",
+                                error=CheckpointError)
+        if stop or (self.every and self.step % self.every == 0):
+            self.save()
+        return stop
+
+    def restore(self, path: str | os.PathLike | None = None) -> int:
+        """Load ``path``, or the newest committed checkpoint that verifies (an older one, with a warning,
+        if the newest is damaged). Returns the restored step (0 and no change when there is none)."""
+        if path is not None:
+            self._load(Path(path))
+            return self.step
+        candidates = self.control.gather([str(p) for _, p in layout.committed(self.directory)] if self.rank == 0
+                                         else None, what="listing checkpoints", error=CheckpointError)[0]
+        problems = []
+        for candidate in map(Path, candidates):
+            try:
+                self._load(candidate)
+                if problems and self.rank == 0:
+                    warnings.warn(f"restored the older checkpoint {candidate}: " + "; ".join(problems), stacklevel=2)
+                return self.step
+            except _Damaged as exc:
+                problems.append(str(exc))
+        if problems:
+            raise CheckpointError(f"no usable checkpoint in {self.directory}: " + "; ".join(problems))
+        return 0
+
+    # --- saving ---------------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write a checkpoint of the current step now (collective: every rank calls it)."""
+        step = self.step
+        partial = self.directory / layout.partial_name(step)
+        final = self.directory / layout.final_name(step)
+        what = f"saving checkpoint {final}"
+        failure = None
+        if self.rank == 0:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir()
+            except OSError as exc:
+                failure = describe(exc)
+        self.control.check(failure, what=what, error=CheckpointError)
+        try:
+            with _quiet_single_process():
+                dcp.save(self._state(), checkpoint_id=str(partial))
+        except Exception as exc:   # DCP shares a writer's error with every rank itself
+            raise CheckpointError(f"{what}: {_short(exc)}") from None
+        rng = self.control.gather(_rng_state(), what=what, error=CheckpointError)
+        failure = None
+        if self.rank == 0:
+            try:
+                torch.save(rng, partial / layout.RNG)
+            except Exception as exc:
+                failure = describe(exc)
+        self.control.check(failure, what=what, error=CheckpointError)   # also: rng.pt is on disk before listing
+        try:
+            names = layout.files_of(partial)
+            mine = layout.describe(partial, names[self.rank::self.world_size])
+        except OSError as exc:
+            failure, mine = describe(exc), {}
+        self.control.check(failure, what=what, error=CheckpointError)
+        manifest: dict[str, list[int]] = {}
+        for part in self.control.gather(mine, what=what, error=CheckpointError):
+            manifest.update(part)
+        failure = None
+        if self.rank == 0:
+            try:
+                record = layout.Record(step=step, world_size=self.world_size, files=manifest,
+                                       loader=self.loader.state_dict() if self.loader is not None else None,
+                                       skipped=_skipped(self.loader), extra={"torch": torch.__version__})
+                layout.write_record(partial, record)
+                layout.commit(partial, final)
+                layout.prune(self.directory, self.keep)
+            except Exception as exc:   # whatever it is, every rank must hear of it
+                failure = describe(exc)
+        self.control.check(failure, what=what, error=CheckpointError)
+        self.last_saved = final
+        return final
+
+    def _state(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+        for name, obj in self.extra.items():
+            state[f"extra.{name}"] = obj.state_dict()
+        return state
+
+    # --- loading --------------------------------------------------------------------------------
+    def _load(self, path: Path) -> None:
+        what = f"restoring checkpoint {path}"
+        failure = None
+        try:
+            record = layout.read_record(path)
+            names = sorted(record.files)
+            layout.verify(path, record, names[self.rank::self.world_size], checksums=self.verify)
+        except CheckpointError as exc:
+            failure = str(exc)
+        self.control.check(failure, what=what, error=_Damaged)
+        failure = None
+        if self.rank == 0 and self.loader is not None and record.skipped != _skipped(self.loader):
+            failure = (f"{path / layout.META}: the epoch saved by {record.world_size} ranks left out "
+                       f"{(record.skipped or [0])[0]} too-long sequence(s); on this world of {self.world_size} the "
+                       f"largest SP group holds a different set ({(_skipped(self.loader) or [0])[0]}), so resuming "
+                       f"would lose or repeat sequences: resume on {record.world_size} ranks, or start a new epoch")
+        self.control.check(failure, what=what, error=CheckpointError)
+        state = self._state()
+        _check_shapes(path, state["model"])
+        try:
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(path))
+        except Exception as exc:
+            raise CheckpointError(f"{what}: {_short(exc)}") from None
+        try:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        except Exception as exc:
+            raise CheckpointError(f"{what}: the saved optimizer/model state does not fit: {_short(exc)}") from None
+        for name, obj in self.extra.items():
+            obj.load_state_dict(state[f"extra.{name}"])
+        if self.loader is not None:
+            if record.loader is None:
+                raise CheckpointError(f"{path / layout.META}: saved without a loader state, but a loader was given")
+            try:
+                self.loader.load_state_dict(record.loader)
+            except Exception as exc:
+                raise CheckpointError(f"{path / layout.META}: the saved loader state does not fit this loader: "
+                                      f"{exc}") from None
+        if record.world_size == self.world_size:
+            try:
+                states = torch.load(path / layout.RNG, weights_only=True)
+                _set_rng_state(states[self.rank])
+            except Exception as exc:
+                raise CheckpointError(f"{path / layout.RNG}: unreadable RNG state: {_short(exc)}") from None
+        elif self.rank == 0:
+            warnings.warn(f"{path}: saved by {record.world_size} ranks, restored on {self.world_size}: model, "
+                          f"optimizer and loader are exact, per-rank RNG streams start afresh", stacklevel=3)
+        self.step = record.step
+        self.last_saved = path
+
+    # --- signals --------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signalled.set()   # act at the next step boundary, where every rank can agree
+
+    @property
+    def signalled(self) -> bool:
+        return self._signalled.is_set()
+
+    def close(self) -> None:
+        """Put the previous signal handlers back and release the side group this checkpointer made."""
+        if self._owns_control:
+            self.control.close()
+            self._owns_control = False
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Damaged(CheckpointError):
+    """A checkpoint's files fail verification: ``restore()`` falls back to an older one."""
+
+
+def _skipped(loader: Any) -> list[int] | None:
+    """Which sequences the loader's epochs leave out as too long: with on_too_long="skip" this set
+    depends on the world (the largest SP group's capacity), and the epoch's batches depend on it."""
+    if loader is None or getattr(loader.config, "on_too_long", "error") != "skip":
+        return None
+    too_long = np.asarray(loader.batches.too_long, dtype=np.int64)
+    return [int(too_long.size), zlib.crc32(too_long.tobytes())]
+
+
+def _check_shapes(path: Path, model_state: Mapping[str, Any]) -> None:
+    """Compare the model's parameters with the checkpoint's metadata: a clear error, not DCP's traceback."""
+    try:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"{path / '.metadata'}: unreadable DCP metadata: {_short(exc)}") from None
+    saved_model = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    missing = sorted(set(model_state) - set(saved_model))
+    unexpected = sorted(set(saved_model) - set(model_state))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: the model does not match the checkpoint: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    for name, value in model_state.items():
+        size = getattr(saved_model[name], "size", None)
+        if isinstance(value, torch.Tensor) and size is not None and tuple(size) != tuple(value.shape):
+            raise CheckpointError(f"{path}: parameter {name!r} is {list(size)} in the checkpoint but "
+                                  f"{list(value.shape)} in this model")
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it runs without a process group; for one process that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _short(exc: BaseException) -> str:
+    """DCP wraps each rank's traceback; keep the type and first line that says what went wrong."""
+    text = str(exc).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(("File ", "Traceback"))]
+    return f"{type(exc).__name__}: {lines[0] if lines else text[:200]}"[:500]
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
