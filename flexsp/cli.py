@@ -12,6 +12,7 @@ from .cost import CostModel
 from .errors import FlexSPError
 from .lengths import get_distribution, load_lengths
 from .profile import cli as profile_cli
+from .replay import cli as replay_cli
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", type=Path, help="write step times per strategy as PNG")
     sim.add_argument("--gantt", type=Path, help="write the first step's FlexSP plan as a Gantt chart PNG")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    replay_cli.add_simulate_options(sim)
 
     plan = sub.add_parser("plan", help="plan one batch from a lengths file and write the plan JSON")
     plan.add_argument("lengths", type=Path, help="lengths file (.txt, .txt.gz or .npy)")
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--sp-degree", type=int, help="degree for --strategy static")
     plan.add_argument("-o", "--output", type=Path, default=Path("plan.json"))
     profile_cli.add_parser(sub)
+    replay_cli.add_parser(sub)
     return parser
 
 
@@ -84,13 +87,19 @@ def run_simulate(args) -> int:
     distribution = get_distribution(args.dataset)
     strategies = parse_strategy_list(args.strategies) if args.strategies else default_strategies(cluster)
     sim = simulate(distribution, cost, cluster, strategies, steps=args.steps, batch_size=args.batch_size,
-                   context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet)
+                   context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet,
+                   keep_plans=args.replay)
+    replayed = replay_cli.replay_simulation(sim, cost, args, progress=not args.quiet) if args.replay else None
     print(describe(sim))
     print(f"cost model: {cost.meta.get('preset') or cost.meta.get('source') or 'custom'}, "
           f"token capacity {cost.token_capacity:.0f} per GPU")
-    print(format_table(sim))
+    label = replayed.pop("_label") if replayed else None
+    if replayed:
+        print(f"replayed: {label}")
+    print(format_table(sim, replayed=replayed))
     if args.json:
-        args.json.write_text(json.dumps(sim.to_dict(), indent=1) + "\n")
+        data = sim.to_dict() if not replayed else dict(sim.to_dict(), replayed={"label": label, "totals": replayed})
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot or args.gantt:
         from .plots import plot_gantt, plot_step_times
@@ -117,7 +126,8 @@ def run_plan(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"simulate": run_simulate, "plan": run_plan, "profile": profile_cli.run}[args.command](args)
+        return {"simulate": run_simulate, "plan": run_plan, "profile": profile_cli.run,
+                "replay": replay_cli.run}[args.command](args)
     except FlexSPError as exc:
         print(f"flexsp {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ class StrategyRun:
     degrees: Counter = field(default_factory=Counter)
     first_plan: Plan | None = None
     error: str | None = None
+    plans: list = field(default_factory=list)   # (plan, lengths) per step, when simulate(keep_plans=True)
 
     @property
     def total(self) -> float:
@@ -103,7 +104,7 @@ def default_strategies(cluster: Cluster, include_dynamic_cp: bool = True) -> lis
 
 def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster, strategies: list[str], *,
              steps: int = 10, batch_size: int = 512, context: int = 384 * 1024, seed: int = 0,
-             time_limit: float = 2.0, progress: bool = True) -> Simulation:
+             time_limit: float = 2.0, progress: bool = True, keep_plans: bool = False) -> Simulation:
     """Plan ``steps`` batches of ``batch_size`` lengths drawn (seeded) from ``distribution``, with
     the paper's preprocessing: sequences above ``context`` are not drawn, lengths are padded to a
     multiple of 2 x N. A strategy that cannot plan a batch (e.g. a static degree too small for its
@@ -141,27 +142,35 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
             run.micro_batches.append(len(plan.micro_batches))
             run.degrees.update(plan.degree_histogram())
             run.first_plan = run.first_plan or plan
+            if keep_plans:
+                run.plans.append((plan, lengths))
     bar.close()
     return Simulation(distribution.name, distribution.approximate, cluster.num_gpus, context, batch_size, steps,
                       dropped_share, runs, bounds, first_batch)
 
 
-def format_table(sim: Simulation, reference: str = "flexsp") -> str:
-    """Markdown table: one row per strategy."""
+def format_table(sim: Simulation, reference: str = "flexsp", replayed: dict | None = None) -> str:
+    """Markdown table: one row per strategy. ``replayed`` (strategy -> seconds, from
+    ``flexsp.replay.cli.replay_simulation``) adds the measured-compute total and speedup."""
     lb_total = sum(sim.lower_bounds)
     head = ("| strategy | total time (s) | mean step (s) | / lower bound | "
             f"{reference} speedup | mean micro-batches | SP degrees used (groups) | communicators per rank | "
             "solve mean / max (s) |")
-    lines = [head, "|" + "---|" * 9]
+    if replayed:
+        head += f" replayed total (s) | {reference} speedup (replayed) |"
+    lines = [head, "|" + "---|" * (11 if replayed else 9)]
     for name, run in sim.runs.items():
         if run.error:
-            lines.append(f"| {name} | infeasible: {run.error} | | | | | | | |")
+            lines.append(f"| {name} | infeasible: {run.error} | | | | | | | |" + (" | |" if replayed else ""))
             continue
         hist = " ".join(f"{d}x{c}" for d, c in sorted(run.degrees.items()))
         speed = sim.speedup(reference, name) if reference in sim.runs and not sim.runs[reference].error else float("nan")
         lines.append(f"| {name} | {run.total:.2f} | {run.total / len(run.step_times):.3f} | {run.total / lb_total:.3f} | "
                      f"{speed:.2f}x | {np.mean(run.micro_batches):.2f} | {hist} | {communicators(run.degrees)} | "
                      f"{np.mean(run.solve_times):.3f} / {np.max(run.solve_times):.3f} |")
+        if replayed and name in replayed:
+            ref = replayed.get(reference, float("nan"))
+            lines[-1] += f" {replayed[name]:.3f} | {replayed[name] / ref:.2f}x |"
     return "\n".join(lines)
 
 
