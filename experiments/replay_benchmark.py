@@ -51,6 +51,9 @@ def _bandwidth_worker(rank: int, world: int, port: int, sizes: list[int], repeat
                 fits[d] = fit_bandwidth(d, [s.payload_bytes for s in mine], [s.seconds for s in mine],
                                         statistic="median").to_dict()
             Path(out).write_text(json.dumps(fits))
+    except Exception as exc:
+        Path(f"{out}.rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -71,7 +74,8 @@ def measure_bandwidth(world: int, sizes: list[int], repeats: int) -> dict[int, d
         for p in procs:
             p.join(300)
         if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"bandwidth measurement failed: exit codes {[p.exitcode for p in procs]}")
+            errors = [e.read_text() for e in sorted(Path(tmp).glob("*.err"))]
+            raise RuntimeError(f"bandwidth measurement failed: exit codes {[p.exitcode for p in procs]}: {errors}")
         return {int(d): f for d, f in json.loads(Path(out).read_text()).items()}
 
 
@@ -100,8 +104,8 @@ def main() -> int:
     shape = profile.meta["model"]
     spec = model_spec(None, **{k: shape[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")})
     spec = dataclasses.replace(spec, name=str(shape.get("name", "custom")))
-    sizes = [2**14, 2**16, 2**18] if args.quick else [2**16, 2**18, 2**20, 2**22]
-    fits = measure_bandwidth(args.world, sizes, repeats=2 if args.quick else 5)
+    sizes = [2**16, 2**18, 2**20, 2**21] if args.quick else [2**16, 2**18, 2**20, 2**22]
+    fits = measure_bandwidth(args.world, sizes, repeats=3 if args.quick else 5)
     table = {d: f["bandwidth"] for d, f in fits.items()}
     cost = with_bandwidth(profile, table, f"gloo all-to-all measured now on this machine ({args.world} processes)")
     cost = flexsp.CostModel.from_dict(dict(cost.to_dict(), token_capacity=args.capacity))
@@ -156,6 +160,20 @@ def main() -> int:
         row["simulated, refit now (s)"] = total
         row["refit error"] = (total - row["replayed (s)"]) / row["replayed (s)"]
 
+    # Per SP degree: does measured compute shrink as 1/d, as the cost model's form says?
+    by_degree: dict[int, list[tuple[float, float]]] = {}
+    for name, items in plans.items():
+        for (plan, lengths), data in zip(items, reports[name]):
+            for g in data["groups"]:
+                group = plan.micro_batches[g["micro_batch"]].groups[g["group"]]
+                refit_compute = now.group_time(lengths[list(group.seq_ids)], g["degree"]) - g["comm"]
+                by_degree.setdefault(g["degree"], []).append(
+                    (g["compute_error"], (refit_compute - g["compute"]) / g["compute"]))
+    degree_rows = [{"SP degree": d, "groups": len(v), "profile error (mean)": f"{np.mean([a for a, _ in v]):+.1%}",
+                    "refit error (mean)": f"{np.mean([b for _, b in v]):+.1%}",
+                    "refit |error| max": f"{np.max(np.abs([b for _, b in v])):.1%}"}
+                   for d, v in sorted(by_degree.items())]
+
     ref = next((r for r in rows if r["strategy"] == "flexsp"), None)
     for row in rows:
         if "replayed (s)" in row and ref is not None:
@@ -195,6 +213,11 @@ Measured gloo all-to-all ({args.world} processes on this machine):
 
 {common.markdown_table(shown, columns)}
 
+Per-group compute error by SP degree, all strategies and steps (predicted compute = cost model group time
+minus the modelled communication; error = (predicted - measured) / measured):
+
+{common.markdown_table(degree_rows, list(degree_rows[0]))}
+
 Groups of flexsp's first plan ([Gantt chart](replay_cpu.png), predicted above, replayed below):
 
 {format_groups(flexsp_report)}
@@ -204,6 +227,10 @@ Groups of flexsp's first plan ([Gantt chart](replay_cpu.png), predicted above, r
     (out / "replay_cpu.json").write_text(json.dumps({"label": label, "bandwidth": {str(d): f for d, f in fits.items()},
                                                      "rows": rows, "reports": reports,
                                                      "refit": refit.to_dict()}, indent=1) + "\n")
+    (out / "replay_cpu_bandwidth.json").write_text(json.dumps(
+        {"alltoall_bandwidth": {str(d): bw for d, bw in table.items()},
+         "meta": {"label": f"gloo all-to-all, {args.world} processes on this CPU machine (measured)",
+                  "fits": {str(d): f for d, f in fits.items()}}}, indent=1) + "\n")
     plot_replay_gantt(flexsp_report, out / "replay_cpu.png",
                       title=f"flexsp, first Wikipedia batch, {args.world} ranks (CPU-measured compute)")
     print(md.read_text())

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_simulate(args) -> int:
     from .simulate import default_strategies, describe, format_table, parse_strategy_list, simulate
     cluster = Cluster(args.gpus, args.gpus_per_node)
-    cost = _cost(args)
+    cost = replay_cli.apply_bandwidth(_cost(args), args)
     distribution = get_distribution(args.dataset)
     strategies = parse_strategy_list(args.strategies) if args.strategies else default_strategies(cluster)
     sim = simulate(distribution, cost, cluster, strategies, steps=args.steps, batch_size=args.batch_size,

@@ -168,9 +168,10 @@ def format_table(sim: Simulation, reference: str = "flexsp", replayed: dict | No
         lines.append(f"| {name} | {run.total:.2f} | {run.total / len(run.step_times):.3f} | {run.total / lb_total:.3f} | "
                      f"{speed:.2f}x | {np.mean(run.micro_batches):.2f} | {hist} | {communicators(run.degrees)} | "
                      f"{np.mean(run.solve_times):.3f} / {np.max(run.solve_times):.3f} |")
-        if replayed and name in replayed:
-            ref = replayed.get(reference, float("nan"))
-            lines[-1] += f" {replayed[name]:.3f} | {replayed[name] / ref:.2f}x |"
+        if replayed:
+            mine, ref = replayed.get(name), replayed.get(reference)
+            lines[-1] += (" not replayed | |" if mine is None else
+                          f" {mine:.3f} | {mine / ref:.2f}x |" if ref else f" {mine:.3f} | |")
     return "\n".join(lines)
 
 

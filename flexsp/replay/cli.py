@@ -72,13 +72,21 @@ def add_simulate_options(parser: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+def apply_bandwidth(cost, args: argparse.Namespace):
+    """``cost`` with ``--bandwidth``'s measured table in place of its all-to-all bandwidths (if given):
+    plans, predictions and the replay's modelled communication then all use it."""
+    from .comm import load_bandwidth_table, with_bandwidth
+    if getattr(args, "bandwidth", None) is None:
+        return cost
+    return with_bandwidth(cost, load_bandwidth_table(args.bandwidth), f"measured table {args.bandwidth}")
+
+
 def build(cost, args: argparse.Namespace):
-    """The ``Replayer`` the arguments describe, and ``cost`` with any measured bandwidth table."""
+    """The ``Replayer`` the arguments describe (and ``cost``, unchanged: see ``apply_bandwidth``)."""
     import torch
 
     from ..profile.compute import DeviceSetup
     from ..profile.shape import model_spec
-    from .comm import load_bandwidth_table, with_bandwidth
     from .replay import Replayer
     from .runner import ReplayModel
 
@@ -101,8 +109,6 @@ def build(cost, args: argparse.Namespace):
         setup = DeviceSetup.resolve(args.device, args.dtype, args.attention)
     except (ValueError, RuntimeError) as exc:
         raise CostModelError(f"device: {exc}") from None
-    if args.bandwidth is not None:
-        cost = with_bandwidth(cost, load_bandwidth_table(args.bandwidth), f"measured table {args.bandwidth}")
     model = ReplayModel.from_spec(spec, setup, args.run_layers, seed=args.replay_seed)
     replayer = Replayer(model, setup, repeats=args.repeats, warmup=args.warmup, statistic=args.statistic,
                         clock=args.clock, seed=args.replay_seed)
@@ -134,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         except argparse.ArgumentTypeError as exc:
             raise CostModelError(str(exc)) from None
         cost = CostModel.from_preset(args.preset, context=context, num_gpus=plan.num_gpus)
-    replayer, cost = build(cost, args)
+    replayer, cost = build(apply_bandwidth(cost, args), args)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     report = replayer.replay(plan, lengths, cost, progress=say)
     for note in report.meta.get("notes", []):
@@ -155,7 +161,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def replay_simulation(sim, cost, args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
     """Replay every plan ``sim`` kept (``simulate(..., keep_plans=True)``): strategy -> replayed total
-    seconds (measured compute + modelled communication), plus ``"_label"`` describing the measurement."""
+    seconds (measured compute + modelled communication), plus ``"_label"`` describing the measurement.
+    A strategy whose plans cannot run for this model (e.g. a degree above its head count) is left out
+    and said so on stderr; the others are still replayed."""
     from tqdm.auto import tqdm
 
     replayer, cost = build(cost, args)
@@ -166,13 +174,18 @@ def replay_simulation(sim, cost, args: argparse.Namespace, progress: bool = True
     for name, run in sim.runs.items():
         if run.error:
             continue
-        total = 0.0
-        for plan, lengths in run.plans:
-            report = replayer.replay(plan, lengths, cost)
-            total += report.replayed_time
-            label = report.meta["label"]
-            bar.update(1)
-        totals[name] = total
+        try:
+            total = 0.0
+            for plan, lengths in run.plans:
+                report = replayer.replay(plan, lengths, cost)
+                total += report.replayed_time
+                label = report.meta["label"]
+                bar.update(1)
+            totals[name] = total
+        except FlexSPError as exc:
+            print(f"replay: {name} not replayed: {exc}", file=sys.stderr)
     bar.close()
+    if not totals:
+        raise CostModelError("no strategy's plans could be replayed (see the messages above)")
     totals["_label"] = label
     return totals

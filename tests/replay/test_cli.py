@@ -20,7 +20,7 @@ MICRO = model_spec(None, layers=1, hidden=32, heads=4, kv_heads=2, ffn=48, vocab
 @pytest.fixture()
 def files(tmp_path):
     cost = flexsp.CostModel(alpha1=2e-7, alpha2=1e-5, beta1=0.01, comm_bytes_per_token=768.0, token_capacity=256,
-                            alltoall_bandwidth={2: 2e8, 4: 1.5e8}, meta={"model": dict(MICRO.__dict__, name="micro")})
+                            alltoall_bandwidth={2: 2e8, 4: 1.5e8, 8: 1e8}, meta={"model": dict(MICRO.__dict__, name="micro")})
     cost.save(tmp_path / "cost.json")
     lengths = np.random.default_rng(3).integers(8, 300, 8)
     np.savetxt(tmp_path / "lengths.txt", lengths, fmt="%d")
@@ -92,6 +92,18 @@ def test_simulate_replay_adds_measured_compute_columns(files, capsys):
     assert set(replayed) == {"flexsp", "static:4"} and all(v > 0 for v in replayed.values())
 
 
+def test_simulate_replay_skips_strategies_the_model_cannot_run(files, capsys):
+    tmp, _ = files
+    rc = main(["simulate", "--cost", str(tmp / "cost.json"), "--gpus", "8", "--gpus-per-node", "8", "--context", "1K",
+               "--batch-size", "4", "--steps", "1", "--strategies", "flexsp[1,2,4],static:8", "--time-limit", "0.3",
+               "--replay", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "static:8 not replayed: micro-batch 0 group 0: Ulysses SP degree 8 does not divide the 4" in captured.err
+    static = next(line for line in captured.out.splitlines() if line.startswith("| static:8 |"))
+    assert static.endswith("not replayed | |")
+
+
 def test_benchmark_quick_mode(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "experiments" / "replay_benchmark.py"), "--quick",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -101,3 +113,5 @@ def test_benchmark_quick_mode(tmp_path):
     data = json.loads((tmp_path / "replay_cpu.json").read_text())
     assert data["rows"][0]["strategy"] == "flexsp" and data["rows"][0]["replayed (s)"] > 0
     assert (tmp_path / "replay_cpu.png").stat().st_size > 5000
+    assert "| SP degree |" in markdown
+    assert json.loads((tmp_path / "replay_cpu_bandwidth.json").read_text())["alltoall_bandwidth"]["2"] > 0

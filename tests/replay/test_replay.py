@@ -70,7 +70,7 @@ def test_operation_counts_follow_the_cost_model_form():
     """alpha1 * s^2 / d + alpha2 * s / d: a quadratic in tokens, divided by the degree, additive over
     the group's sequences - counted in FLOPs, which a busy CPU cannot blur."""
     setup = _setup()
-    runner = RankRunner(ReplayModel.from_spec(TINY, setup), setup, repeats=1, warmup=0)
+    runner = RankRunner(ReplayModel.from_spec(MICRO, setup), setup, repeats=1, warmup=0)
     f = {s: _flops(runner, [s], 1) for s in (64, 128, 256)}
     a = (f[128] - 2 * f[64]) / (2 * 64 ** 2)
     b = (f[64] - a * 64 ** 2) / 64
