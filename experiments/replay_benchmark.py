@@ -231,6 +231,7 @@ Groups of flexsp's first plan ([Gantt chart](replay_cpu.png), predicted above, r
         {"alltoall_bandwidth": {str(d): bw for d, bw in table.items()},
          "meta": {"label": f"gloo all-to-all, {args.world} processes on this CPU machine (measured)",
                   "fits": {str(d): f for d, f in fits.items()}}}, indent=1) + "\n")
+    cost.save(out / "replay_cpu_cost.json")   # what the plans were made with: profile + measured bandwidth + capacity
     plot_replay_gantt(flexsp_report, out / "replay_cpu.png",
                       title=f"flexsp, first Wikipedia batch, {args.world} ranks (CPU-measured compute)")
     print(md.read_text())
