@@ -24,6 +24,8 @@ def _device_options(parser: argparse.ArgumentParser, model_flag: str) -> None:
                         "the cost model records, e.g. a flexsp profile); the flags below override fields")
     for name in SHAPE_FLAGS:
         m.add_argument(f"--{name}", type=int, default=None)
+    m.add_argument("--hf-config", type=Path, default=None,
+                   help="replay a Hugging Face causal LM from this config directory (random weights) instead")
     m.add_argument("--run-layers", type=int, default=None,
                    help="run this many blocks and scale up to --layers (for models that do not fit one device)")
     d = parser.add_argument_group("replay device and timing")
@@ -94,6 +96,15 @@ def build(cost, args: argparse.Namespace):
         if args.threads < 1:
             raise CostModelError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    try:
+        setup = DeviceSetup.resolve(args.device, args.dtype, args.attention)
+    except (ValueError, RuntimeError) as exc:
+        raise CostModelError(f"device: {exc}") from None
+    options = dict(repeats=args.repeats, warmup=args.warmup, statistic=args.statistic, clock=args.clock,
+                   seed=args.replay_seed)
+    if args.hf_config is not None:
+        from .hf import hf_replay_model
+        return Replayer(hf_replay_model(args.hf_config, setup, args.run_layers, args.replay_seed), setup, **options), cost
     overrides = {f.replace("-", "_"): getattr(args, f.replace("-", "_")) for f in SHAPE_FLAGS}
     if args.replay_model is None:
         recorded = cost.meta.get("model") if isinstance(cost.meta, dict) else None
@@ -105,14 +116,7 @@ def build(cost, args: argparse.Namespace):
         spec = dataclasses.replace(spec, name=str(recorded.get("name", "custom")))
     else:
         spec = model_spec(args.replay_model, **overrides)
-    try:
-        setup = DeviceSetup.resolve(args.device, args.dtype, args.attention)
-    except (ValueError, RuntimeError) as exc:
-        raise CostModelError(f"device: {exc}") from None
-    model = ReplayModel.from_spec(spec, setup, args.run_layers, seed=args.replay_seed)
-    replayer = Replayer(model, setup, repeats=args.repeats, warmup=args.warmup, statistic=args.statistic,
-                        clock=args.clock, seed=args.replay_seed)
-    return replayer, cost
+    return Replayer(ReplayModel.from_spec(spec, setup, args.run_layers, seed=args.replay_seed), setup, **options), cost
 
 
 def run(args: argparse.Namespace) -> int:
