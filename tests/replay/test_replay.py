@@ -54,7 +54,7 @@ def test_shard_work_matches_the_packer(lengths, degree):
 
 
 def test_ranks_differ_materially_only_on_tiny_groups():
-    assert representative_ranks([4096, 1000], 8) == (0,) or len(representative_ranks([4096, 1000], 8)) == 1
+    assert len(representative_ranks([4096, 1000], 8)) == 1    # shards differ by 3 tokens of 637
     assert len(representative_ranks([3, 2], 8)) > 1           # 5 tokens on 8 ranks: most shards are padding
 
 
