@@ -16,6 +16,7 @@ from .cost import CostModel
 from .errors import FlexSPError
 from .lengths import get_distribution, load_lengths
 from .profile import cli as profile_cli
+from .replay import cli as replay_cli
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.add_argument("--workers", type=_count(1), default=1,
                      help="plan this many steps at once in separate processes (same results; default 1)")
+    replay_cli.add_simulate_options(sim)
 
     plan = sub.add_parser("plan", help="plan one batch from a lengths file and write the plan JSON")
     plan.add_argument("lengths", type=Path, help="lengths file (.txt, .txt.gz or .npy)")
@@ -121,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--sp-degree", type=_count(1), help="degree for --strategy static")
     plan.add_argument("-o", "--output", type=Path, default=Path("plan.json"))
     profile_cli.add_parser(sub)
+    replay_cli.add_parser(sub)
     return parser
 
 
@@ -152,19 +155,24 @@ def run_simulate(args) -> int:
     _outputs((args.json, "--json"), (args.plot, "--plot"), (args.gantt, "--gantt"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
     strategies = _strategies(args, cluster)
-    cost = _cost(args)
+    cost = replay_cli.apply_bandwidth(_cost(args), args)
     distribution = get_distribution(args.dataset)
     sim = simulate(distribution, cost, cluster, strategies, steps=args.steps, batch_size=args.batch_size,
                    context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet,
-                   communicator_bytes=_communicator_bytes(args), workers=args.workers)
+                   communicator_bytes=_communicator_bytes(args), workers=args.workers, keep_plans=args.replay)
+    replayed = replay_cli.replay_simulation(sim, cost, args, progress=not args.quiet) if args.replay else None
     print(describe(sim))
     print(f"cost model: {cost.meta.get('preset') or cost.meta.get('source') or 'custom'}, "
           f"token capacity {cost.token_capacity:.0f} per GPU")
-    print(format_table(sim))
+    label = replayed.pop("_label") if replayed else None
+    if replayed:
+        print(f"replayed: {label}")
+    print(format_table(sim, replayed=replayed))
     if args.communicator_memory is not None:
         print(format_communicator_memory(sim))
     if args.json:
-        _write(args.json, json.dumps(sim.to_dict(), indent=1) + "\n")
+        data = sim.to_dict() if not replayed else dict(sim.to_dict(), replayed={"label": label, "totals": replayed})
+        _write(args.json, json.dumps(data, indent=1) + "\n")
     if args.plot or args.gantt:
         from .plots import plot_gantt, plot_step_times
         if args.plot:
@@ -206,7 +214,8 @@ def _write(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"simulate": run_simulate, "plan": run_plan, "profile": profile_cli.run}[args.command](args)
+        return {"simulate": run_simulate, "plan": run_plan, "profile": profile_cli.run,
+                "replay": replay_cli.run}[args.command](args)
     except FlexSPError as exc:
         print(f"flexsp {args.command}: error: {exc}", file=sys.stderr)
         return 2

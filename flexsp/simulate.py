@@ -35,6 +35,7 @@ class StrategyRun:
     first_plan: Plan | None = None
     error: str | None = None
     cost: CostModel | None = None        # the model it planned with (capacity less its communicators' memory)
+    plans: list = field(default_factory=list)   # (plan, lengths) per step, when simulate(keep_plans=True)
 
     @property
     def total(self) -> float:
@@ -169,14 +170,15 @@ def plan_steps(batches: Sequence[np.ndarray], cost: CostModel, cluster: Cluster,
 def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster, strategies: list[str], *,
              steps: int = 10, batch_size: int = 512, context: int = 384 * 1024, seed: int = 0,
              time_limit: float = 2.0, progress: bool = True, workers: int = 1,
-             communicator_bytes: float | None = None) -> Simulation:
+             communicator_bytes: float | None = None, keep_plans: bool = False) -> Simulation:
     """Plan ``steps`` batches of ``batch_size`` lengths drawn (seeded) from ``distribution``, with
     the paper's preprocessing: sequences above ``context`` are not drawn, lengths are padded to a
     multiple of 2 x N. A strategy that cannot plan a batch (e.g. a static degree too small for its
     longest sequence) is reported with its error instead of a time. ``workers`` plans that many
     steps at once in separate processes, with the same results as one (see ``plan_steps``). With
     ``communicator_bytes``, each strategy plans with the capacity left after its pool's communicators
-    (``flexsp.communicators``)."""
+    (``flexsp.communicators``). ``keep_plans`` keeps every step's ``(plan, lengths)`` in ``run.plans``
+    (for ``--replay``)."""
     if steps < 1 or batch_size < 1:
         raise FlexSPError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
     pool = distribution.lengths[distribution.lengths <= context]
@@ -190,8 +192,9 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     bounds = [lower_bound(lengths, cost, cluster) for lengths in batches]
     coupled = [coupled_lower_bound(lengths, cost, cluster) for lengths in batches]
     bar = tqdm(total=steps * len(strategies), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
-    for outcomes in plan_steps(batches, cost, cluster, strategies, time_limit=time_limit, workers=workers,
-                               strategy_costs=[runs[name].cost for name in strategies]):
+    planned = plan_steps(batches, cost, cluster, strategies, time_limit=time_limit, workers=workers,
+                         keep_plans=steps if keep_plans else 1, strategy_costs=[runs[name].cost for name in strategies])
+    for lengths, outcomes in zip(batches, planned):
         for name, outcome in zip(strategies, outcomes):
             run = runs[name]
             bar.update(1)
@@ -207,6 +210,8 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
             run.micro_batches.append(outcome.micro_batches)
             run.degrees.update(dict(outcome.degrees))
             run.first_plan = run.first_plan or outcome.plan
+            if keep_plans:
+                run.plans.append((outcome.plan, lengths))
     bar.close()
     return Simulation(distribution.name, distribution.approximate, cluster.num_gpus, context, batch_size, steps,
                       dropped_share, runs, bounds, batches[0], coupled, communicator_bytes)
@@ -228,16 +233,19 @@ def format_communicator_memory(sim: Simulation) -> str:
                      + [describe_reservation(run.cost, f"  {name}: ") for name, run in sim.runs.items()])
 
 
-def format_table(sim: Simulation, reference: str = "flexsp") -> str:
-    """Markdown table: one row per strategy."""
+def format_table(sim: Simulation, reference: str = "flexsp", replayed: dict | None = None) -> str:
+    """Markdown table: one row per strategy. ``replayed`` (strategy -> seconds, from
+    ``flexsp.replay.cli.replay_simulation``) adds the measured-compute total and speedup."""
     lb_total, coupled_total = sum(sim.lower_bounds), sum(sim.coupled_bounds) or float("nan")
     head = ("| strategy | total time (s) | mean step (s) | / lower bound | / coupled bound | "
             f"{reference} speedup | mean micro-batches | SP degrees used (groups) | communicators per rank | "
             "solve mean / max (s) |")
-    lines = [head, "|" + "---|" * 10]
+    if replayed:
+        head += f" replayed total (s) | {reference} speedup (replayed) |"
+    lines = [head, "|" + "---|" * (12 if replayed else 10)]
     for name, run in sim.runs.items():
         if run.error:
-            lines.append(f"| {name} | infeasible: {run.error} | | | | | | | | |")
+            lines.append(f"| {name} | infeasible: {run.error} | | | | | | | | |" + (" | |" if replayed else ""))
             continue
         hist = " ".join(f"{d}x{c}" for d, c in sorted(run.degrees.items()))
         speed = sim.speedup(reference, name) if reference in sim.runs and not sim.runs[reference].error else float("nan")
@@ -245,6 +253,10 @@ def format_table(sim: Simulation, reference: str = "flexsp") -> str:
                      f"{run.total / coupled_total:.3f} | "
                      f"{speed:.2f}x | {np.mean(run.micro_batches):.2f} | {hist} | {communicators(run.degrees)} | "
                      f"{np.mean(run.solve_times):.3f} / {np.max(run.solve_times):.3f} |")
+        if replayed:
+            mine, ref = replayed.get(name), replayed.get(reference)
+            lines[-1] += (" not replayed | |" if mine is None else
+                          f" {mine:.3f} | {mine / ref:.2f}x |" if ref else f" {mine:.3f} | |")
     return "\n".join(lines)
 
 

@@ -55,6 +55,8 @@ class DeviceSetup:
             dtype = "bf16" if dev.type == "cuda" else "fp32"
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or auto")
+        if backend == "auto" and dev.type == "cpu":
+            backend = "sdpa_each"   # per-sequence work (sum of s^2) as a GPU varlen kernel does, not T^2
         return cls(dev, DTYPES[dtype], backend)
 
     def sync(self) -> None:

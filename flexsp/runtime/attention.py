@@ -45,7 +45,7 @@ try:
 except Exception:  # an older torch
     AuxRequest = varlen_attn = None
 
-BACKENDS = ("auto", "varlen", "flash", "sdpa", "reference")
+BACKENDS = ("auto", "varlen", "flash", "sdpa", "sdpa_each", "reference")
 Bounds = Sequence[int] | torch.Tensor
 
 
@@ -159,6 +159,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Bounds
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     if kernel == "reference":
         return reference(q, k, v, cu_seqlens, scale=scale)
+    if kernel == "sdpa_each":
+        return _sdpa_each(q, k, v, cu_seqlens, scale)
     cu = _bounds_tensor(cu_seqlens, tokens, q.device, "cu_seqlens")
     real = _real_rows(cu, tokens)[:, None, None]
     if kernel == "sdpa":
@@ -175,6 +177,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Bounds
         else:  # flash-attn reads kv head h // (heads / kv_heads) itself, like varlen_attn's enable_gqa
             out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
     return torch.where(real, out, out.new_zeros(()))   # padding rows: zero output, no gradient
+
+
+def _sdpa_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Bounds, scale: float) -> torch.Tensor:
+    """One causal SDPA call per sequence: the work of a varlen kernel (sum of s^2, not the packed
+    stream's T^2 that the block-diagonal ``sdpa`` pays), at the price of reading the bounds on the host
+    and a Python loop per layer. For measuring compute on a CPU (``flexsp profile``, ``flexsp replay``);
+    ``auto`` never picks it."""
+    bounds = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    _check_bounds(bounds, q.shape[0], "cu_seqlens")
+    gqa = k.shape[1] != q.shape[1]
+    parts = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                            is_causal=True, scale=scale, enable_gqa=gqa).transpose(0, 1)
+             for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    pad = q.shape[0] - bounds[-1]
+    if pad:
+        parts.append(q.new_zeros(pad, q.shape[1], q.shape[2]))
+    return torch.cat(parts) if parts else q.new_zeros(q.shape)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Bounds,

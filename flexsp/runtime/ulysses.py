@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,35 @@ class ShardingError(FlexSPError):
     """The model's heads cannot be split over the SP degree asked for."""
 
 
+class Exchange(Protocol):
+    """The two Ulysses trades one rank makes. Training uses ``AllToAllExchange``; ``flexsp.replay``
+    substitutes a local stand-in that yields the same post-exchange shapes without a process group."""
+
+    @property
+    def degree(self) -> int: ...
+
+    def seq_to_head(self, x: torch.Tensor) -> torch.Tensor: ...   # [tokens/d, heads, dim] -> [tokens, heads/d, dim]
+
+    def head_to_seq(self, x: torch.Tensor) -> torch.Tensor: ...   # the inverse
+
+
+@dataclass(frozen=True)
+class AllToAllExchange:
+    """The real exchange: an autograd all-to-all over the SP group (identity for None / size 1)."""
+
+    group: dist.ProcessGroup | None
+
+    @property
+    def degree(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def seq_to_head(self, x: torch.Tensor) -> torch.Tensor:
+        return seq_to_head(x, self.group)
+
+    def head_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        return head_to_seq(x, self.group)
+
+
 @dataclass(frozen=True)
 class AttentionContext:
     """What every attention layer of one forward pass needs: the SP group and the packed layout.
@@ -31,6 +60,7 @@ class AttentionContext:
     or reads it on the host. ``max_seqlen`` is a host int for the kernels. ``group`` is None for degree 1.
     ``ring`` (a ``flexsp.runtime.ring.RingContext``) is set for a Ulysses x ring group: then ``group``
     is the Ulysses sub-group and ``cu_seqlens`` bounds this rank's ring shard.
+    ``exchange`` replaces the all-to-all over ``group`` (replay's local stand-in); None means the real one.
     """
 
     cu_seqlens: torch.Tensor
@@ -38,10 +68,15 @@ class AttentionContext:
     group: dist.ProcessGroup | None = None
     backend: str = "auto"
     ring: "RingContext | None" = None   # noqa: F821 - flexsp.runtime.ring.RingContext
+    exchange: Exchange | None = None
+
+    @property
+    def trades(self) -> Exchange:
+        return self.exchange if self.exchange is not None else AllToAllExchange(self.group)
 
     @property
     def degree(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
+        return self.trades.degree
 
     @classmethod
     def packed(cls, bounds: Sequence[int], device: torch.device | str | None = None, *,
@@ -93,6 +128,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
     r = d // math.gcd(kv_heads, d)
     if r > 1:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    q, k, v = (seq_to_head(t, ctx.group) for t in (q, k, v))
+    trades = ctx.trades
+    q, k, v = (trades.seq_to_head(t) for t in (q, k, v))
     out = attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend)
-    return head_to_seq(out, ctx.group)
+    return trades.head_to_seq(out)

@@ -41,13 +41,14 @@ def _close(a, b, **tol):
     torch.testing.assert_close(a, b, **(tol or TOL))
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_each"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("as_tensor", [False, True])
-def test_sdpa_matches_reference_forward_and_backward(heads, kv_heads, as_tensor):
+def test_sdpa_matches_reference_forward_and_backward(heads, kv_heads, as_tensor, backend):
     q, k, v = _qkv(15, heads, kv_heads)
     cu = (0, 6, 7, 7, 13)                    # four sequences (one empty), then two padding tokens
     given = torch.tensor(cu, dtype=torch.int32) if as_tensor else cu
-    out_s, grads_s = _run("sdpa", q, k, v, given, max_seqlen=6)
+    out_s, grads_s = _run(backend, q, k, v, given, max_seqlen=6)
     out_r, grads_r = _run("reference", q, k, v, cu)
     _close(out_s, out_r)
     for a, b in zip(grads_s, grads_r):
