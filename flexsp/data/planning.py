@@ -2,10 +2,10 @@
 
 The paper's solver takes seconds per batch; hidden behind the previous step's compute it costs
 nothing, but only if it does not compete with the training loop for the interpreter: a solver
-thread holds the GIL for most of its run and slowed a CPU-bound Python loop to about 0.67x. So the
+thread holds the GIL for most of its run (a CPU-bound Python loop slowed to about 0.67x). So the
 solver runs in a **spawned** process (``mode="process"``: a fresh interpreter, no fork of a process
-holding CUDA or torch state). The loop's side sends each batch's lengths and receives the plan as a few flat
-integer arrays (``pack_plan``), so its own work per step is a pipe read and a cheap rebuild. A
+holding CUDA or torch state). The loop's side sends each batch's lengths and receives the plan as a
+few flat integer arrays (``pack_plan``), so its own work per step is a pipe read and a rebuild. A
 solver that cannot be pickled (a lambda, a closure) runs in a thread instead (``mode="auto"``).
 
 ``AsyncPlanner`` keeps at most ``lookahead`` batches submitted beyond the one the loop last took,
