@@ -63,8 +63,11 @@ class TrainingStep:
         self.model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.x = torch.randn(32, 128)
-        self.reps = 1
         self.reps = max(1, round(seconds / self._time_one()))
+        for _ in range(2):   # rescale on whole steps: a short calibration misjudges a busy machine
+            started = time.perf_counter()
+            self()
+            self.reps = max(1, round(self.reps * seconds / (time.perf_counter() - started)))
 
     def _one(self) -> float:
         loss = self.model(self.x).square().mean()

@@ -2,10 +2,10 @@
 
 The paper's solver takes seconds per batch; hidden behind the previous step's compute it costs
 nothing, but only if it does not compete with the training loop for the interpreter: a solver
-thread holds the GIL for most of its run and slowed a CPU-bound Python loop to about 0.67x. So the
+thread holds the GIL for most of its run (a CPU-bound Python loop slowed to about 0.67x). So the
 solver runs in a **spawned** process (``mode="process"``: a fresh interpreter, no fork of a process
-holding CUDA or torch state). The loop's side sends each batch's lengths and receives the plan as a few flat
-integer arrays (``pack_plan``), so its own work per step is a pipe read and a cheap rebuild. A
+holding CUDA or torch state). The loop's side sends each batch's lengths and receives the plan as a
+few flat integer arrays (``pack_plan``), so its own work per step is a pipe read and a rebuild. A
 solver that cannot be pickled (a lambda, a closure) runs in a thread instead (``mode="auto"``).
 
 ``AsyncPlanner`` keeps at most ``lookahead`` batches submitted beyond the one the loop last took,
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 Solver = Callable[[np.ndarray], Plan]
 MODES = ("auto", "process", "thread")
 _POLL = 0.05   # seconds between checks for a stop request or a dead worker
-PLANNER_NICE = 10   # the planner process yields the CPU to the training loop when cores are short
 
 
 @dataclass(frozen=True)
@@ -304,9 +303,8 @@ class AsyncPlanner:
 
 
 _WORKER = """
-import os, sys
+import sys
 from multiprocessing.connection import Connection
-os.nice(int(sys.argv[3]))
 tasks, results = Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
 sys.path[:] = tasks.recv()   # the launching process's import path, so the solver unpickles here too
 from flexsp.data.planning import _serve
@@ -314,20 +312,24 @@ _serve(tasks, results, tasks.recv())
 """
 
 
+# the planner is one sequential search: its numpy / BLAS must not spread over the training loop's cores
+_ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
 class _ProcessBackend:
     """A freshly spawned interpreter (``sys.executable``) and two one-way pipes.
 
     Started with ``subprocess`` rather than ``multiprocessing``: it does not re-import the launching
     script, and it works inside daemonic processes (multiprocessing workers may not have children).
-    It runs ``nice``-r than the loop: with lookahead it has slack, the training step has none.
     """
 
-    def __init__(self, solve: Solver, nice: int = PLANNER_NICE) -> None:
+    def __init__(self, solve: Solver) -> None:
         task_read, task_write = os.pipe()
         result_read, result_write = os.pipe()
         try:
-            self._process = subprocess.Popen([sys.executable, "-c", _WORKER, str(task_read), str(result_write), str(nice)],
-                                             pass_fds=(task_read, result_write), stdin=subprocess.DEVNULL)
+            self._process = subprocess.Popen([sys.executable, "-c", _WORKER, str(task_read), str(result_write)],
+                                             pass_fds=(task_read, result_write), stdin=subprocess.DEVNULL,
+                                             env={**os.environ, **_ONE_THREAD})
         except BaseException:
             for fd in (task_read, task_write, result_read, result_write):
                 os.close(fd)
