@@ -45,4 +45,4 @@ def reference(model, sequences) -> tuple:
     loss = F.cross_entropy(logits, packed.labels, reduction="sum") / loss_tokens([len(s) for s in sequences])
     loss.backward()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
-    return float(loss), grads.detach()
+    return float(loss.detach()), grads.detach()
