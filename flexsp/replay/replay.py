@@ -51,7 +51,8 @@ def check_replayable(plan: Plan, lengths: Sequence[int], cost: CostModel, model:
             where = f"micro-batch {m} group {j}"
             if g.ring > 1:
                 raise PlanError(f"{where}: a Ulysses x ring group ({g.ulysses} x {g.ring}) cannot be replayed: the "
-                                f"runtime has no ring-attention axis; plan with plan_batch(..., ulysses_only=True)")
+                                f"replay has no local stand-in for the ring's K/V passing yet (training runs such groups); "
+                                f"replay plans made with plan_batch(..., ulysses_only=True)")
             try:
                 check_heads(model.heads, model.kv_heads, g.degree)
             except ShardingError as exc:
