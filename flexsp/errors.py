@@ -14,7 +14,7 @@ class CostModelError(FlexSPError):
 
 
 class PlanError(FlexSPError):
-    """A plan breaks a rule of DESIGN.md, a plan file is corrupt, or a batch cannot be planned."""
+    """A plan breaks a rule of docs/design.md ("Plan rules"), a plan file is corrupt, or a batch cannot be planned."""
 
 
 class LengthsError(FlexSPError):
