@@ -11,7 +11,7 @@ from .failures import FailureChannel, RankFailure, agree
 from .fsdp import prepare_model, runtime_sharding
 from .groups import GroupPool, PoolStats, init_distributed
 from .model import ModelConfig, TinyLM
-from .packing import IGNORE_INDEX, PackedGroup, Shard, loss_tokens, pack
+from .token_packing import IGNORE_INDEX, PackedGroup, Shard, loss_tokens, pack
 from .protocol import SPModel, chunked_cross_entropy
 from .ring import RingContext, ring_attention
 from .ulysses import AttentionContext, ShardingError, ulysses_attention
