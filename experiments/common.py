@@ -100,11 +100,18 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, object]], columns: Sequenc
     return path
 
 
-def write_markdown(path: Path, title: str, body: str, started: float, quick: bool) -> Path:
+SIMULATED = ("**Simulated, not measured**: times are predicted by the paper's published cost model "
+             "(`CostModel.from_preset`, GPT-7B/13B/30B constants for 64 x A100-40GB); solve times, where shown, "
+             "are measured on this project's 2-core shared CPU.")
+
+
+def write_markdown(path: Path, title: str, body: str, started: float, quick: bool, label: str = SIMULATED) -> Path:
+    """``label`` says what the figures are (simulated with which cost model, or measured on what)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = "quick mode (CI smoke run, not the paper's protocol)" if quick else "full mode"
     command = "python " + " ".join([Path(sys.argv[0]).as_posix().split("/main/")[-1], *sys.argv[1:]])
-    path.write_text(f"## {title}\n\n{body}\n\n_{mode}; `{command}`; {time.time() - started:.0f} s on this machine._\n")
+    head = f"{label}\n\n" if label else ""
+    path.write_text(f"## {title}\n\n{head}{body}\n\n_{mode}; `{command}`; {time.time() - started:.0f} s on this machine._\n")
     return path
 
 

@@ -223,7 +223,7 @@ Groups of flexsp's first plan ([Gantt chart](replay_cpu.png), predicted above, r
 {format_groups(flexsp_report)}
 """
     md = common.write_markdown(out / "replay_cpu.md", "Replay on one device: measured compute vs the CPU cost model",
-                               body, started, args.quick)
+                               body, started, args.quick, label="")   # the body says what was measured
     (out / "replay_cpu.json").write_text(json.dumps({"label": label, "bandwidth": {str(d): f for d, f in fits.items()},
                                                      "rows": rows, "reports": reports,
                                                      "refit": refit.to_dict()}, indent=1) + "\n")

@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, port: int, lengths, splits, reps: int, queue)
 
     from flexsp.plan import Group
     from flexsp.runtime.groups import GroupPool
-    from flexsp.runtime.packing import pack
+    from flexsp.runtime.token_packing import pack
     from flexsp.runtime.ring import RingContext, ring_inputs
     from flexsp.runtime.ulysses import AttentionContext, ulysses_attention
 

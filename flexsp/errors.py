@@ -1,5 +1,7 @@
 """One exception family per concern, all catchable as ``FlexSPError``."""
 
+import argparse
+
 
 class FlexSPError(ValueError):
     """Base class: every error FlexSP raises on bad input is one of these."""
@@ -14,8 +16,13 @@ class CostModelError(FlexSPError):
 
 
 class PlanError(FlexSPError):
-    """A plan breaks a rule of DESIGN.md, a plan file is corrupt, or a batch cannot be planned."""
+    """A plan breaks a rule of docs/design.md ("Plan rules"), a plan file is corrupt, or a batch cannot be planned."""
 
 
 class LengthsError(FlexSPError):
     """A batch of sequence lengths is empty or holds non-positive / non-integer lengths."""
+
+
+class SizeError(FlexSPError, argparse.ArgumentTypeError):
+    """A size written on the command line (``384K``, ``2M``) is not a whole number in range. Also an
+    ``ArgumentTypeError`` so that argparse prints its message as is."""

@@ -267,13 +267,13 @@ _APPROXIMATION_CAP = 2 ** 21
 BUILTIN_DISTRIBUTIONS = ("wikipedia", *_APPROXIMATIONS)
 
 _WIKIPEDIA_SOURCE = ("1,000,000 sampled Wikipedia document lengths (tokens) from the public FlexSP "
-                     "reference release (Apache-2.0); see flexsp/data/ATTRIBUTION.md")
+                     "reference release (Apache-2.0); see flexsp/lengths_data/ATTRIBUTION.md")
 
 
 @functools.lru_cache(maxsize=1)
 def _wikipedia_lengths() -> np.ndarray:
     """The bundled sample, parsed once per process (read-only, so sharing it is safe)."""
-    with resources.as_file(resources.files("flexsp") / "data" / "wikipedia.txt.gz") as path:
+    with resources.as_file(resources.files("flexsp") / "lengths_data" / "wikipedia.txt.gz") as path:
         lengths = load_lengths(path)
     lengths.flags.writeable = False
     return lengths

@@ -100,7 +100,7 @@ class Plan:
     # --- rules --------------------------------------------------------------------------------
     def validate(self, lengths: Sequence[int] | None = None, cost: "CostModel | None" = None,
                  cluster: "Cluster | None" = None, *, aligned: bool = True, rel_tol: float = 1e-6) -> None:
-        """Raise ``PlanError`` naming the first broken rule of DESIGN.md; return None when valid.
+        """Raise ``PlanError`` naming the first broken rule of docs/design.md; return None when valid.
 
         Checks that need data are skipped without it: exactly-once needs ``lengths``; memory and
         predicted time need ``lengths`` and ``cost``; node containment needs ``cluster``.

@@ -1,4 +1,4 @@
-"""The paper's published cost-model constants for GPT-7B/13B/30B on 64 x A100-40GB (DESIGN.md).
+"""The paper's published cost-model constants for GPT-7B/13B/30B on 64 x A100-40GB (docs/design.md, "Cost model").
 
 Times were published in ms and memory in MB; we store seconds and bytes. Bandwidths are in the
 reference's "MB per ms" (a time in ms is MB / v), so bytes/s = v * 2**20 * 1000. The memory model:

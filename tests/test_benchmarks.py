@@ -10,9 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # script -> text its Markdown must contain
 EXPECTED = {
     "planner_benchmark": ["FlexSP solve time: median", "plan / lower bound: mean", "plan / coupled bound: mean",
-                          "speedup over static SP 64"],
+                          "speedup over static SP 64", "**simulated**", "<!-- generated: readme -->"],
     "scale_benchmark": ["| wikipedia | 64 |", "| long-mix | 256 |", "| gpt-7b-constants | 256 |", "plan / coupled bound",
-                        "Past the time limit", "communicators per rank"],
+                        "Past the time limit", "communicators per rank", "**simulated**",
+                        "<!-- generated: readme -->"],
     "dynamic_cp_benchmark": ["FlexSP speedup over dynamic-cp"],
 }
 
@@ -36,3 +37,31 @@ def test_loader_benchmark_quick_mode(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     text = (tmp_path / "loader.md").read_text()
     assert "loop throughput with background planning in a process" in text and "in a thread" in text
+
+
+def _script(name):
+    import importlib
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+
+
+def test_planner_readme_block_marks_missed_targets():
+    bench = _script("planner_benchmark")
+    good = {"median_solve": 0.5, "max_solve": 2.0, "mean_ratio": 1.05, "max_ratio": 1.1, "mean_coupled": 1.04,
+            "max_coupled": 1.1, "speedup_static64": 1.8, "speedup_batchada": 1.2}
+    text = bench.readme_block(good, 1.0)
+    assert "missed" not in text and text.count(": met") == 3
+    bad = dict(good, median_solve=1.363, mean_ratio=1.0862, speedup_static64=1.5)
+    text = bench.readme_block(bad, 1.0)
+    assert "**median missed**" in text and "**missed by 0.6%**" in text and ">= 1.6x: **missed**" in text
+
+
+def test_scale_readme_block_keeps_the_target_sizes():
+    bench = _script("scale_benchmark")
+    rows = [f"| wikipedia | {n:,} |" for n in (64, 1024, 16384)]
+    text = bench.readme_block(["| h |", "|---|"], rows, [64, 1024, 16384], 2.0)
+    assert "| wikipedia | 64 |" not in text and "| wikipedia | 1,024 |" in text and "**simulated**" in text
+    assert "| wikipedia | 64 |" in bench.readme_block(["| h |"], rows[:1], [64], 2.0)   # --quick: nothing >= 1,024

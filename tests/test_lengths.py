@@ -146,7 +146,7 @@ def test_bundled_wikipedia_matches_design_md():
 
 
 def test_bundled_data_ships_with_attribution():
-    data = Path(__import__("flexsp").__file__).parent / "data"
+    data = Path(__import__("flexsp").__file__).parent / "lengths_data"
     text = (data / "ATTRIBUTION.md").read_text()
     assert "Apache" in text and "approximation" in text.lower()
 

@@ -4,8 +4,8 @@
 batches from a map-style dataset, plans each with ``plan_batch`` in a background process, and yields
 for this rank the packed shards of every micro-batch it takes part in. The torch-free parts
 (config, batching, planning, lengths) import without torch; ``FlexSPLoader``, ``Step`` and
-``MicroBatchShard`` load torch on first use. This folder also holds package data
-(``wikipedia.txt.gz``), read by ``flexsp.lengths``.
+``MicroBatchShard`` load torch on first use. The bundled length distributions are not here:
+``flexsp/lengths_data/`` holds them, read by ``flexsp.lengths``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Turn this rank's part of a plan into tensors: fetch a group's items, pack them, keep this rank's shard.
 
-Packing itself is ``flexsp.runtime.packing.pack`` (the same code the executor runs), so a loader
+Packing itself is ``flexsp.runtime.token_packing.pack`` (the same code the executor runs), so a loader
 step and ``StepExecutor.step`` see identical shards.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import Group
-from ..runtime.packing import pack
+from ..runtime.token_packing import pack
 from ..runtime.zigzag import zigzag_pack
 from ..runtime.ulysses import AttentionContext
 from .errors import LoaderError

@@ -26,7 +26,7 @@ from ..cost import CostModel
 from ..plan import Plan
 from ..runtime.agreement import ControlGroup, describe
 from ..runtime.groups import GroupPool
-from ..runtime.packing import loss_tokens
+from ..runtime.token_packing import loss_tokens
 from ..runtime.ring import ring_context
 from ..sharding import assumed as assumed_sharding
 from .batching import EpochBatches

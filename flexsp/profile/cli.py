@@ -9,30 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 from ..errors import FlexSPError
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
-
-
-def _count(text: str) -> int:
-    """``4096``, ``4K`` (x1024), ``1M`` (x1024^2), ``1G``."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a count like 4096, 4K or 1M, got {text!r}")
-    return int(float(match.group(1)) * 1024 ** "_kmg".index(match.group(2).lower() or "_"))
-
-
-def _counts(text: str) -> list[int]:
-    values = [_count(t) for t in str(text).split(",") if t.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive counts like 256,1K,4K, got {text!r}")
-    return values
+from ..units import parse_sizes
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,11 +44,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default torch's; 1 is steadier on a shared machine)")
     s = p.add_argument_group("sweeps")
-    s.add_argument("--lengths", type=_counts, default=None,
+    s.add_argument("--lengths", type=parse_sizes, default=None,
                    help="sequence lengths for the compute sweep (default CPU 128..4K, GPU 1K..32K)")
-    s.add_argument("--memory-lengths", type=_counts, default=None, help="lengths for the memory profile "
+    s.add_argument("--memory-lengths", type=parse_sizes, default=None, help="lengths for the memory profile "
                                                                         "(default: the 3 longest sweep lengths)")
-    s.add_argument("--comm-sizes", type=_counts, default=None,
+    s.add_argument("--comm-sizes", type=parse_sizes, default=None,
                    help="per-rank all-to-all bytes (default CPU 64K..4M, GPU 1M..256M)")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--warmup", type=int, default=1)

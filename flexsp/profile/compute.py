@@ -24,7 +24,7 @@ from torch import nn
 
 from ..analytic import ModelSpec
 from ..runtime.model import ModelConfig, TinyLM
-from ..runtime.packing import IGNORE_INDEX, Shard, pack
+from ..runtime.token_packing import IGNORE_INDEX, Shard, pack
 from ..runtime.ulysses import AttentionContext
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

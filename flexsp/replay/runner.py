@@ -29,7 +29,7 @@ from ..analytic import ModelSpec
 from ..errors import FlexSPError
 from ..profile.compute import CLOCKS, DeviceSetup, model_config
 from ..runtime.model import TinyLM
-from ..runtime.packing import IGNORE_INDEX, pack
+from ..runtime.token_packing import IGNORE_INDEX, pack
 from ..runtime.ulysses import AttentionContext
 from .exchange import LocalExchange
 

@@ -6,6 +6,11 @@ user-set timeout for small host-side agreements: each rank reports its outcome o
 step, writing a checkpoint) and every rank raises the same error if any rank failed, or a clear
 timeout error if some rank never arrived (hung or dead). gloo keeps these tiny exchanges on the host,
 off the GPU stream, whatever the training backend.
+
+Used by the loader (plan broadcast, data errors) and by checkpoints. The executor's step uses
+``flexsp.runtime.failures`` instead (``agree`` on the training group, ``FailureChannel`` inside a
+step): its checks are local, so every rank arrives and no timeout or extra group is needed there;
+that module's docstring says why the two are not merged.
 """
 from __future__ import annotations
 

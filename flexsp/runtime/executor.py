@@ -32,7 +32,7 @@ from ..plan import Group, Plan
 from .failures import FailureChannel, RankFailure, agree
 from .fsdp import is_sharded, runtime_sharding
 from .groups import GroupPool
-from .packing import IGNORE_INDEX, PAD_TOKEN, loss_tokens, pack
+from .token_packing import IGNORE_INDEX, PAD_TOKEN, loss_tokens, pack
 from .ring import ring_inputs
 from .ulysses import AttentionContext, ShardingError, check_heads
 

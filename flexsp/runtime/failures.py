@@ -14,6 +14,15 @@ Two phases of a step need two mechanisms:
   collective: peers return when the failed process exits (its sockets close: immediate) or at the
   process group's timeout. Either way each rank then raises ``RankFailure`` with the recorded
   message. The world is unusable afterwards: let the exception end the process (torchrun restarts).
+
+Why ``flexsp.runtime.agreement`` exists beside this module: ``agree`` runs on the *training* group the
+executor already uses (NCCL on GPUs, so no extra communicator and no extra group creation), has no
+timeout of its own (every rank is sure to arrive: the checks before it are local) and re-raises the
+failing rank's own error type. ``agreement.ControlGroup`` serves host-side phases where a rank may
+*not* arrive (a data read or a checkpoint write that hangs): it needs its own gloo group with a
+user-set timeout, created collectively up front, and reports "<phase> failed on rank r" in the
+caller's error class. Merging them would either add a gloo group and a timeout to every step or drop
+the timeout from the loader and checkpoints, and change the errors users see; so both stay, one job each.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Creating a communicator is a collective over the whole world and slow (NCCL: hundreds of ms), so a
 plan must never create one mid-step. Plans place a group of degree ``d`` on an aligned block of ranks
-``[k*d, (k+1)*d)`` (DESIGN.md), so the pool builds exactly those blocks up front: each rank then
+``[k*d, (k+1)*d)`` (docs/design.md, "Plan rules"), so the pool builds exactly those blocks up front: each rank then
 holds one communicator per degree > 1, at most ``log2(N)`` of them. Degree 1 needs none.
 Communicators are connected eagerly: NCCL creates them lazily at their first collective, so the
 pool runs one tiny all-reduce on each of its groups (and the world) right after creating them;

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .packing import IGNORE_INDEX
+from .token_packing import IGNORE_INDEX
 from .ulysses import AttentionContext
 
 LOSS_CHUNK_TOKENS = 4096   # tokens whose logits exist at once in shard_loss (fp32: 4096 x vocab x 4 bytes)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
-from .packing import IGNORE_INDEX, PAD_TOKEN
+from .token_packing import IGNORE_INDEX, PAD_TOKEN
 
 
 def chunk_bounds(lengths: np.ndarray, ring: int) -> np.ndarray:

@@ -13,7 +13,7 @@ from runtime.distributed import run_distributed  # noqa: E402  (the shared helpe
 import flexsp  # noqa: E402
 from flexsp.data import FlexSPLoader, LoaderConfig  # noqa: E402
 from flexsp.runtime import GroupPool, ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.packing import IGNORE_INDEX, pack  # noqa: E402
+from flexsp.runtime.token_packing import IGNORE_INDEX, pack  # noqa: E402
 
 WORLD = 4
 NUM_SEQS = 44

@@ -6,7 +6,7 @@ from helpers import NUM_GPUS, cluster, cost_model, token_lists
 torch = pytest.importorskip("torch")
 
 from flexsp.data import FlexSPLoader, LoaderConfig, LoaderError  # noqa: E402
-from flexsp.runtime.packing import IGNORE_INDEX, pack  # noqa: E402
+from flexsp.runtime.token_packing import IGNORE_INDEX, pack  # noqa: E402
 
 # greedy is deterministic, so four stand-in ranks solving alone agree; the 4-process tests use flexsp
 CONFIG = LoaderConfig(batch_size=8, seed=3, strategy="greedy")

@@ -10,7 +10,7 @@ from flexsp.replay.exchange import LocalExchange  # noqa: E402
 from flexsp.replay.runner import replay_context  # noqa: E402
 from flexsp.runtime import ulysses  # noqa: E402
 from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.packing import pack  # noqa: E402
+from flexsp.runtime.token_packing import pack  # noqa: E402
 from flexsp.runtime.ulysses import AllToAllExchange, AttentionContext  # noqa: E402
 
 from runtime.distributed import run_distributed  # noqa: E402

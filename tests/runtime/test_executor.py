@@ -13,7 +13,7 @@ from flexsp.runtime.executor import StepExecutor  # noqa: E402
 from flexsp.runtime.fsdp import prepare_model  # noqa: E402
 from flexsp.runtime.groups import GroupPool  # noqa: E402
 from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.packing import PAD_TOKEN, loss_tokens  # noqa: E402
+from flexsp.runtime.token_packing import PAD_TOKEN, loss_tokens  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 

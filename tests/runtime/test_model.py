@@ -4,7 +4,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.packing import pack  # noqa: E402
+from flexsp.runtime.token_packing import pack  # noqa: E402
 from flexsp.runtime.ulysses import ShardingError  # noqa: E402
 
 CFG = ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)

@@ -9,7 +9,7 @@ from flexsp.runtime.executor import StepExecutor  # noqa: E402
 from flexsp.runtime.fsdp import prepare_model  # noqa: E402
 from flexsp.runtime.groups import GroupPool  # noqa: E402
 from flexsp.runtime.model import ModelConfig, TinyLM, rotate  # noqa: E402
-from flexsp.runtime.packing import pack  # noqa: E402
+from flexsp.runtime.token_packing import pack  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 

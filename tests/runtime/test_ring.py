@@ -12,7 +12,7 @@ from flexsp.runtime.attention import attend  # noqa: E402
 from flexsp.runtime.executor import StepExecutor  # noqa: E402
 from flexsp.runtime.groups import GroupPool  # noqa: E402
 from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.packing import loss_tokens  # noqa: E402
+from flexsp.runtime.token_packing import loss_tokens  # noqa: E402
 from flexsp.runtime.ring import ring_inputs  # noqa: E402
 from flexsp.runtime.ulysses import ulysses_attention  # noqa: E402
 from flexsp.runtime.zigzag import zigzag_layout  # noqa: E402
@@ -134,7 +134,7 @@ def _planned():
 def _loader_step(pool, limit):
     """One step the way examples/train.py runs it: FlexSPLoader plans (2-head cost model) and shards."""
     from flexsp.data import FlexSPLoader, LoaderConfig
-    from flexsp.runtime.packing import IGNORE_INDEX
+    from flexsp.runtime.token_packing import IGNORE_INDEX
     import torch.distributed as dist
     batch = _batch()
     cost, cluster = _cost(limit), flexsp.Cluster(num_gpus=8, gpus_per_node=8)
