@@ -7,16 +7,8 @@ from hypothesis import strategies as st
 
 import flexsp
 from flexsp.bounds import coupled_lower_bound, lower_bound
-from test_planner import make_cost
+from test_planner import make_cost, tiny_instances
 from validator import brute_force_optimum
-
-
-@st.composite
-def tiny_instances(draw):
-    num_gpus = draw(st.sampled_from([1, 2, 4, 8]))
-    capacity = draw(st.integers(50, 400))
-    lengths = draw(st.lists(st.integers(1, capacity * num_gpus), min_size=1, max_size=6))
-    return flexsp.Cluster(num_gpus, 8), make_cost(capacity, num_gpus, draw(st.integers(0, 99))), lengths
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
