@@ -28,7 +28,6 @@ from solver.costs import DegreeCosts
 
 from .cluster import Cluster
 from .cost import CostModel
-from .planner import usable_degrees
 
 # Length buckets of the LP (each costed at its shortest member: a relaxation, so still a bound),
 # and how many of the longest sequences get a bucket of their own (they set the critical path).
@@ -47,7 +46,7 @@ def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | No
     """Every sequence at its cheapest degree (GPU-seconds) spread perfectly over all GPUs, plus
     beta1 for each of the fewest micro-batches whose memory could hold the batch."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    costs = cost.degree_costs(usable_degrees(cluster, max_degree, degrees))
+    costs = cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
     area = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
     micro_batches = max(1, math.ceil(lengths.sum() / (cost.token_capacity * cluster.num_gpus) - 1e-12))
     return float(area.sum()) / cluster.num_gpus + cost.beta1 * micro_batches
@@ -59,7 +58,7 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     ``lower_bound`` (nor below the slowest sequence at its fastest degree plus the micro-batches'
     beta1)."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    costs = cost.degree_costs(usable_degrees(cluster, max_degree, degrees))
+    costs = cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
     n = cluster.num_gpus
     times = costs.times(lengths)                                     # inf where it cannot fit
     area = (times * np.asarray(costs.degrees)[None, :]).min(axis=1)

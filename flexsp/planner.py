@@ -8,6 +8,7 @@ keeps every group of at most a node's size inside one node.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Iterable
 
 import numpy as np
@@ -19,7 +20,7 @@ from solver.schedule import Schedule
 from solver.search import Infeasible, SearchOptions, flexsp, greedy
 
 from .arguments import STRATEGIES, check_plan_arguments
-from .cluster import Cluster
+from .cluster import Cluster, aligned_block
 from .cost import CostModel
 from .errors import PlanError
 from .plan import Group, MicroBatch, Plan
@@ -27,20 +28,10 @@ from .plan import Group, MicroBatch, Plan
 
 def usable_degrees(cluster: Cluster, max_degree: int | None = None,
                    degrees: Iterable[int] | None = None) -> tuple[int, ...]:
-    """The SP degrees a plan may use: powers of two up to N, optionally at most ``max_degree`` and
-    only those in ``degrees`` (each degree in use costs every member rank a communicator)."""
-    usable = cluster.degrees
-    if degrees is not None:
-        wanted = sorted(set(int(d) for d in degrees))
-        bad = [d for d in wanted if d not in cluster.degrees]
-        if bad or not wanted:
-            raise PlanError(f"degrees {bad or wanted} are not usable: choose powers of two from {list(cluster.degrees)}")
-        usable = tuple(wanted)
-    if max_degree is not None:
-        usable = tuple(d for d in usable if d <= max_degree)
-        if not usable:
-            raise PlanError(f"max_degree={max_degree} leaves no SP degree (need >= 1)")
-    return usable
+    """Deprecated: ``cluster.usable_degrees(max_degree, degrees)``."""
+    warnings.warn("flexsp.planner.usable_degrees is deprecated; use Cluster.usable_degrees",
+                  DeprecationWarning, stacklevel=2)
+    return cluster.usable_degrees(max_degree, degrees)
 
 
 def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch, ...]:
@@ -51,7 +42,7 @@ def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch
     for groups in schedule.micro_batches:
         offset, placed = 0, []
         for g in sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0)):
-            placed.append(Group(ranks=tuple(range(offset, offset + g.degree)), seq_ids=tuple(g.seq_ids.tolist()),
+            placed.append(Group(ranks=aligned_block(offset // g.degree, g.degree), seq_ids=tuple(g.seq_ids.tolist()),
                                 ring=rings[g.degree]))
             offset += g.degree
         micro_batches.append(MicroBatch(tuple(placed)))
@@ -101,7 +92,7 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
                                 num_buckets=num_buckets, max_degree=max_degree, degrees=degrees,
                                 ulysses_only=ulysses_only, validate=validate)
     lengths, sp_degree, time_limit = args.lengths, args.sp_degree, args.time_limit
-    costs = cost.degree_costs(usable_degrees(cluster, args.max_degree, args.degrees))   # CostModelError names a degree without bandwidth
+    costs = cost.degree_costs(cluster.usable_degrees(args.max_degree, args.degrees))   # CostModelError names a degree without bandwidth
     longest = int(lengths.argmax())
     if int(lengths[longest]) > cost.group_capacity(costs.degrees[-1]):      # integers: exact at any size
         raise PlanError(
