@@ -13,13 +13,12 @@ from typing import Iterable
 
 import numpy as np
 
-from solver.baselines import InfeasibleDegree, batchada, single_degree
-from solver.costs import DegreeCosts
-from solver.dynamic_cp import dynamic_cp
+from solver.baselines import InfeasibleDegree
 from solver.schedule import Schedule
-from solver.search import Infeasible, SearchOptions, flexsp, greedy
+from solver.search import Infeasible, SearchOptions
 
-from .arguments import STRATEGIES, check_plan_arguments
+from . import strategies as registry
+from .arguments import check_plan_arguments
 from .cluster import Cluster, aligned_block
 from .cost import CostModel
 from .errors import PlanError
@@ -49,33 +48,14 @@ def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch
     return tuple(micro_batches)
 
 
-def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions,
-         sp_degree: int | None, deadline: float) -> Schedule:
-    if strategy == "static":
-        degree = sp_degree if sp_degree is not None else costs.degrees[-1]
-        if degree not in costs.degrees:
-            raise PlanError(f"static sp_degree={degree} must be one of the usable degrees {list(costs.degrees)}")
-        return single_degree(lengths, costs, num_gpus, degree, deadline)
-    if strategy == "batchada":
-        return batchada(lengths, costs, num_gpus, deadline)
-    if strategy == "greedy":
-        return greedy(lengths, costs, num_gpus, options, deadline)
-    if strategy == "flexsp":
-        # every baseline's plan is a candidate, so FlexSP is never slower than any of them
-        fallbacks = (lambda: batchada(lengths, costs, num_gpus, deadline), lambda: dynamic_cp(lengths, costs, num_gpus))
-        return flexsp(lengths, costs, num_gpus, options, fallbacks=fallbacks, deadline=deadline)
-    if strategy == "dynamic-cp":
-        return dynamic_cp(lengths, costs, num_gpus)
-    raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-
-
 def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str = "flexsp", *,
                sp_degree: int | None = None, time_limit: float = 2.0, num_buckets: int = 16,
                max_degree: int | None = None, degrees: Iterable[int] | None = None, ulysses_only: bool = False,
                validate: bool = True) -> Plan:
     """Plan one global batch: micro-batches of SP groups on ranks, with the predicted step time.
 
-    ``strategy``: "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
+    ``strategy``: a name registered in ``flexsp.strategies`` (``flexsp.strategies.describe_strategies()``
+    lists them): "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
     "batchada" (best single degree for this batch), "static" (``sp_degree`` for every group, default
     the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` (wall-clock
     seconds) bounds every strategy: a first valid plan is built in one pass, everything after it
@@ -101,7 +81,8 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
             + ("" if costs.degrees[-1] == cluster.degrees[-1] else " (largest allowed degree)"))
     options = SearchOptions(num_buckets=args.num_buckets, time_limit=time_limit)
     try:
-        schedule = _run(strategy, lengths, costs, cluster.num_gpus, options, sp_degree, started + time_limit)
+        schedule = registry.run_strategy(strategy, registry.PlanRequest(lengths, costs, cluster.num_gpus, options,
+                                                                        started + time_limit, sp_degree))
     except (InfeasibleDegree, Infeasible) as exc:
         raise PlanError(f"{strategy}: {exc}") from None
     micro_batches = place(schedule, cost)
@@ -111,6 +92,12 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     if validate:
         plan.validate(lengths, cost, cluster)
     return plan
+
+
+def __getattr__(name: str):
+    if name == "STRATEGIES":   # kept importable; the registry is the source
+        return registry.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["plan_batch", "place", "STRATEGIES", "usable_degrees"]

@@ -23,6 +23,7 @@ from .errors import FlexSPError, PlanError
 from .lengths import LengthDistribution, preprocess
 from .plan import Plan
 from .planner import plan_batch
+from .strategies import get_strategy, strategies
 
 
 @dataclass
@@ -86,7 +87,8 @@ def parse_strategy_list(text: str) -> list[str]:
 
 
 def parse_strategy(name: str) -> StrategySpec:
-    """``flexsp`` / ``static:32`` / ``flexsp[1,8,64]`` -> what to pass to ``plan_batch``."""
+    """``flexsp`` / ``static:32`` / ``flexsp[1,8,64]`` -> what to pass to ``plan_batch``. ``NAME:D``
+    pins ``sp_degree`` for a strategy that accepts it (see ``flexsp.strategies``)."""
     degrees = None
     if name.endswith("]") and "[" in name:
         name, inside = name[:-1].split("[", 1)
@@ -94,18 +96,25 @@ def parse_strategy(name: str) -> StrategySpec:
             degrees = tuple(int(d) for d in inside.split(",") if d.strip())
         except ValueError:
             raise PlanError(f"degrees in [{inside}] must be integers, e.g. flexsp[1,8,64]") from None
-    if name.startswith("static:"):
+    if ":" in name:
+        base, degree = name.split(":", 1)
+        if not get_strategy(base).accepts_sp_degree:
+            raise PlanError(f"{name!r}: strategy {base!r} takes no SP degree; "
+                            f"{', '.join(s.name + ':D' for s in strategies() if s.accepts_sp_degree)} does")
         try:
-            return StrategySpec("static", int(name.split(":", 1)[1]), degrees)
+            return StrategySpec(base, int(degree), degrees)
         except ValueError:
-            raise PlanError(f"static degree in {name!r} must be an integer, e.g. static:32") from None
+            raise PlanError(f"{base} degree in {name!r} must be an integer, e.g. {base}:32") from None
     return StrategySpec(name, None, degrees)
 
 
 def default_strategies(cluster: Cluster, include_dynamic_cp: bool = True) -> list[str]:
+    """The registered strategies marked for the default comparison; one that takes an SP degree is
+    listed at N and N/2 (after the others)."""
     top = cluster.degrees[-1]
-    statics = [f"static:{top}"] + ([f"static:{top // 2}"] if top >= 2 else [])
-    return ["flexsp", "greedy", "batchada", *(["dynamic-cp"] if include_dynamic_cp else []), *statics]
+    chosen = [s for s in strategies() if s.in_default_comparison and (include_dynamic_cp or s.name != "dynamic-cp")]
+    pinned = [f"{s.name}:{d}" for s in chosen if s.accepts_sp_degree for d in ([top] + ([top // 2] if top >= 2 else []))]
+    return [s.name for s in chosen if not s.accepts_sp_degree] + pinned
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,7 @@ def plan_step(lengths: np.ndarray, costs: tuple[CostModel, ...], cluster: Cluste
             plan = plan_batch(lengths, cost, cluster, spec.strategy, sp_degree=spec.sp_degree,
                               degrees=spec.degrees, time_limit=time_limit)
         except PlanError as exc:
-            restricted = spec.strategy == "static" or spec.degrees is not None
+            restricted = spec.sp_degree is not None or spec.strategy == "static" or spec.degrees is not None
             out.append(Outcome(error=str(exc)) if restricted else Outcome(fatal=exc))
             continue
         out.append(Outcome(plan.predicted_time, plan.solve_time, len(plan.micro_batches),

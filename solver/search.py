@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from . import blaster
-from .bucketing import Buckets, dp_buckets
+from .bucketing import RULES, Buckets
 from .costs import DegreeCosts
 from .counting import OutOfTime, search_count
 from .materialize import to_groups
@@ -55,6 +55,12 @@ class SearchOptions:
     time_limit: float = 5.0         # seconds; the best plan so far is returned when it runs out
     exact_max_sequences: int = 8    # up to this many sequences, the MILP proves the plan optimal
     milp_time_limit: float = 0.0    # seconds of MILP polishing per micro-batch on larger batches
+    bucketing: str = "dp"           # bucketing rule (solver.bucketing.RULES): "dp" (the paper's) or "naive"
+    sort_longest_first: bool = True  # the blaster cuts lengths sorted longest first (False: arrival order)
+
+    def __post_init__(self) -> None:
+        if self.bucketing not in RULES:
+            raise ValueError(f"bucketing must be one of {sorted(RULES)}, got {self.bucketing!r}")
 
 
 class Infeasible(ValueError):
@@ -94,10 +100,12 @@ class BatchSearch:
         if longest > costs.capacity[-1]:
             raise Infeasible(f"a sequence of {longest} tokens is longer than the whole cluster can hold "
                              f"({costs.capacity[-1]:.0f} tokens on {costs.degrees[-1]} GPUs)")
-        self.buckets: Buckets = dp_buckets(self.lengths, options.num_buckets)
+        self.bucket = RULES[options.bucketing]
+        self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
                                        mean_bucket_times(self.lengths, self.buckets, costs))
-        self.order = np.argsort(-self.lengths, kind="stable")
+        self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
+                      else np.arange(len(self.lengths)))
         self.seq_area = self.packer.min_area[self.buckets.index]
         self.seq_critical = self.packer.min_time[self.buckets.index]
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
@@ -357,7 +365,7 @@ class BatchSearch:
             for num_buckets, estimate in REFINE_VARIANTS:
                 if self.out_of_time():
                     return Schedule(tuple(micro_batches))
-                local = dp_buckets(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
+                local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
                 if len(local.upper) == 1 and len(groups) == 1:
                     break
                 times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None

@@ -229,8 +229,8 @@ def cli(capsys, *argv):
     (["plan", "{lengths}", "--communicator-memory", "-5"], "argument --communicator-memory: MiB per communicator"),
 ])
 def test_cli_prints_one_error_line_and_exits_nonzero_before_solving(tmp_path, capsys, monkeypatch, argv, message):
-    import flexsp.planner
-    monkeypatch.setattr(flexsp.planner, "_run", lambda *a, **k: pytest.fail("solved before the error"))
+    import flexsp.strategies
+    monkeypatch.setattr(flexsp.strategies, "run_strategy", lambda *a, **k: pytest.fail("solved before the error"))
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("1000\n20000\n")
     bad = tmp_path / "bad.json"
