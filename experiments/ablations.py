@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 import flexsp
-from flexsp.bounds import lower_bound
+from flexsp.evaluation.bounds import lower_bound
 from flexsp.planner import place
 from solver.search import BatchSearch, SearchOptions
 

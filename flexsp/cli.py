@@ -135,7 +135,7 @@ def _strategy_help() -> str:
 
 def _strategies(args, cluster: Cluster) -> list[str]:
     """--strategies, each name checked before any solving."""
-    from .simulate import default_strategies, parse_strategy, parse_strategy_list
+    from .evaluation.simulate import default_strategies, parse_strategy, parse_strategy_list
     from .strategies import get_strategy, names
     if args.strategies is None:
         return default_strategies(cluster)
@@ -159,7 +159,7 @@ def _outputs(*pairs: tuple[Path | None, str]) -> None:
 
 
 def run_simulate(args) -> int:
-    from .simulate import describe, format_communicator_memory, format_table, simulate
+    from .evaluation.simulate import describe, format_communicator_memory, format_table, simulate
     _outputs((args.json, "--json"), (args.plot, "--plot"), (args.gantt, "--gantt"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
     strategies = _strategies(args, cluster)
@@ -182,7 +182,7 @@ def run_simulate(args) -> int:
         data = sim.to_dict() if not replayed else dict(sim.to_dict(), replayed={"label": label, "totals": replayed})
         _write(args.json, json.dumps(data, indent=1) + "\n")
     if args.plot or args.gantt:
-        from .plots import plot_gantt, plot_step_times
+        from .evaluation.plots import plot_gantt, plot_step_times
         if args.plot:
             print(f"wrote {plot_step_times(sim, args.plot)}")
         reference = sim.runs.get("flexsp")

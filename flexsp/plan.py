@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from solver.costs import seconds
+from solver.types import seconds
 
 from .checks import INT64_MAX, exact_sum, integer, number, parse_json, read_json
 from .cluster import is_power_of_two, misaligned

@@ -13,9 +13,8 @@ from typing import Iterable
 
 import numpy as np
 
-from solver.baselines import InfeasibleDegree
-from solver.schedule import Schedule
-from solver.search import Infeasible, SearchOptions
+from solver.search import SearchOptions
+from solver.types import Infeasible, InfeasibleDegree, Schedule
 
 from . import strategies as registry
 from .arguments import check_plan_arguments

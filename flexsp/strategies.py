@@ -3,7 +3,7 @@
 ``plan_batch``, ``flexsp simulate`` (its default comparison and ``--strategies`` check), the CLI
 help and the README's strategy list all read this registry, so a new baseline is one module with a
 planning function plus one ``register_strategy(Strategy(...))`` call. A planning function gets a
-``PlanRequest`` (the solver's view of the batch) and returns a ``solver.schedule.Schedule``; the
+``PlanRequest`` (the solver's view of the batch) and returns a ``solver.types.Schedule``; the
 planner places, scores and validates it like any other strategy's.
 """
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Callable
 import numpy as np
 
 from solver.baselines import batchada, single_degree
-from solver.costs import DegreeCosts
 from solver.dynamic_cp import dynamic_cp
-from solver.schedule import Schedule
-from solver.search import SearchOptions, flexsp as search_plan, greedy
+from solver.search import SearchOptions, greedy, search_plan
+from solver.types import DegreeCosts, Schedule
 
 from .errors import PlanError
 

@@ -3,7 +3,7 @@
 1. Bucket the batch (DP, ``num_buckets``) so every later step costs O(buckets x group classes).
 2. Candidate splits: the sequence blaster's (``blaster``: the paper's consecutive chunks of sorted
    lengths, an interleaved and a critical-path-aware split, at micro-batch counts from the memory
-   bound upwards), each micro-batch packed by bisection on its makespan (``packing``); and a sweep
+   bound upwards), each micro-batch packed by bisection on its makespan (``group_packing``); and a sweep
    that packs the whole batch at a target makespan and deals the groups into micro-batches
    (``arranged_split``), which picks the micro-batch count and the split together.
 3. A budgeted first-improvement local search moves sequences of one bucket between micro-batches.
@@ -28,13 +28,12 @@ import numpy as np
 
 from . import blaster
 from .bucketing import RULES, Buckets
-from .costs import DegreeCosts
 from .counting import OutOfTime, search_count
 from .materialize import to_groups
 from .milp import solve_milp
-from .packing import BinPacking, MicroBatchPacker
-from .schedule import Schedule, group_times
+from .group_packing import BinPacking, MicroBatchPacker
 from .tighten import tighten
+from .types import DegreeCosts, Infeasible, Schedule, group_times
 
 
 # Share of the time left after the greedy plan that the split search may use; the rest turns its
@@ -61,10 +60,6 @@ class SearchOptions:
     def __post_init__(self) -> None:
         if self.bucketing not in RULES:
             raise ValueError(f"bucketing must be one of {sorted(RULES)}, got {self.bucketing!r}")
-
-
-class Infeasible(ValueError):
-    """The batch cannot be planned on this cluster (a sequence longer than all GPUs can hold)."""
 
 
 @dataclass
@@ -404,7 +399,7 @@ def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
     return search.schedule(search.first_split())
 
 
-def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
+def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
            fallbacks: tuple[Callable[[], Schedule], ...] = (), deadline: float | None = None) -> Schedule:
     """The best of: the greedy split, the searched splits, the MILP where it runs, and the plans of
     ``fallbacks`` (other strategies), all scored on real lengths.

@@ -280,7 +280,7 @@ def test_communicators_come_off_the_planning_capacity():
 
 def test_simulate_plans_each_strategy_with_its_pools_capacity():
     from flexsp.lengths import get_distribution
-    from flexsp.simulate import format_communicator_memory, simulate
+    from flexsp.evaluation.simulate import format_communicator_memory, simulate
     sim = simulate(get_distribution("wikipedia"), PRESET, CLUSTER, ["flexsp[1,8,64]", "static:64"], steps=1,
                    batch_size=32, time_limit=0.5, progress=False, communicator_bytes=COMMUNICATOR_BYTES)
     text = format_communicator_memory(sim)

@@ -7,10 +7,10 @@ import pytest
 
 import flexsp
 from flexsp.errors import PlanError
-from flexsp.simulate import default_strategies, simulate
+from flexsp.evaluation.simulate import default_strategies, simulate
 from flexsp.lengths import LengthDistribution
 from flexsp.strategies import Strategy, get_strategy, names, register_strategy, strategies, unregister_strategy
-from solver.schedule import GroupAssignment, Schedule
+from solver.types import GroupAssignment, Schedule
 
 CLUSTER = flexsp.Cluster(8, 8)
 COST = flexsp.CostModel.from_preset("gpt-7b", context=64 * 1024, num_gpus=8)
