@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("lengths", type=Path, help="lengths file (.txt, .txt.gz or .npy)")
     _cost_args(plan)
     plan.add_argument("--strategy", default="flexsp", help="one of: " + _strategy_help())
-    plan.add_argument("--sp-degree", type=_count(1), help="degree for --strategy static")
+    plan.add_argument("--sp-degree", type=_count(1), help="the SP degree, for a strategy that takes one (static)")
     plan.add_argument("-o", "--output", type=Path, default=Path("plan.json"))
     profile_cli.add_parser(sub)
     replay_cli.add_parser(sub)
