@@ -42,6 +42,12 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class Strategy:
+    """One planning strategy. ``options``: the ``plan_batch`` arguments it takes beyond
+    ``COMMON_OPTIONS`` (only ``"sp_degree"`` today: ``plan_batch`` refuses it for the others, and
+    ``simulate`` accepts ``NAME:D`` for it). ``candidates``: strategies whose plans its planning
+    function receives as ``PlanRequest.candidates`` thunks (FlexSP keeps the best, so it is never
+    slower than one of them). ``in_default_comparison``: listed by ``default_strategies``."""
+
     name: str
     plan: Callable[[PlanRequest], Schedule]
     description: str                                   # one line, shown in the CLI help and the README
@@ -65,7 +71,10 @@ class Strategy:
 
 @dataclass
 class _Registry:
-    """Insertion-ordered name -> Strategy (a plain container; the module holds the one instance)."""
+    """Insertion-ordered name -> Strategy. The one piece of module-level state in the planner, on
+    purpose: a registration must be visible to ``plan_batch``, the CLI and ``simulate`` alike.
+    Worker processes (``simulate --workers``) re-import this module, so they see the built-ins and
+    what their modules register at import, not what a parent registered at run time."""
 
     entries: dict[str, Strategy] = field(default_factory=dict)
 
