@@ -11,27 +11,23 @@ component shows up instead of being hidden by a BatchAda / dynamic-CP plan. Vari
 - ``no bucketing``: one bucket per distinct length;
 - ``B buckets``: DP with 4 / 8 / 32 / 64 buckets.
 
-Quality = plan time / lower bound (``flexsp.bounds.lower_bound``); solve time is wall-clock. The
-solver has no switch for sorting or the bucketing rule, so this script subclasses ``BatchSearch``
-(sorting) and swaps the bucketing function the search module calls (bucketing), both locally.
+Quality = plan time / lower bound (``flexsp.evaluation.bounds.lower_bound``); solve time is
+wall-clock. Sorting and the bucketing rule are options of the search
+(``SearchOptions.sort_longest_first``, ``SearchOptions.bucketing``).
 
     python experiments/ablations.py            # 5 batches x 3 datasets
     python experiments/ablations.py --quick    # 1 batch of 64, Wikipedia
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
 
 import flexsp
-import solver.search as search_module
-from flexsp.bounds import lower_bound
+from flexsp.evaluation.bounds import lower_bound
 from flexsp.planner import place
-from solver.bucketing import naive_buckets
 from solver.search import BatchSearch, SearchOptions
 
 try:
@@ -44,34 +40,12 @@ COLUMNS = ["dataset", "approximate", "variant", "pipeline", "num_buckets", "plan
            "plan_over_default", "solve_mean_s", "solve_max_s", "batches"]
 
 
-class UnsortedSearch(BatchSearch):
-    """The blaster sees the batch in arrival order instead of longest first."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.order = np.arange(len(self.lengths))
-
-
-@contextlib.contextmanager
-def bucketing(rule: Callable | None):
-    """Make the search bucket with ``rule`` instead of the DP (None: leave it)."""
-    if rule is None:
-        yield
-        return
-    original = search_module.dp_buckets
-    search_module.dp_buckets = rule
-    try:
-        yield
-    finally:
-        search_module.dp_buckets = original
-
-
 def run_search(lengths: np.ndarray, cost: flexsp.CostModel, cluster: flexsp.Cluster, options: SearchOptions,
-               search_cls: type[BatchSearch], greedy_only: bool) -> tuple[float, float]:
+               greedy_only: bool) -> tuple[float, float]:
     """(plan time, solve seconds) of the search alone, validated as a placed plan."""
     started = time.perf_counter()
     costs = cost.degree_costs(cluster.degrees)
-    search = search_cls(lengths, costs, cluster.num_gpus, options)
+    search = BatchSearch(lengths, costs, cluster.num_gpus, options)
     candidates = [search.schedule(search.first_split())]
     if not greedy_only and not search.out_of_time():
         split = search.best_split()
@@ -86,15 +60,16 @@ def run_search(lengths: np.ndarray, cost: flexsp.CostModel, cluster: flexsp.Clus
     return plan.predicted_time, solve
 
 
-def variants(num_distinct: int) -> list[tuple[str, str, int, type[BatchSearch], Callable | None, bool]]:
-    """(variant, pipeline, buckets, search class, bucketing rule, blaster only)."""
-    out = [("default (DP, 16, sorted)", "full search", 16, BatchSearch, None, False),
-           ("no sorting", "full search", 16, UnsortedSearch, None, False),
-           ("default (DP, 16, sorted)", "blaster only (greedy)", 16, BatchSearch, None, True),
-           ("no sorting", "blaster only (greedy)", 16, UnsortedSearch, None, True),
-           ("naive bucketing", "full search", 16, BatchSearch, naive_buckets, False),
-           ("no bucketing", "full search", num_distinct, BatchSearch, None, False)]
-    out += [(f"{b} buckets", "full search", b, BatchSearch, None, False) for b in (4, 8, 32, 64)]
+def variants(num_distinct: int) -> list[tuple[str, str, dict, bool]]:
+    """(variant, pipeline, SearchOptions fields, blaster only)."""
+    unsorted = {"num_buckets": 16, "sort_longest_first": False}
+    out = [("default (DP, 16, sorted)", "full search", {"num_buckets": 16}, False),
+           ("no sorting", "full search", unsorted, False),
+           ("default (DP, 16, sorted)", "blaster only (greedy)", {"num_buckets": 16}, True),
+           ("no sorting", "blaster only (greedy)", unsorted, True),
+           ("naive bucketing", "full search", {"num_buckets": 16, "bucketing": "naive"}, False),
+           ("no bucketing", "full search", {"num_buckets": num_distinct}, False)]
+    out += [(f"{b} buckets", "full search", {"num_buckets": b}, False) for b in (4, 8, 32, 64)]
     return out
 
 
@@ -118,10 +93,10 @@ def main() -> None:
             acc: dict[tuple[str, str], dict] = {}
             for lengths in common.batches(dist, args.batches, args.batch_size, CONTEXT, NUM_GPUS, args.seed):
                 bound = lower_bound(lengths, cost, cluster)
-                for name, pipeline, buckets, cls, rule, greedy_only in variants(len(np.unique(lengths))):
-                    options = SearchOptions(num_buckets=buckets, time_limit=args.time_limit)
-                    with bucketing(rule):
-                        plan_time, solve = run_search(lengths, cost, cluster, options, cls, greedy_only)
+                for name, pipeline, fields, greedy_only in variants(len(np.unique(lengths))):
+                    options = SearchOptions(time_limit=args.time_limit, **fields)
+                    buckets = options.num_buckets
+                    plan_time, solve = run_search(lengths, cost, cluster, options, greedy_only)
                     a = acc.setdefault((name, pipeline), {"ratio": [], "solve": [], "buckets": [], "time": []})
                     a["ratio"].append(plan_time / bound)
                     a["time"].append(plan_time)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import flexsp
 from solver import blaster
-from solver.bucketing import _assign, dp_buckets, naive_buckets, token_error
+from solver.bucketing import assign, dp_buckets, naive_buckets, token_error
 
 try:
     from . import common
@@ -47,7 +47,7 @@ def log_buckets(lengths: np.ndarray, num_buckets: int):
     lo, hi = float(lengths.min()), float(lengths.max())
     edges = np.ceil(np.geomspace(lo, hi, num_buckets + 1)[1:]).astype(lengths.dtype)
     edges[-1] = int(hi)
-    return _assign(lengths, edges)
+    return assign(lengths, edges)
 
 
 def errors(groups: list[np.ndarray], num_buckets: int) -> tuple[float, float, float]:

@@ -1,6 +1,6 @@
 """Shared helpers for the paper-reproduction scripts: arguments, batches, tables, figures.
 
-Every script samples global batches the way ``flexsp.simulate`` does (lengths above the context
+Every script samples global batches the way ``flexsp.evaluation.simulate`` does (lengths above the context
 limit are not drawn, the rest padded to a multiple of 2 x N), so their numbers are comparable, and
 every output names the length distribution it used and whether it is an approximation.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import flexsp
 from flexsp.errors import PlanError
 from flexsp.lengths import LengthDistribution, get_distribution, preprocess
-from flexsp.simulate import parse_strategy
+from flexsp.evaluation.simulate import parse_strategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASETS = ("github", "commoncrawl", "wikipedia")
@@ -37,7 +37,7 @@ def parser(doc: str, default_stem: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="hide the tqdm bar")
     p.add_argument("--workers", type=int, default=1,
-                   help="plan this many batches at once in separate processes (flexsp.simulate.plan_steps)")
+                   help="plan this many batches at once in separate processes (flexsp.evaluation.simulate.plan_steps)")
     p.set_defaults(stem=default_stem)
     return p
 
@@ -58,7 +58,7 @@ def provenance(names: Sequence[str]) -> str:
 
 def batches(dist: LengthDistribution, count: int, batch_size: int, context: int, num_gpus: int,
             seed: int) -> Iterator[np.ndarray]:
-    """Seeded global batches with the paper's preprocessing, as ``flexsp.simulate`` draws them."""
+    """Seeded global batches with the paper's preprocessing, as ``flexsp.evaluation.simulate`` draws them."""
     pool = dist.lengths[dist.lengths <= context]
     rng = np.random.default_rng(seed)
     for _ in range(count):

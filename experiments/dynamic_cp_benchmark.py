@@ -28,10 +28,9 @@ import numpy as np
 
 import flexsp
 from flexsp.lengths import get_distribution, preprocess
-from flexsp.simulate import plan_steps
-from solver.costs import DegreeCosts
+from flexsp.evaluation.simulate import plan_steps
 from solver.dynamic_cp import dynamic_cp
-from solver.schedule import GroupAssignment, Schedule
+from solver.types import DegreeCosts, GroupAssignment, Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "megatron_dynamic_cp"

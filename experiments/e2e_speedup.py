@@ -12,7 +12,7 @@ GPT-7B / 13B / 30B x {GitHub, CommonCrawl, Wikipedia} x {192K, 384K} context on 
 batch 512, 40 iterations (the paper's protocol). Every strategy plans the same seeded batches:
 FlexSP, DeepSpeed-style static SP (64 and 32; the better feasible one counts), BatchAda, Megatron's
 dynamic CP rule (``dynamic-cp``) and a Megatron-LM-style TP=8 + ring-attention CP baseline
-(``flexsp.megatron``). Speedup = baseline total time / FlexSP total time over all iterations.
+(``flexsp.evaluation.megatron``). Speedup = baseline total time / FlexSP total time over all iterations.
 
     python experiments/e2e_speedup.py                  # full: 18 settings x 40 iterations (~15-20 min)
     python experiments/e2e_speedup.py --quick          # CI: gpt-7b, 384K, 1 batch of 64 per dataset
@@ -26,9 +26,9 @@ import numpy as np
 from tqdm import tqdm
 
 import flexsp
-from flexsp.bounds import lower_bound
-from flexsp.megatron import MegatronModel, megatron_step_time
-from flexsp.simulate import plan_steps
+from flexsp.evaluation.bounds import lower_bound
+from flexsp.evaluation.megatron import MegatronModel, megatron_step_time
+from flexsp.evaluation.simulate import plan_steps
 
 try:
     from . import common
@@ -51,7 +51,7 @@ def run_setting(model: str, dataset: str, context: int, iterations: int, batch_s
                 time_limit: float, seed: int, bar: tqdm, draw_limit: int | None = None, workers: int = 1) -> dict:
     """Every strategy on the same ``iterations`` batches; totals in seconds. ``draw_limit`` (default
     ``context``) caps the lengths drawn, for clusters too small to hold a ``context``-long sequence.
-    ``workers`` plans that many batches at once in separate processes (``flexsp.simulate.plan_steps``)."""
+    ``workers`` plans that many batches at once in separate processes (``flexsp.evaluation.simulate.plan_steps``)."""
     cost = flexsp.CostModel.from_preset(model, context=context, num_gpus=num_gpus)
     mega = MegatronModel.from_preset(model, context=context, num_gpus=num_gpus)
     cluster = flexsp.Cluster(num_gpus, 8)

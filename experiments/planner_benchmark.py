@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 import flexsp
-from flexsp.bounds import coupled_lower_bound, lower_bound
+from flexsp.evaluation.bounds import coupled_lower_bound, lower_bound
 from flexsp.lengths import get_distribution, preprocess
 
 STRATEGY_NAMES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
@@ -94,7 +94,7 @@ def paper_setting(num_batches: int, batch_size: int, time_limit: float) -> tuple
               f"- FlexSP plan / lower bound: mean {summary['mean_ratio']:.4f}, max {summary['max_ratio']:.4f} "
               f"(target mean <= 1.08: {'met' if summary['mean_ratio'] <= 1.08 else 'MISSED'})",
               f"- FlexSP plan / coupled bound: mean {summary['mean_coupled']:.4f}, max {summary['max_coupled']:.4f} "
-              "(flexsp.bounds.coupled_lower_bound, the tighter bound: what stays above it is the plan's)",
+              "(flexsp.evaluation.bounds.coupled_lower_bound, the tighter bound: what stays above it is the plan's)",
               f"- speedup over static SP 64: {summary['speedup_static64']:.2f}x (target >= 1.6x); "
               f"over batchada: {summary['speedup_batchada']:.2f}x"]
     return "\n".join(lines), summary

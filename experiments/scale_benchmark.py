@@ -12,7 +12,7 @@ Three settings:
   at the 64-GPU figure, Wikipedia lengths rounded up to 128.
 
 ``plan_batch`` runs with its default ``time_limit`` (2 s) unless ``--time-limit`` is given. Prints
-median / max solve time of FlexSP, plan / lower bound for both bounds of ``flexsp.bounds`` (the
+median / max solve time of FlexSP, plan / lower bound for both bounds of ``flexsp.evaluation.bounds`` (the
 simple one and the coupled LP one), FlexSP's speedup over batchada, static (largest degree) and
 dynamic-cp, and whether the issue-16 targets hold (plan / simple bound <= 1.10 from 1,024 GPUs,
 median solve <= 10 s at 16,384); then how far each strategy runs past a 0.5 s ``time_limit`` at the
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import flexsp
 from flexsp.analytic import analytic_cost_model
-from flexsp.bounds import coupled_lower_bound, lower_bound
+from flexsp.evaluation.bounds import coupled_lower_bound, lower_bound
 from flexsp.lengths import get_distribution, preprocess
 from flexsp.planner import STRATEGIES
 

@@ -14,8 +14,15 @@ from .cluster import Cluster
 from .cost import CostModel
 from .errors import PlanError
 from .lengths import as_lengths
+from .strategies import get_strategy, strategies
 
-STRATEGIES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
+
+
+def __getattr__(name: str):
+    if name == "STRATEGIES":   # the registered names, in registration order (flexsp.strategies)
+        from .strategies import names
+        return names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -37,8 +44,7 @@ def check_plan_arguments(lengths: Any, cost: Any, cluster: Any, strategy: Any, *
         raise PlanError(f"cluster must be a flexsp.Cluster, got {type(cluster).__name__}")
     if not isinstance(cost, CostModel):
         raise PlanError(f"cost must be a flexsp.CostModel, got {type(cost).__name__}")
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    spec = get_strategy(strategy)          # PlanError naming the registered strategies
     for name, value in (("ulysses_only", ulysses_only), ("validate", validate)):
         if not isinstance(value, (bool, np.bool_)):
             raise PlanError(f"{name} must be True or False, got {value!r}")
@@ -51,8 +57,10 @@ def check_plan_arguments(lengths: Any, cost: Any, cluster: Any, strategy: Any, *
     if degrees is not None:
         degrees = _degrees(degrees, cluster)
     if sp_degree is not None:
-        if strategy != "static":
-            raise PlanError(f"sp_degree={sp_degree!r} is used only by strategy='static' (got {strategy!r}); "
+        if not spec.accepts_sp_degree:
+            takers = [s.name for s in strategies() if s.accepts_sp_degree]
+            raise PlanError(f"sp_degree={sp_degree!r} is used only by strategy={' or '.join(map(repr, takers))} "
+                            f"(got {strategy!r}); "
                             f"to restrict other strategies pass degrees=(...) or max_degree")
         sp_degree = power_of_two(sp_degree, "sp_degree", PlanError)
     return PlanArguments(lengths, strategy, sp_degree, time_limit, num_buckets, max_degree, degrees)

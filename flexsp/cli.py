@@ -13,7 +13,7 @@ from .checks import writable_file
 from .cluster import Cluster
 from .communicators import COMMUNICATOR_BYTES, describe_reservation, reserve_communicators
 from .cost import CostModel
-from .errors import FlexSPError
+from .errors import FlexSPError, PlanError
 from .lengths import get_distribution, load_lengths
 from .profile import cli as profile_cli
 from .replay import cli as replay_cli
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--steps", type=_count(1), default=10, help="simulated steps (default 10)")
     sim.add_argument("--strategies", default=None,
                      help="comma list, e.g. flexsp,batchada,static:64,flexsp[1,8,64] (a [...] suffix restricts "
-                          "the SP degrees; default: all strategies, static at N and N/2)")
+                          "the SP degrees; default: all strategies, static at N and N/2). Strategies: "
+                          + _strategy_help())
     sim.add_argument("--seed", type=_count(0), default=0)
     sim.add_argument("--json", type=Path, help="write the full results as JSON")
     sim.add_argument("--plot", type=Path, help="write step times per strategy as PNG")
@@ -119,29 +120,36 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="plan one batch from a lengths file and write the plan JSON")
     plan.add_argument("lengths", type=Path, help="lengths file (.txt, .txt.gz or .npy)")
     _cost_args(plan)
-    plan.add_argument("--strategy", default="flexsp")
-    plan.add_argument("--sp-degree", type=_count(1), help="degree for --strategy static")
+    plan.add_argument("--strategy", default="flexsp", help="one of: " + _strategy_help())
+    plan.add_argument("--sp-degree", type=_count(1), help="the SP degree, for a strategy that takes one (static)")
     plan.add_argument("-o", "--output", type=Path, default=Path("plan.json"))
     profile_cli.add_parser(sub)
     replay_cli.add_parser(sub)
     return parser
 
 
+def _strategy_help() -> str:
+    from .strategies import strategies
+    return "; ".join(f"{s.name} ({s.description})" for s in strategies()).replace("%", "%%")
+
+
 def _strategies(args, cluster: Cluster) -> list[str]:
     """--strategies, each name checked before any solving."""
-    from .planner import STRATEGIES
-    from .simulate import default_strategies, parse_strategy, parse_strategy_list
+    from .evaluation.simulate import default_strategies, parse_strategy, parse_strategy_list
+    from .strategies import get_strategy, names
     if args.strategies is None:
         return default_strategies(cluster)
-    names = parse_strategy_list(args.strategies)
-    if not names:
+    listed = parse_strategy_list(args.strategies)
+    if not listed:
         raise FlexSPError(f"--strategies {args.strategies!r} names no strategy; e.g. flexsp,batchada,static:64 "
-                          f"(strategies: {', '.join(STRATEGIES)})")
-    for name in names:
-        if parse_strategy(name).strategy not in STRATEGIES:
-            raise FlexSPError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)} "
-                              f"(static:D pins a degree, a [1,8,64] suffix restricts degrees)")
-    return names
+                          f"(strategies: {', '.join(names())})")
+    for name in listed:
+        try:
+            get_strategy(parse_strategy(name).strategy)
+        except PlanError as exc:
+            raise FlexSPError(f"--strategies: {exc} (static:D pins a degree, a [1,8,64] suffix "
+                              f"restricts degrees)") from None
+    return listed
 
 
 def _outputs(*pairs: tuple[Path | None, str]) -> None:
@@ -151,7 +159,7 @@ def _outputs(*pairs: tuple[Path | None, str]) -> None:
 
 
 def run_simulate(args) -> int:
-    from .simulate import describe, format_communicator_memory, format_table, simulate
+    from .evaluation.simulate import describe, format_communicator_memory, format_table, simulate
     _outputs((args.json, "--json"), (args.plot, "--plot"), (args.gantt, "--gantt"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
     strategies = _strategies(args, cluster)
@@ -174,7 +182,7 @@ def run_simulate(args) -> int:
         data = sim.to_dict() if not replayed else dict(sim.to_dict(), replayed={"label": label, "totals": replayed})
         _write(args.json, json.dumps(data, indent=1) + "\n")
     if args.plot or args.gantt:
-        from .plots import plot_gantt, plot_step_times
+        from .evaluation.plots import plot_gantt, plot_step_times
         if args.plot:
             print(f"wrote {plot_step_times(sim, args.plot)}")
         reference = sim.runs.get("flexsp")

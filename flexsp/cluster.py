@@ -2,15 +2,44 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
 
 from .checks import integer
-from .errors import ClusterError
+from .errors import ClusterError, PlanError
 
 MAX_GPUS = 2**40    # far above any cluster; keeps every per-rank array the planner builds small
 
 
 def is_power_of_two(value: int) -> bool:
     return value >= 1 and (value & (value - 1)) == 0
+
+
+# --- the aligned-block rule: the one place that says which ranks an SP group of degree d may use ---
+def aligned_block(index: int, degree: int) -> tuple[int, ...]:
+    """Ranks of the ``index``-th aligned block of ``degree``: ``[index*degree, (index+1)*degree)``.
+
+    Aligned blocks of power-of-two degrees nest, so a group of at most a node's GPUs never spans
+    nodes, and the runtime can pre-create every group a plan may ask for."""
+    return tuple(range(index * degree, (index + 1) * degree))
+
+
+def misaligned(ranks: np.ndarray, degrees: np.ndarray) -> np.ndarray:
+    """Vectorised rule over many groups: ``ranks`` is every group's ranks concatenated, ``degrees``
+    each group's size; True for each rank that breaks its group's aligned block (its group's first
+    rank not a multiple of the degree, or the ranks not consecutive from it)."""
+    ranks, degrees = np.asarray(ranks, dtype=np.int64), np.asarray(degrees, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(degrees)[:-1]]).astype(np.int64)
+    owner = np.repeat(np.arange(len(degrees)), degrees)
+    first = ranks[starts][owner]
+    return (ranks != first + np.arange(len(ranks)) - starts[owner]) | (first % degrees[owner] != 0)
+
+
+def is_aligned_block(ranks: Sequence[int]) -> bool:
+    """Whether ``ranks`` is one aligned block ``aligned_block(k, len(ranks))`` of a power-of-two size."""
+    ranks = tuple(int(r) for r in ranks)
+    return is_power_of_two(len(ranks)) and not misaligned(np.asarray(ranks), np.asarray([len(ranks)])).any()
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,22 @@ class Cluster:
             out.append(degree)
             degree *= 2
         return tuple(out)
+
+    def usable_degrees(self, max_degree: int | None = None, degrees: Iterable[int] | None = None) -> tuple[int, ...]:
+        """The SP degrees a plan may use: powers of two up to N, optionally at most ``max_degree`` and
+        only those in ``degrees`` (each degree in use costs every member rank a communicator)."""
+        usable = self.degrees
+        if degrees is not None:
+            wanted = sorted(set(int(d) for d in degrees))
+            bad = [d for d in wanted if d not in self.degrees]
+            if bad or not wanted:
+                raise PlanError(f"degrees {bad or wanted} are not usable: choose powers of two from {list(self.degrees)}")
+            usable = tuple(wanted)
+        if max_degree is not None:
+            usable = tuple(d for d in usable if d <= max_degree)
+            if not usable:
+                raise PlanError(f"max_degree={max_degree} leaves no SP degree (need >= 1)")
+        return usable
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node

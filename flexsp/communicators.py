@@ -38,7 +38,8 @@ def pool_degrees(cluster: Cluster, strategy: str = "flexsp", degrees: Iterable[i
                  sp_degree: int | None = None) -> tuple[int, ...]:
     """The degrees a pool must hold to run every plan of ``strategy`` (what ``plan_batch`` may use)."""
     usable = tuple(sorted(set(degrees))) if degrees is not None else cluster.degrees
-    if strategy == "static":
+    from .strategies import get_strategy    # the registry imports the solver: only when asked
+    if get_strategy(strategy).accepts_sp_degree:    # one degree for every group
         return (sp_degree if sp_degree is not None else usable[-1],)
     return usable
 

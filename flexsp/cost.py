@@ -35,7 +35,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from solver.costs import DegreeCosts, seconds
+from solver.types import DegreeCosts, seconds
 
 from .checks import exact_sum, integer, number, read_json
 from .cluster import is_power_of_two

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from solver.costs import seconds
+from solver.types import seconds
 
 from .checks import INT64_MAX, exact_sum, integer, number, parse_json, read_json
-from .cluster import is_power_of_two
+from .cluster import is_power_of_two, misaligned
 from .errors import PlanError
 from .lengths import as_lengths
 
@@ -199,7 +199,7 @@ class Plan:
         fail(np.bincount(owner, weights=twice, minlength=len(degrees)) > 0,
              lambda j: f"rank {ranks[owner == j][twice[owner == j]][0]} is used by two groups of the same micro-batch")
         if aligned:
-            off = (ranks != first + np.arange(len(ranks)) - starts[owner]) | (first % degrees[owner] != 0)
+            off = misaligned(ranks, degrees)
             fail(np.bincount(owner, weights=off, minlength=len(degrees)) > 0,
                  lambda j: f"ranks {_short(mb.groups[j].ranks)} are not an aligned block "
                            f"[k*{degrees[j]}, (k+1)*{degrees[j]})")

@@ -8,18 +8,17 @@ keeps every group of at most a node's size inside one node.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Iterable
 
 import numpy as np
 
-from solver.baselines import InfeasibleDegree, batchada, single_degree
-from solver.costs import DegreeCosts
-from solver.dynamic_cp import dynamic_cp
-from solver.schedule import Schedule
-from solver.search import Infeasible, SearchOptions, flexsp, greedy
+from solver.search import SearchOptions
+from solver.types import Infeasible, InfeasibleDegree, Schedule
 
-from .arguments import STRATEGIES, check_plan_arguments
-from .cluster import Cluster
+from . import strategies as registry
+from .arguments import check_plan_arguments
+from .cluster import Cluster, aligned_block
 from .cost import CostModel
 from .errors import PlanError
 from .plan import Group, MicroBatch, Plan
@@ -27,20 +26,10 @@ from .plan import Group, MicroBatch, Plan
 
 def usable_degrees(cluster: Cluster, max_degree: int | None = None,
                    degrees: Iterable[int] | None = None) -> tuple[int, ...]:
-    """The SP degrees a plan may use: powers of two up to N, optionally at most ``max_degree`` and
-    only those in ``degrees`` (each degree in use costs every member rank a communicator)."""
-    usable = cluster.degrees
-    if degrees is not None:
-        wanted = sorted(set(int(d) for d in degrees))
-        bad = [d for d in wanted if d not in cluster.degrees]
-        if bad or not wanted:
-            raise PlanError(f"degrees {bad or wanted} are not usable: choose powers of two from {list(cluster.degrees)}")
-        usable = tuple(wanted)
-    if max_degree is not None:
-        usable = tuple(d for d in usable if d <= max_degree)
-        if not usable:
-            raise PlanError(f"max_degree={max_degree} leaves no SP degree (need >= 1)")
-    return usable
+    """Deprecated: ``cluster.usable_degrees(max_degree, degrees)``."""
+    warnings.warn("flexsp.planner.usable_degrees is deprecated; use Cluster.usable_degrees",
+                  DeprecationWarning, stacklevel=2)
+    return cluster.usable_degrees(max_degree, degrees)
 
 
 def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch, ...]:
@@ -51,31 +40,11 @@ def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch
     for groups in schedule.micro_batches:
         offset, placed = 0, []
         for g in sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0)):
-            placed.append(Group(ranks=tuple(range(offset, offset + g.degree)), seq_ids=tuple(g.seq_ids.tolist()),
+            placed.append(Group(ranks=aligned_block(offset // g.degree, g.degree), seq_ids=tuple(g.seq_ids.tolist()),
                                 ring=rings[g.degree]))
             offset += g.degree
         micro_batches.append(MicroBatch(tuple(placed)))
     return tuple(micro_batches)
-
-
-def _run(strategy: str, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions,
-         sp_degree: int | None, deadline: float) -> Schedule:
-    if strategy == "static":
-        degree = sp_degree if sp_degree is not None else costs.degrees[-1]
-        if degree not in costs.degrees:
-            raise PlanError(f"static sp_degree={degree} must be one of the usable degrees {list(costs.degrees)}")
-        return single_degree(lengths, costs, num_gpus, degree, deadline)
-    if strategy == "batchada":
-        return batchada(lengths, costs, num_gpus, deadline)
-    if strategy == "greedy":
-        return greedy(lengths, costs, num_gpus, options, deadline)
-    if strategy == "flexsp":
-        # every baseline's plan is a candidate, so FlexSP is never slower than any of them
-        fallbacks = (lambda: batchada(lengths, costs, num_gpus, deadline), lambda: dynamic_cp(lengths, costs, num_gpus))
-        return flexsp(lengths, costs, num_gpus, options, fallbacks=fallbacks, deadline=deadline)
-    if strategy == "dynamic-cp":
-        return dynamic_cp(lengths, costs, num_gpus)
-    raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
 def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str = "flexsp", *,
@@ -84,7 +53,8 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
                validate: bool = True) -> Plan:
     """Plan one global batch: micro-batches of SP groups on ranks, with the predicted step time.
 
-    ``strategy``: "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
+    ``strategy``: a name registered in ``flexsp.strategies`` (``flexsp.strategies.describe_strategies()``
+    lists them): "flexsp" (heterogeneous groups, searched), "greedy" (the fast heuristic),
     "batchada" (best single degree for this batch), "static" (``sp_degree`` for every group, default
     the largest that fits the cluster), "dynamic-cp" (Megatron-style rule). ``time_limit`` (wall-clock
     seconds) bounds every strategy: a first valid plan is built in one pass, everything after it
@@ -101,7 +71,7 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
                                 num_buckets=num_buckets, max_degree=max_degree, degrees=degrees,
                                 ulysses_only=ulysses_only, validate=validate)
     lengths, sp_degree, time_limit = args.lengths, args.sp_degree, args.time_limit
-    costs = cost.degree_costs(usable_degrees(cluster, args.max_degree, args.degrees))   # CostModelError names a degree without bandwidth
+    costs = cost.degree_costs(cluster.usable_degrees(args.max_degree, args.degrees))   # CostModelError names a degree without bandwidth
     longest = int(lengths.argmax())
     if int(lengths[longest]) > cost.group_capacity(costs.degrees[-1]):      # integers: exact at any size
         raise PlanError(
@@ -110,7 +80,8 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
             + ("" if costs.degrees[-1] == cluster.degrees[-1] else " (largest allowed degree)"))
     options = SearchOptions(num_buckets=args.num_buckets, time_limit=time_limit)
     try:
-        schedule = _run(strategy, lengths, costs, cluster.num_gpus, options, sp_degree, started + time_limit)
+        schedule = registry.run_strategy(strategy, registry.PlanRequest(lengths, costs, cluster.num_gpus, options,
+                                                                        started + time_limit, sp_degree))
     except (InfeasibleDegree, Infeasible) as exc:
         raise PlanError(f"{strategy}: {exc}") from None
     micro_batches = place(schedule, cost)
@@ -120,6 +91,12 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     if validate:
         plan.validate(lengths, cost, cluster)
     return plan
+
+
+def __getattr__(name: str):
+    if name == "STRATEGIES":   # kept importable; the registry is the source
+        return registry.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["plan_batch", "place", "STRATEGIES", "usable_degrees"]

@@ -60,7 +60,7 @@ Ranks on the y axis, time on the x axis, one box per SP group; the dotted lines 
     ("code", """import tempfile
 from pathlib import Path
 from IPython.display import Image, display
-from flexsp.plots import plot_gantt
+from flexsp.evaluation.plots import plot_gantt
 
 picture = Path(tempfile.mkdtemp()) / "plan.png"
 plot_gantt(plan, lengths, cost, picture)
@@ -68,9 +68,9 @@ display(Image(filename=str(picture)))"""),
     ("md", """## 5. The same batch, other strategies
 
 `static` is DeepSpeed-Ulysses style (one SP degree for everything), `batchada` picks the best single
-degree per batch, `dynamic-cp` is Megatron's dynamic context-parallel rule. `flexsp.megatron` gives a
+degree per batch, `dynamic-cp` is Megatron's dynamic context-parallel rule. `flexsp.evaluation.megatron` gives a
 Megatron-LM-style TP=8 + ring-attention step time (not a plan of SP groups)."""),
-    ("code", """from flexsp.megatron import MegatronModel, megatron_step_time
+    ("code", """from flexsp.evaluation.megatron import MegatronModel, megatron_step_time
 
 for strategy, degree in (("static", 64), ("static", 32), ("batchada", None), ("dynamic-cp", None)):
     other = flexsp.plan_batch(lengths, cost, cluster, strategy, sp_degree=degree)
@@ -80,10 +80,10 @@ step = megatron_step_time(lengths, MegatronModel.from_preset("gpt-7b", context=C
 print(f"{'megatron':>12}: {step.time:6.2f} s  (TP 8 x CP {step.cp}; FlexSP is {step.time / plan.predicted_time:.2f}x faster)")"""),
     ("md", """## 6. A short simulation and a speedup table
 
-`flexsp.simulate` plans several seeded batches with every strategy (`static:D` pins a degree). The
+`flexsp.evaluation.simulate` plans several seeded batches with every strategy (`static:D` pins a degree). The
 paper's protocol is 40 steps of 512; here 3 steps of 256 keep it quick."""),
     ("code", """from IPython.display import Markdown
-from flexsp.simulate import simulate, format_table, describe
+from flexsp.evaluation.simulate import simulate, format_table, describe
 
 sim = simulate(dist, cost, cluster, ["flexsp", "batchada", "dynamic-cp", "static:64", "static:32"],
                steps=3, batch_size=256, context=CONTEXT, time_limit=0.5, progress=False)

@@ -12,14 +12,9 @@ import time
 import numpy as np
 
 from .blaster import interleaved, min_micro_batches
-from .costs import DegreeCosts
 from .materialize import split_at
-from .schedule import GroupAssignment, Schedule
+from .types import DegreeCosts, GroupAssignment, InfeasibleDegree, Schedule
 from .counting import OutOfTime, search_count
-
-
-class InfeasibleDegree(ValueError):
-    """A sequence is longer than one group of this degree can hold."""
 
 
 # Above this many sequences, a vectorised snake deal replaces the per-sequence LPT loop when it

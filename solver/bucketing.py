@@ -31,7 +31,9 @@ def token_error(lengths: np.ndarray, buckets: Buckets) -> float:
     return float((buckets.rounded() - lengths).sum() / lengths.sum())
 
 
-def _assign(lengths: np.ndarray, upper: np.ndarray) -> Buckets:
+def assign(lengths: np.ndarray, upper: np.ndarray) -> Buckets:
+    """Buckets with the given upper bounds (deduplicated, sorted); each length goes to the first
+    bound at or above it. Every bucketing rule ends here; a custom rule only picks ``upper``."""
     upper = np.unique(upper)
     return Buckets(upper=upper, index=np.searchsorted(upper, lengths, side="left"))
 
@@ -63,7 +65,7 @@ def dp_buckets(lengths: np.ndarray, num_buckets: int = 16) -> Buckets:
         value_sums = counts * values.astype(np.float64)
     u = len(values)
     if num_buckets >= u:
-        return _assign(lengths, values)
+        return assign(lengths, values)
     v = values.astype(np.float64)
     w_cum = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])
     s_cum = np.concatenate([[0.0], np.cumsum(value_sums)])
@@ -86,7 +88,7 @@ def dp_buckets(lengths: np.ndarray, num_buckets: int = 16) -> Buckets:
         if start == 0:
             break
         end = start - 1
-    return _assign(lengths, np.array(sorted(bounds), dtype=lengths.dtype))
+    return assign(lengths, np.array(sorted(bounds), dtype=lengths.dtype))
 
 
 def naive_buckets(lengths: np.ndarray, num_buckets: int = 16) -> Buckets:
@@ -95,9 +97,13 @@ def naive_buckets(lengths: np.ndarray, num_buckets: int = 16) -> Buckets:
     lo, hi = int(lengths.min()), int(lengths.max())
     edges = np.ceil(np.linspace(lo, hi, num_buckets + 1)[1:]).astype(lengths.dtype)
     edges[-1] = hi
-    return _assign(lengths, edges)
+    return assign(lengths, edges)
 
 
 def exact_buckets(lengths: np.ndarray) -> Buckets:
     """One bucket per distinct length (no rounding)."""
-    return _assign(np.asarray(lengths), np.unique(lengths))
+    return assign(np.asarray(lengths), np.unique(lengths))
+
+
+# Rules the search may bucket with (``solver.search.SearchOptions.bucketing``): name -> (lengths, count) -> Buckets.
+RULES = {"dp": dp_buckets, "naive": naive_buckets}

@@ -64,9 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .costs import DegreeCosts
-from .schedule import GroupAssignment, Schedule
-from .search import Infeasible
+from .types import DegreeCosts, GroupAssignment, Infeasible, Schedule
 
 BALANCE_TOLERANCE = 0.05   # Megatron's delta: balanced when max - min <= 5% of max
 BUCKET_SLACK = 1.1         # make_buckets_equal closes a bucket above 1.1x the mean work

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .costs import DegreeCosts
-from .packing import BinPacking
-from .schedule import GroupAssignment, group_loads
+from .group_packing import BinPacking
+from .types import DegreeCosts, GroupAssignment, group_loads
 
 # LPT rebalancing loops over sequences in Python at O(groups) each: skip it on big micro-batches,
 # where many sequences per group make the dealt version balanced anyway.

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .costs import DegreeCosts
-from .packing import BinPacking
+from .group_packing import BinPacking
+from .types import DegreeCosts
 
 
 @dataclass

@@ -3,7 +3,7 @@
 1. Bucket the batch (DP, ``num_buckets``) so every later step costs O(buckets x group classes).
 2. Candidate splits: the sequence blaster's (``blaster``: the paper's consecutive chunks of sorted
    lengths, an interleaved and a critical-path-aware split, at micro-batch counts from the memory
-   bound upwards), each micro-batch packed by bisection on its makespan (``packing``); and a sweep
+   bound upwards), each micro-batch packed by bisection on its makespan (``group_packing``); and a sweep
    that packs the whole batch at a target makespan and deals the groups into micro-batches
    (``arranged_split``), which picks the micro-batch count and the split together.
 3. A budgeted first-improvement local search moves sequences of one bucket between micro-batches.
@@ -27,14 +27,13 @@ from typing import Callable
 import numpy as np
 
 from . import blaster
-from .bucketing import Buckets, dp_buckets
-from .costs import DegreeCosts
+from .bucketing import RULES, Buckets
 from .counting import OutOfTime, search_count
 from .materialize import to_groups
 from .milp import solve_milp
-from .packing import BinPacking, MicroBatchPacker
-from .schedule import Schedule, group_times
+from .group_packing import BinPacking, MicroBatchPacker
 from .tighten import tighten
+from .types import DegreeCosts, Infeasible, Schedule, group_times
 
 
 # Share of the time left after the greedy plan that the split search may use; the rest turns its
@@ -55,10 +54,12 @@ class SearchOptions:
     time_limit: float = 5.0         # seconds; the best plan so far is returned when it runs out
     exact_max_sequences: int = 8    # up to this many sequences, the MILP proves the plan optimal
     milp_time_limit: float = 0.0    # seconds of MILP polishing per micro-batch on larger batches
+    bucketing: str = "dp"           # bucketing rule (solver.bucketing.RULES): "dp" (the paper's) or "naive"
+    sort_longest_first: bool = True  # the blaster cuts lengths sorted longest first (False: arrival order)
 
-
-class Infeasible(ValueError):
-    """The batch cannot be planned on this cluster (a sequence longer than all GPUs can hold)."""
+    def __post_init__(self) -> None:
+        if self.bucketing not in RULES:
+            raise ValueError(f"bucketing must be one of {sorted(RULES)}, got {self.bucketing!r}")
 
 
 @dataclass
@@ -94,10 +95,12 @@ class BatchSearch:
         if longest > costs.capacity[-1]:
             raise Infeasible(f"a sequence of {longest} tokens is longer than the whole cluster can hold "
                              f"({costs.capacity[-1]:.0f} tokens on {costs.degrees[-1]} GPUs)")
-        self.buckets: Buckets = dp_buckets(self.lengths, options.num_buckets)
+        self.bucket = RULES[options.bucketing]
+        self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
                                        mean_bucket_times(self.lengths, self.buckets, costs))
-        self.order = np.argsort(-self.lengths, kind="stable")
+        self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
+                      else np.arange(len(self.lengths)))
         self.seq_area = self.packer.min_area[self.buckets.index]
         self.seq_critical = self.packer.min_time[self.buckets.index]
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
@@ -357,7 +360,7 @@ class BatchSearch:
             for num_buckets, estimate in REFINE_VARIANTS:
                 if self.out_of_time():
                     return Schedule(tuple(micro_batches))
-                local = dp_buckets(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
+                local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
                 if len(local.upper) == 1 and len(groups) == 1:
                     break
                 times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
@@ -396,7 +399,7 @@ def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: Sear
     return search.schedule(search.first_split())
 
 
-def flexsp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
+def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
            fallbacks: tuple[Callable[[], Schedule], ...] = (), deadline: float | None = None) -> Schedule:
     """The best of: the greedy split, the searched splits, the MILP where it runs, and the plans of
     ``fallbacks`` (other strategies), all scored on real lengths.

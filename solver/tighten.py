@@ -18,8 +18,7 @@ import time
 
 import numpy as np
 
-from .costs import DegreeCosts
-from .schedule import GroupAssignment, group_loads
+from .types import DegreeCosts, GroupAssignment, group_loads
 
 MAX_STEPS = 256             # steps per micro-batch (each O(groups x moved candidates))
 MAX_MOVE_CANDIDATES = 16    # longest sequences of the slowest group considered for a move

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexsp
-from flexsp.bounds import coupled_lower_bound, lower_bound
+from flexsp.evaluation.bounds import coupled_lower_bound, lower_bound
 from test_planner import make_cost, tiny_instances
 from validator import brute_force_optimum
 

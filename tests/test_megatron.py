@@ -1,4 +1,4 @@
-"""The Megatron-style baseline (flexsp/megatron.py) against values computed by hand."""
+"""The Megatron-style baseline (flexsp/evaluation/megatron.py) against values computed by hand."""
 import math
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from flexsp import CostModel
 from flexsp.errors import CostModelError, PlanError
-from flexsp.megatron import MegatronModel, megatron_step_time, step_for_cp
+from flexsp.evaluation.megatron import MegatronModel, megatron_step_time, step_for_cp
 
 
 def small_model(**overrides) -> MegatronModel:

@@ -229,8 +229,8 @@ def cli(capsys, *argv):
     (["plan", "{lengths}", "--communicator-memory", "-5"], "argument --communicator-memory: MiB per communicator"),
 ])
 def test_cli_prints_one_error_line_and_exits_nonzero_before_solving(tmp_path, capsys, monkeypatch, argv, message):
-    import flexsp.planner
-    monkeypatch.setattr(flexsp.planner, "_run", lambda *a, **k: pytest.fail("solved before the error"))
+    import flexsp.strategies
+    monkeypatch.setattr(flexsp.strategies, "run_strategy", lambda *a, **k: pytest.fail("solved before the error"))
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("1000\n20000\n")
     bad = tmp_path / "bad.json"
@@ -280,7 +280,7 @@ def test_communicators_come_off_the_planning_capacity():
 
 def test_simulate_plans_each_strategy_with_its_pools_capacity():
     from flexsp.lengths import get_distribution
-    from flexsp.simulate import format_communicator_memory, simulate
+    from flexsp.evaluation.simulate import format_communicator_memory, simulate
     sim = simulate(get_distribution("wikipedia"), PRESET, CLUSTER, ["flexsp[1,8,64]", "static:64"], steps=1,
                    batch_size=32, time_limit=0.5, progress=False, communicator_bytes=COMMUNICATOR_BYTES)
     text = format_communicator_memory(sim)

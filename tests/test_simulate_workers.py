@@ -12,7 +12,7 @@ import pytest
 import flexsp
 from flexsp.errors import FlexSPError, PlanError
 from flexsp.lengths import get_distribution
-from flexsp.simulate import plan_steps, simulate
+from flexsp.evaluation.simulate import plan_steps, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 # a small setting whose solves finish far inside the time limit, so it never binds

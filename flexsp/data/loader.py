@@ -160,13 +160,12 @@ class FlexSPLoader:
         return self._batches
 
     def _capacity(self) -> float:
-        from ..planner import usable_degrees
         c = self.config
         max_degree = c.max_degree
         if self.ulysses_only and self.cost.ulysses_limit is not None:
             max_degree = min(max_degree or self.cost.ulysses_limit, self.cost.ulysses_limit)
         degree = (c.sp_degree if c.strategy == "static" and c.sp_degree
-                  else max(usable_degrees(self.cluster, max_degree, self._degrees)))
+                  else max(self.cluster.usable_degrees(max_degree, self._degrees)))
         return self.cost.group_capacity(degree)
 
     def _ensure_planner(self) -> AsyncPlanner:

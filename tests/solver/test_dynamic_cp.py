@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 
 import flexsp
 from flexsp.lengths import get_distribution, preprocess
-from solver.costs import DegreeCosts
 from solver.dynamic_cp import DynamicCPInfeasible, dynamic_cp, group_degrees, megatron_group_size
-from solver.schedule import GroupAssignment, Schedule
+from solver.types import DegreeCosts, GroupAssignment, Schedule
 
 PER_GPU = 100   # tokens one GPU holds in the hand-made cost model
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_dynamic_cp"

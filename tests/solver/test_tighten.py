@@ -3,8 +3,8 @@ cases it is for (free GPUs -> promote, a fast sibling -> merge, an unbalanced pa
 import numpy as np
 import pytest
 
-from solver.costs import DegreeCosts
-from solver.schedule import GroupAssignment, group_times
+from solver.types import DegreeCosts
+from solver.types import GroupAssignment, group_times
 from solver.tighten import tighten
 
 COSTS = DegreeCosts(degrees=(1, 2, 4, 8), quad=(1e-6, 5e-7, 2.5e-7, 1.25e-7),

@@ -1,4 +1,4 @@
-"""One micro-batch: pick SP degrees and fill groups, by bisection on the makespan.
+"""Group bin-packing of one micro-batch: pick SP degrees and fill groups, by bisection on the makespan.
 
 The problem works on bucketed lengths (a few distinct lengths with counts), and identical groups
 are kept as one *group class* with a multiplicity, so a packing costs O(buckets x classes) whatever
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .costs import DegreeCosts
+from .types import DegreeCosts
 
 
 @dataclass

@@ -1,0 +1,130 @@
+"""The solver's shared types, in one module every solver step imports (and nothing else in ``solver``).
+
+Costs: per-degree time and memory coefficients, the only view of the cost model the solver sees.
+A sequence of ``s`` tokens in an SP group of degree ``d`` takes
+``lin[d] * s + max(quad[d] * s**2, ring[d] * s)`` seconds: attention (``quad``) overlaps the
+point-to-point KV passing of a ring axis (``ring``, zero for pure Ulysses groups). A group takes
+the sum over its sequences plus ``beta1``; a group of degree ``d`` holds at most ``capacity[d]``
+tokens. Any model of that shape plugs in (the paper's alpha-beta model, an analytic one, a
+profiled one, a Ulysses x ring hybrid) without the solver knowing which.
+
+Schedules: what the solver returns, micro-batches of (degree, sequence ids) groups with no ranks
+attached (``flexsp.planner.place`` gives them ranks).
+
+Errors: ``Infeasible`` (the batch cannot be planned on this cluster) and ``InfeasibleDegree`` (a
+sequence does not fit one group of the degree a baseline insists on).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+def seconds(s, quad, lin, ring=0.0):
+    """The one time formula, vectorised: ``lin*s + max(quad*s^2, ring*s)``."""
+    s = np.asarray(s, dtype=np.float64)
+    return lin * s + np.maximum(quad * s * s, ring * s)
+
+
+@dataclass(frozen=True)
+class DegreeCosts:
+    degrees: tuple[int, ...]        # ascending powers of two
+    quad: tuple[float, ...]         # seconds per token^2, per degree
+    lin: tuple[float, ...]          # seconds per token, per degree
+    capacity: tuple[float, ...]     # tokens one group of this degree can hold
+    beta1: float                    # seconds per group per micro-batch
+    ring: tuple[float, ...] = ()    # seconds per token of ring KV passing (empty: no ring axis)
+
+    def __post_init__(self) -> None:
+        n = len(self.degrees)
+        if not self.ring:
+            object.__setattr__(self, "ring", (0.0,) * n)
+        if n == 0 or not (len(self.quad) == len(self.lin) == len(self.capacity) == len(self.ring) == n):
+            raise ValueError("DegreeCosts needs one quad, lin, ring and capacity entry per degree")
+        if list(self.degrees) != sorted(set(self.degrees)):
+            raise ValueError(f"degrees must be strictly ascending, got {self.degrees}")
+        for name in ("quad", "lin", "ring"):
+            object.__setattr__(self, f"_{name}", np.asarray(getattr(self, name), dtype=np.float64))
+
+    def seconds(self, lengths, k) -> np.ndarray:
+        """Seconds of sequences at degree index ``k`` (an int or an array broadcast with ``lengths``)."""
+        return seconds(lengths, self._quad[k], self._lin[k], self._ring[k])
+
+    @property
+    def num_degrees(self) -> int:
+        return len(self.degrees)
+
+    def index(self, degree: int) -> int:
+        return self.degrees.index(degree)
+
+    def times(self, lengths: np.ndarray) -> np.ndarray:
+        """``[len(lengths), num_degrees]`` seconds; ``inf`` where one sequence alone overflows memory."""
+        s = np.asarray(lengths, dtype=np.float64)[:, None]
+        out = self.seconds(s, np.arange(self.num_degrees)[None, :])
+        out[s > np.asarray(self.capacity)[None, :]] = np.inf
+        return out
+
+    def seq_time(self, lengths: np.ndarray, k: int) -> np.ndarray:
+        return self.seconds(lengths, k)
+
+    def group_time(self, lengths: np.ndarray, k: int) -> float:
+        return float(self.seq_time(lengths, k).sum()) + self.beta1
+
+
+# --- schedules ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupAssignment:
+    degree: int
+    seq_ids: np.ndarray  # int64 indices into the batch's lengths
+
+    def time(self, lengths: np.ndarray, costs: DegreeCosts) -> float:
+        return costs.group_time(lengths[self.seq_ids], costs.index(self.degree))
+
+
+def group_loads(members: list[np.ndarray], degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
+    """Seconds of sequences in each group (no beta1); ``degree_idx`` indexes ``costs.degrees``.
+    Vectorised over all sequences at once."""
+    owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    per_seq = costs.seconds(lengths[np.concatenate(members)], np.asarray(degree_idx)[owner])
+    return np.bincount(owner, weights=per_seq, minlength=len(members))
+
+
+def group_times(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
+    """Seconds of every group of a micro-batch, beta1 included."""
+    degree_idx = [costs.index(g.degree) for g in groups]
+    return group_loads([g.seq_ids for g in groups], degree_idx, lengths, costs) + costs.beta1
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Micro-batches run one after another; the groups of one micro-batch run side by side."""
+
+    micro_batches: tuple[tuple[GroupAssignment, ...], ...]
+
+    def micro_batch_times(self, lengths: np.ndarray, costs: DegreeCosts) -> list[float]:
+        """Slowest group of each micro-batch; one vectorised pass over every group of the plan."""
+        groups = [g for mb in self.micro_batches for g in mb]
+        if not groups:
+            return []
+        index = {d: k for k, d in enumerate(costs.degrees)}
+        loads = group_loads([g.seq_ids for g in groups], [index[g.degree] for g in groups], lengths, costs) + costs.beta1
+        owner = np.repeat(np.arange(len(self.micro_batches)), [len(mb) for mb in self.micro_batches])
+        slowest = np.full(len(self.micro_batches), -np.inf)
+        np.maximum.at(slowest, owner, loads)
+        return slowest.tolist()
+
+    def time(self, lengths: np.ndarray, costs: DegreeCosts) -> float:
+        return float(sum(self.micro_batch_times(lengths, costs)))
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(len(g.seq_ids) for mb in self.micro_batches for g in mb)
+
+
+# --- errors ------------------------------------------------------------------------------
+class Infeasible(ValueError):
+    """The batch cannot be planned on this cluster (a sequence longer than all GPUs can hold)."""
+
+
+class InfeasibleDegree(ValueError):
+    """A sequence is longer than one group of this degree can hold."""
