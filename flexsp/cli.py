@@ -4,9 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 from .checks import writable_file
@@ -17,21 +15,7 @@ from .errors import FlexSPError, PlanError
 from .lengths import get_distribution, load_lengths
 from .profile import cli as profile_cli
 from .replay import cli as replay_cli
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
-
-
-def parse_tokens(text: str) -> int:
-    """``393216``, ``384K`` (x1024) or ``2M`` (x1024^2): a whole, positive number of tokens."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a token count like 393216, 384K or 2M, got {text!r}")
-    value = Fraction(match.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[match.group(2).lower()]
-    if value.denominator != 1 or value < 1 or value > 2**62:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens >= 1 (like 393216, 384K or 1.5M), "
-                                         f"got {text!r}")
-    return int(value)
-
+from .units import parse_tokens
 
 def _count(minimum: int):
     """argparse type: an integer >= ``minimum``."""

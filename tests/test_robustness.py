@@ -224,7 +224,7 @@ def cli(capsys, *argv):
     (["simulate", "--seed", "-1"], "flexsp simulate: error: argument --seed: must be >= 0, got -1"),
     (["simulate", "--strategies", ","], "flexsp simulate: error: --strategies ',' names no strategy"),
     (["simulate", "--strategies", "flexsp,flexpp"], "flexsp simulate: error: --strategies: unknown strategy 'flexpp'"),
-    (["simulate", "--context", "1.5"], "flexsp simulate: error: argument --context: expected a whole number"),
+    (["simulate", "--context", "1.5"], "flexsp simulate: error: argument --context: expected a whole token count"),
     (["simulate", "--time-limit", "nan"], "flexsp simulate: error: argument --time-limit: expected seconds > 0"),
     (["plan", "{lengths}", "--communicator-memory", "-5"], "argument --communicator-memory: MiB per communicator"),
 ])

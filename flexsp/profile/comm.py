@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..cluster import aligned_block
 from ..errors import CostModelError
 from ..runtime.groups import GroupPool
 from .compute import DeviceSetup
@@ -40,8 +41,8 @@ def block_of(rank: int, world_size: int, degree: int) -> tuple[int, ...] | None:
     """The aligned block ``[k*d, (k+1)*d)`` holding ``rank``, or None if ``rank`` is past the last full block."""
     if degree < 1 or world_size < 1 or not 0 <= rank < world_size:
         raise CostModelError(f"no block for rank {rank} of a world of {world_size} at degree {degree}")
-    start = rank // degree * degree
-    return tuple(range(start, start + degree)) if start + degree <= world_size else None
+    index = rank // degree
+    return aligned_block(index, degree) if (index + 1) * degree <= world_size else None
 
 
 def participants(world_size: int, degree: int) -> int:

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..cli import parse_tokens
+    from ..units import parse_tokens
     from ..cost import CostModel
     from ..lengths import load_lengths
     from ..plan import Plan

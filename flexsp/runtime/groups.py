@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ..cluster import aligned_block, is_aligned_block
 from ..errors import PlanError
 from .ring_comm import place, pool_splits, ring_blocks
 
@@ -39,7 +40,7 @@ def aligned_blocks(world_size: int, degrees: Iterable[int]) -> list[tuple[int, .
     """Every aligned block of ranks for each degree, in one fixed order (every rank must agree)."""
     blocks = []
     for d in sorted(set(degrees)):
-        blocks.extend(tuple(range(k * d, (k + 1) * d)) for k in range(world_size // d))
+        blocks.extend(aligned_block(k, d) for k in range(world_size // d))
     return blocks
 
 
@@ -135,9 +136,7 @@ class GroupPool:
     def has(self, ranks: Iterable[int]) -> bool:
         """Whether a group on ``ranks`` is pooled (aligned block of a pooled degree)."""
         ranks = tuple(ranks)
-        d = len(ranks)
-        return (d in self.degrees and ranks[0] % d == 0 and ranks == tuple(range(ranks[0], ranks[0] + d))
-                and ranks[-1] < self.world_size)
+        return bool(ranks) and len(ranks) in self.degrees and is_aligned_block(ranks) and ranks[-1] < self.world_size
 
     def check(self, ranks: Iterable[int], ring: int = 1) -> None:
         """Raise ``PlanError`` if a plan asks for a group (or a Ulysses x ring split) the pool does not hold."""
