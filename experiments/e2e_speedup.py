@@ -37,7 +37,7 @@ except ImportError:  # run as a script
 
 SIMULATED = ("**Simulated, not measured**: every time is predicted by the paper's published cost model "
              "(`CostModel.from_preset`, GPT-7B/13B/30B constants for 64 x A100-40GB), the model FlexSP "
-             "optimises; Megatron's by the analytic model in `flexsp/megatron.py`. FlexSP's candidates include "
+             "optimises; Megatron's by the analytic model in `flexsp/evaluation/megatron.py`. FlexSP's candidates include "
              "BatchAda's and the dynamic-CP rule's plans (BatchAda tries every single degree, static SP's among them), "
              "so its speedups over DeepSpeed, BatchAda and dynamic CP are >= 1x by construction.")
 BASELINES = ("megatron", "deepspeed", "batchada", "dynamic-cp")
