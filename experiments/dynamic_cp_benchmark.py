@@ -49,14 +49,6 @@ def shape(schedule: Schedule) -> list:
     return [[(g.degree, sorted(g.seq_ids.tolist())) for g in mb] for mb in schedule.micro_batches]
 
 
-def sizes(schedule: Schedule, n: int) -> np.ndarray:
-    out = np.zeros(n, dtype=np.int64)
-    for mb in schedule.micro_batches:
-        for g in mb:
-            out[g.seq_ids] = g.degree
-    return out
-
-
 # --- 1. fidelity -----------------------------------------------------------------------------------
 
 def fidelity() -> list[dict]:
@@ -74,7 +66,7 @@ def fidelity() -> list[dict]:
             ours_t.append(ours.time(lengths, costs))
             up_t.append(up.time(lengths, costs))
             ratios.append(ours_t[-1] / up_t[-1])
-            agree.append(np.mean(sizes(ours, len(lengths)) == sizes(up, len(lengths))))
+            agree.append(np.mean(ours.degree_of_sequences(len(lengths)) == up.degree_of_sequences(len(lengths))))
             mbs.append((len(ours.micro_batches), len(up.micro_batches)))
             exact += shape(ours) == [[(g["size"], g["seq_ids"]) for g in mb] for mb in batch["plan"]]
         rows.append({"setting": f"{s['model_preset']} {s['context'] // 1024}K, P={s['max_seq_len_per_rank']}",

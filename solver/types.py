@@ -120,6 +120,14 @@ class Schedule:
     def num_sequences(self) -> int:
         return sum(len(g.seq_ids) for mb in self.micro_batches for g in mb)
 
+    def degree_of_sequences(self, n: int) -> np.ndarray:
+        """The SP degree each of ``n`` sequences runs at (0 for one the schedule leaves out)."""
+        out = np.zeros(n, dtype=np.int64)
+        for mb in self.micro_batches:
+            for g in mb:
+                out[g.seq_ids] = g.degree
+        return out
+
 
 # --- errors ------------------------------------------------------------------------------
 class Infeasible(ValueError):

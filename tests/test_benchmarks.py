@@ -40,12 +40,8 @@ def test_loader_benchmark_quick_mode(tmp_path):
 
 
 def _script(name):
-    import importlib
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    from scripts import experiment
+    return experiment(name)
 
 
 def test_planner_readme_block_marks_missed_targets():

@@ -45,12 +45,8 @@ def test_quick_mode_outputs(script, tmp_path):
 # --- values, not only columns -------------------------------------------------------------------------
 
 def _experiment(name):
-    import importlib
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    from scripts import experiment
+    return experiment(name)
 
 
 def _hand_time(plan, lengths, cost):

@@ -158,14 +158,6 @@ def upstream_schedule(plan: list) -> Schedule:
                           for mb in plan))
 
 
-def sizes_per_sequence(schedule: Schedule, n: int) -> np.ndarray:
-    out = np.zeros(n, dtype=np.int64)
-    for mb in schedule.micro_batches:
-        for g in mb:
-            out[g.seq_ids] = g.degree
-    return out
-
-
 @pytest.mark.parametrize("setting, batch", list(fixture_cases()))
 def test_as_fast_as_upstream_on_its_own_plans(setting, batch):
     """The issue's bar: per batch no slower than upstream's plan (1%), group sizes agree on >= 99.5%."""
@@ -175,7 +167,7 @@ def test_as_fast_as_upstream_on_its_own_plans(setting, batch):
     theirs = upstream_schedule(batch["plan"])
     assert sorted(np.concatenate([g.seq_ids for mb in theirs.micro_batches for g in mb])) == list(range(len(lengths)))
     assert ours.time(lengths, costs) <= theirs.time(lengths, costs) * 1.01
-    agree = np.mean(sizes_per_sequence(ours, len(lengths)) == sizes_per_sequence(theirs, len(lengths)))
+    agree = np.mean(ours.degree_of_sequences(len(lengths)) == theirs.degree_of_sequences(len(lengths)))
     assert agree >= 0.995
     assert len(ours.micro_batches) <= len(theirs.micro_batches)
     # in fact the stand-in reproduces upstream's plan exactly: same micro-batches, same groups in rank order
