@@ -4,9 +4,9 @@
     python examples/train.py                           # a world of one
 
 A dataset of variable-length token sequences goes through ``flexsp.data.FlexSPLoader``: it forms
-global batches, plans each in a background thread (rank 0 plans, every rank gets the same plan),
+global batches, plans each in a background process (rank 0 plans, every rank gets the same plan),
 and hands each rank the packed shards of the micro-batches it takes part in. The model's states are
-sharded with FSDP2 (``prepare_model``: bf16 compute, fp32 master weights and gradient reduction);
+sharded with FSDP2 (``shard_model``: bf16 compute, fp32 master weights and gradient reduction);
 ``StepExecutor.step`` checks the step on every rank, runs each shard with Ulysses attention over the
 step's SP groups (long sequences in big groups, short ones alone), reduce-scatters gradients during
 backward and takes one optimizer step; the update equals training the whole batch on one device.
@@ -25,8 +25,10 @@ try:
 except ModuleNotFoundError:   # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import flexsp
+from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig
-from flexsp.runtime import GroupPool, ModelConfig, StepExecutor, TinyLM, init_distributed, prepare_model
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime import GroupPool, StepExecutor, TinyLM, TrainConfig, init_distributed, shard_model
 
 # -----------------------------------------------------------------------------------------------
 # config
@@ -45,7 +47,10 @@ parser.add_argument("--sharding", default="full", choices=("full", "grad_optim",
 parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                     help="compute dtype (auto: bf16 on GPUs, fp32 on CPUs); master weights stay fp32")
 args = parser.parse_args()
-model_config = ModelConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=8, num_kv_heads=2, mlp_hidden=128)
+model_config = ModelSpec(vocab=256, hidden=64, layers=2, heads=8, kv_heads=2, ffn=128, tie_embeddings=True)
+# every planning setting in one object, every runtime setting in another: the sharding the planner's
+# capacity assumes and the sharding FSDP2 runs are the same value
+plan_config = PlanConfig(strategy=args.strategy, time_limit=args.time_limit, sharding=args.sharding)
 
 # -----------------------------------------------------------------------------------------------
 # distributed setup: torchrun sets RANK/WORLD_SIZE; plain python is a world of one. On GPUs the
@@ -71,10 +76,11 @@ log(f"world {world} ({dist.get_backend()}), device {device}: {pool.stats.count} 
 torch.manual_seed(args.seed)
 model = TinyLM(model_config).to(device)
 compute = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and use_cuda) else None
-prepare_model(model, sharding=args.sharding, param_dtype=compute)
+train_config = TrainConfig(sharding=plan_config.sharding, param_dtype=compute)
+shard_model(model, train_config)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)   # after sharding: fp32 shards
 log(f"model: {sum(p.numel() for p in model.parameters()) / 1e3:.1f}K parameters, {model_config}, "
-    f"sharding {args.sharding}, compute {compute or 'fp32'}")
+    f"sharding {train_config.sharding}, compute {compute or 'fp32'}")
 
 # -----------------------------------------------------------------------------------------------
 # the planner's view of this machine: made-up numbers that suit a tiny model
@@ -85,10 +91,10 @@ cost = flexsp.CostModel(
     alpha1=2e-9,                                           # s per token^2 (attention)
     alpha2=2e-6,                                           # s per token (everything else)
     beta1=1e-4,                                            # s per group per micro-batch
-    comm_bytes_per_token=4 * 2 * model_config.num_layers * model_config.hidden * 4,
+    comm_bytes_per_token=4 * 2 * model_config.layers * model_config.hidden * 4,
     alltoall_bandwidth={d: 2e9 / d for d in cluster.degrees if d > 1},
     token_capacity=token_capacity,
-    meta={"sharding": args.sharding},   # the capacity assumes the sharding the runtime runs
+    meta={"sharding": plan_config.sharding},   # the capacity assumes the sharding the runtime runs
 )
 max_len = min(args.max_len, token_capacity * world)   # the longest sequence must fit the whole world
 
@@ -103,23 +109,23 @@ class SyntheticTokens(torch.utils.data.Dataset):
     def __init__(self, size, seed):
         g = torch.Generator().manual_seed(seed)
         self.lengths = (torch.empty(size).log_normal_(4.0, 0.9, generator=g).long() + 8).clamp(max=max_len).tolist()
-        self.starts = torch.randint(0, model_config.vocab_size, (size, 2), generator=g).tolist()
+        self.starts = torch.randint(0, model_config.vocab, (size, 2), generator=g).tolist()
 
     def __len__(self):
         return len(self.lengths)
 
     def __getitem__(self, i):
         start, stride = self.starts[i]
-        return ((start + (1 + stride % 7) * torch.arange(self.lengths[i])) % model_config.vocab_size).tolist()
+        return ((start + (1 + stride % 7) * torch.arange(self.lengths[i])) % model_config.vocab).tolist()
 
 
 dataset = SyntheticTokens(args.dataset_size, args.seed)
 loader = FlexSPLoader(dataset, cost, cluster, pool=pool, device=device, lengths=dataset.lengths,  # lengths known: no pass
-                      config=LoaderConfig(batch_size=args.batch_size, seed=args.seed, strategy=args.strategy,
-                                          time_limit=args.time_limit, lookahead=args.lookahead))
+                      config=LoaderConfig(batch_size=args.batch_size, seed=args.seed, lookahead=args.lookahead,
+                                          plan=plan_config))
 
 
-executor = StepExecutor(model, optimizer, pool, cost=cost)   # refuses a cost model that assumed more sharding
+executor = StepExecutor(model, optimizer, pool, cost=cost, config=train_config)   # refuses a cost model that assumed more sharding
 
 
 def describe(plan):

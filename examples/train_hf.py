@@ -34,6 +34,7 @@ except ModuleNotFoundError:   # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import flexsp
 import flexsp.runtime as runtime
+from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig
 from flexsp.hf import from_config, load_config
 
@@ -123,7 +124,7 @@ heads, kv_heads = model.sp_heads()   # SP degrees must divide the heads: at most
 name = model.name
 # Sharded model states: FSDP2 fully_shard per decoder layer, then the root; bf16 compute with fp32
 # master weights and reduction on GPUs, fp32 on CPUs.
-model = runtime.prepare_model(model, param_dtype=torch.bfloat16 if use_cuda else None)
+model = runtime.shard_model(model, param_dtype=torch.bfloat16 if use_cuda else None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 log(f"model: {name}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, heads {heads}/{kv_heads}, "
     f"{str(dtype).replace('torch.', '')}, attention key {args.attn!r} wrapped by FlexSP, "
@@ -143,8 +144,9 @@ else:   # made-up numbers of the right shape; profile yours with `flexsp profile
 if args.max_len > cost.token_capacity * world:
     raise SystemExit(f"--max-len {args.max_len} does not fit the whole world ({world} x {cost.token_capacity} tokens)")
 loader = FlexSPLoader(dataset, cost, cluster, pool=pool, device=device, lengths=lengths,
-                      config=LoaderConfig(batch_size=args.batch_size, seed=args.seed, strategy=args.strategy,
-                                          time_limit=args.time_limit, max_degree=heads & -heads))
+                      config=LoaderConfig(batch_size=args.batch_size, seed=args.seed,
+                                          plan=PlanConfig(strategy=args.strategy, time_limit=args.time_limit,
+                                                          max_degree=heads & -heads)))
 executor = runtime.StepExecutor(model, optimizer, pool, cost=cost)   # the one planned step path
 
 

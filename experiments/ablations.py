@@ -11,7 +11,7 @@ component shows up instead of being hidden by a BatchAda / dynamic-CP plan. Vari
 - ``no bucketing``: one bucket per distinct length;
 - ``B buckets``: DP with 4 / 8 / 32 / 64 buckets.
 
-Quality = plan time / lower bound (``flexsp.evaluation.bounds.lower_bound``); solve time is
+Quality = plan time / lower bound (``flexsp.plan.bounds.lower_bound``); solve time is
 wall-clock. Sorting and the bucketing rule are options of the search
 (``SearchOptions.sort_longest_first``, ``SearchOptions.bucketing``).
 
@@ -26,8 +26,8 @@ import numpy as np
 from tqdm import tqdm
 
 import flexsp
-from flexsp.evaluation.bounds import lower_bound
-from flexsp.planner import place
+from flexsp.plan.bounds import lower_bound
+from flexsp.plan.planner import place
 from solver.search import BatchSearch, SearchOptions
 
 try:
@@ -41,11 +41,11 @@ COLUMNS = ["dataset", "approximate", "variant", "pipeline", "num_buckets", "plan
 
 
 def run_search(lengths: np.ndarray, cost: flexsp.CostModel, cluster: flexsp.Cluster, options: SearchOptions,
-               greedy_only: bool) -> tuple[float, float]:
+               greedy_only: bool, time_limit: float) -> tuple[float, float]:
     """(plan time, solve seconds) of the search alone, validated as a placed plan."""
     started = time.perf_counter()
     costs = cost.degree_costs(cluster.degrees)
-    search = BatchSearch(lengths, costs, cluster.num_gpus, options)
+    search = BatchSearch(lengths, costs, cluster.num_gpus, options, started + time_limit)
     candidates = [search.schedule(search.first_split())]
     if not greedy_only and not search.out_of_time():
         split = search.best_split()
@@ -83,7 +83,7 @@ def main() -> None:
     if args.quick:
         args.batches, args.batch_size, args.time_limit, args.datasets = 1, 64, 0.2, ["wikipedia"]
     started = time.time()
-    cost = flexsp.CostModel.from_preset(MODEL, context=CONTEXT, num_gpus=NUM_GPUS)
+    cost = flexsp.cost_from_preset(MODEL, context=CONTEXT, num_gpus=NUM_GPUS)
     cluster = flexsp.Cluster(NUM_GPUS, 8)
     rows = []
     total = len(args.datasets) * args.batches * len(variants(0))
@@ -94,9 +94,9 @@ def main() -> None:
             for lengths in common.batches(dist, args.batches, args.batch_size, CONTEXT, NUM_GPUS, args.seed):
                 bound = lower_bound(lengths, cost, cluster)
                 for name, pipeline, fields, greedy_only in variants(len(np.unique(lengths))):
-                    options = SearchOptions(time_limit=args.time_limit, **fields)
+                    options = SearchOptions(**fields)
                     buckets = options.num_buckets
-                    plan_time, solve = run_search(lengths, cost, cluster, options, greedy_only)
+                    plan_time, solve = run_search(lengths, cost, cluster, options, greedy_only, args.time_limit)
                     a = acc.setdefault((name, pipeline), {"ratio": [], "solve": [], "buckets": [], "time": []})
                     a["ratio"].append(plan_time / bound)
                     a["time"].append(plan_time)

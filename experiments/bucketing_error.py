@@ -74,7 +74,7 @@ def plan_split(lengths: np.ndarray, cost: flexsp.CostModel, time_limit: float) -
 
 def measure(dataset: str, num_batches: int, batch_size: int, time_limit: float, seed: int, bar: tqdm) -> list[dict]:
     dist = common.distribution(dataset)
-    cost = flexsp.CostModel.from_preset(MODEL, context=CONTEXT, num_gpus=NUM_GPUS)
+    cost = flexsp.cost_from_preset(MODEL, context=CONTEXT, num_gpus=NUM_GPUS)
     acc: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
 
     def add(definition: str, buckets: int, groups: list[np.ndarray]) -> None:
@@ -84,7 +84,7 @@ def measure(dataset: str, num_batches: int, batch_size: int, time_limit: float, 
     rng = np.random.default_rng(seed)
     for _ in range(num_batches):
         raw = pool[rng.integers(0, pool.size, size=batch_size)]
-        lengths, _ = flexsp.lengths.preprocess(raw, CONTEXT, NUM_GPUS)
+        lengths, _ = flexsp.plan.lengths.preprocess(raw, CONTEXT, NUM_GPUS)
         add("batch", 16, [lengths])
         add("batch, raw (no 2N padding)", 16, [raw])
         add("micro-batch (blaster)", 16, blaster_split(lengths, cost))

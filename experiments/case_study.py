@@ -74,7 +74,7 @@ def main() -> None:
     if args.quick:
         args.batches, args.batch_size, args.time_limit = 1, 128, 0.2
     started = time.time()
-    cost = flexsp.CostModel.from_preset(MODEL, context=CONTEXT, num_gpus=NUM_GPUS)
+    cost = flexsp.cost_from_preset(MODEL, context=CONTEXT, num_gpus=NUM_GPUS)
     cluster = flexsp.Cluster(NUM_GPUS, 8)
     dist = common.distribution(DATASET)
     strategies = {"DeepSpeed (static SP 64)": f"static:{NUM_GPUS}", "DeepSpeed (static SP 32)": f"static:{NUM_GPUS // 2}",

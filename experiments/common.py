@@ -17,8 +17,8 @@ import numpy as np
 
 import flexsp
 from flexsp.errors import PlanError
-from flexsp.lengths import LengthDistribution, get_distribution, preprocess
 from flexsp.evaluation.simulate import parse_strategy
+from flexsp.plan.lengths import LengthDistribution, get_distribution, preprocess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASETS = ("github", "commoncrawl", "wikipedia")

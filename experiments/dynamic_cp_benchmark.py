@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 import flexsp
-from flexsp.lengths import get_distribution, preprocess
 from flexsp.evaluation.simulate import plan_steps
+from flexsp.plan.lengths import get_distribution, preprocess
 from solver.dynamic_cp import dynamic_cp
 from solver.types import DegreeCosts, GroupAssignment, Schedule
 
@@ -41,7 +41,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "dynamic_cp.md"
 
 
 def preset_costs(model: str, context: int, num_gpus: int = NUM_GPUS) -> tuple[flexsp.CostModel, DegreeCosts]:
-    cost = flexsp.CostModel.from_preset(model, context=context, num_gpus=NUM_GPUS)
+    cost = flexsp.cost_from_preset(model, context=context, num_gpus=NUM_GPUS)
     return cost, cost.degree_costs(flexsp.Cluster(num_gpus, GPUS_PER_NODE).degrees)
 
 
@@ -145,7 +145,7 @@ def lookahead_rows(batches: int, batch_size: int, seed: int, datasets: tuple[str
 
 def ladder_row(batches: int, batch_size: int, seed: int) -> dict:
     """48 GPUs (6 nodes of 8): GPUs left idle because doubling stays on powers of two."""
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=48)
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=48)
     costs = cost.degree_costs(flexsp.Cluster(48, GPUS_PER_NODE).degrees)
     idle, mbs = 0, 0
     for lengths in draw("wikipedia", batches, batch_size, int(costs.capacity[-1]), seed):
@@ -176,7 +176,7 @@ class SettingResult:
 
 def run_setting(model: str, context: int, num_batches: int, batch_size: int, seed: int, time_limit: float,
                 workers: int) -> SettingResult:
-    cost = flexsp.CostModel.from_preset(model, context=context, num_gpus=NUM_GPUS)
+    cost = flexsp.cost_from_preset(model, context=context, num_gpus=NUM_GPUS)
     cluster = flexsp.Cluster(NUM_GPUS, GPUS_PER_NODE)
     dist = get_distribution("wikipedia")
     result = SettingResult(model, context, {n: [] for n in STRATEGIES}, {n: [] for n in STRATEGIES}, 0, 0)
@@ -186,7 +186,7 @@ def run_setting(model: str, context: int, num_batches: int, batch_size: int, see
         result.dropped += dropped
         result.sequences += len(lengths)
         batches.append(lengths)
-    for outcomes in plan_steps(batches, cost, cluster, list(STRATEGIES.values()), time_limit=time_limit,
+    for outcomes in plan_steps(batches, cost, cluster, list(STRATEGIES.values()), config=flexsp.PlanConfig(time_limit=time_limit),
                                workers=workers, keep_plans=0):
         for name, outcome in zip(STRATEGIES, outcomes):
             if outcome.fatal is not None:

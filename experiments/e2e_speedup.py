@@ -2,8 +2,8 @@
 
 Every time here is predicted by the paper's published cost model (``CostModel.from_preset``: GPT
 7B/13B/30B constants fitted on 64 x A100-40GB), the same model FlexSP optimises; the Megatron column
-uses the analytic ``flexsp.megatron`` model. FlexSP keeps the best of its own search and the
-BatchAda and dynamic-CP plans (fallbacks in ``flexsp.planner``; BatchAda tries every single degree,
+uses the analytic ``flexsp.evaluation.megatron`` model. FlexSP keeps the best of its own search and the
+BatchAda and dynamic-CP plans (fallbacks in ``flexsp.plan.planner``; BatchAda tries every single degree,
 static SP's among them) under that cost model, so its speedups over DeepSpeed, BatchAda and dynamic
 CP are >= 1x by construction: they say how much better FlexSP's plans are *under the model*, not on
 hardware.
@@ -26,9 +26,9 @@ import numpy as np
 from tqdm import tqdm
 
 import flexsp
-from flexsp.evaluation.bounds import lower_bound
 from flexsp.evaluation.megatron import MegatronModel, megatron_step_time
 from flexsp.evaluation.simulate import plan_steps
+from flexsp.plan.bounds import lower_bound
 
 try:
     from . import common
@@ -52,7 +52,7 @@ def run_setting(model: str, dataset: str, context: int, iterations: int, batch_s
     """Every strategy on the same ``iterations`` batches; totals in seconds. ``draw_limit`` (default
     ``context``) caps the lengths drawn, for clusters too small to hold a ``context``-long sequence.
     ``workers`` plans that many batches at once in separate processes (``flexsp.evaluation.simulate.plan_steps``)."""
-    cost = flexsp.CostModel.from_preset(model, context=context, num_gpus=num_gpus)
+    cost = flexsp.cost_from_preset(model, context=context, num_gpus=num_gpus)
     mega = MegatronModel.from_preset(model, context=context, num_gpus=num_gpus)
     cluster = flexsp.Cluster(num_gpus, 8)
     dist = common.distribution(dataset)
@@ -61,7 +61,8 @@ def run_setting(model: str, dataset: str, context: int, iterations: int, batch_s
     totals["megatron"], bound, solve = 0.0, 0.0, []
     cp_used: Counter = Counter()
     batches = list(common.batches(dist, iterations, batch_size, draw_limit or context, num_gpus, seed))
-    planned = plan_steps(batches, cost, cluster, strategies, time_limit=time_limit, workers=workers, keep_plans=0)
+    planned = plan_steps(batches, cost, cluster, strategies, config=flexsp.PlanConfig(time_limit=time_limit),
+                         workers=workers, keep_plans=0)
     for lengths, outcomes in zip(batches, planned):
         for name, outcome in zip(strategies, outcomes):
             if not np.isfinite(totals[name]):

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 import flexsp
+from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig, PlanBatch
-from flexsp.lengths import get_distribution
+from flexsp.plan.lengths import get_distribution
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONTEXT, NUM_GPUS, BATCH = 384 * 1024, 64, 512
@@ -93,8 +94,8 @@ class TrainingStep:
 def run(data: WikipediaTokens, cost: flexsp.CostModel, cluster: flexsp.Cluster, steps: int, *,
         lookahead: int, time_limit: float, train: TrainingStep | None = None, thread: bool = False) -> dict:
     """``steps`` timed steps after an untimed first one (its plan has nothing to hide behind)."""
-    config = LoaderConfig(batch_size=BATCH, seed=0, lookahead=lookahead, time_limit=time_limit, on_too_long="skip")
-    solver = PlanBatch(cost, cluster, time_limit=time_limit)
+    config = LoaderConfig(batch_size=BATCH, seed=0, lookahead=lookahead, on_too_long="skip", plan=PlanConfig(time_limit=time_limit))
+    solver = PlanBatch(cost, cluster, PlanConfig(time_limit=time_limit))
     planner = (lambda lengths: solver(lengths)) if thread else None   # a lambda cannot pickle: a thread
     loader = FlexSPLoader(data, cost, cluster, config, lengths=data.lengths, rank=0, planner=planner)
     waits, loads, totals, shard_tokens = [], [], [], []
@@ -146,7 +147,7 @@ def main() -> None:
     time_limit = args.time_limit or (0.3 if args.quick else 2.0)
     began = time.perf_counter()
     torch.set_num_threads(1)
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=CONTEXT, num_gpus=NUM_GPUS)
+    cost = flexsp.cost_from_preset("gpt-7b", context=CONTEXT, num_gpus=NUM_GPUS)
     cluster = flexsp.Cluster(NUM_GPUS, 8)
     data = dataset(steps + 2, seed=0)
     flexsp.plan_batch(data.lengths[:BATCH], cost, cluster, time_limit=0.1)   # import/warm the solver once

@@ -21,8 +21,8 @@ import numpy as np
 from tqdm import tqdm
 
 import flexsp
-from flexsp.evaluation.bounds import coupled_lower_bound, lower_bound
-from flexsp.lengths import get_distribution, preprocess
+from flexsp.plan.bounds import coupled_lower_bound, lower_bound
+from flexsp.plan.lengths import get_distribution, preprocess
 
 STRATEGY_NAMES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
 STRATEGIES = {"flexsp": ("flexsp", None), "greedy": ("greedy", None), "batchada": ("batchada", None),
@@ -65,7 +65,7 @@ def readme_block(summary: dict, load: float) -> str:
 
 def paper_setting(num_batches: int, batch_size: int, time_limit: float) -> tuple[str, dict]:
     context, num_gpus = 384 * 1024, 64
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=context, num_gpus=num_gpus)
+    cost = flexsp.cost_from_preset("gpt-7b", context=context, num_gpus=num_gpus)
     cluster = flexsp.Cluster(num_gpus, 8)
     times = {name: [] for name in STRATEGIES}
     solve, ratios, coupled = [], [], []
@@ -94,7 +94,7 @@ def paper_setting(num_batches: int, batch_size: int, time_limit: float) -> tuple
               f"- FlexSP plan / lower bound: mean {summary['mean_ratio']:.4f}, max {summary['max_ratio']:.4f} "
               f"(target mean <= 1.08: {'met' if summary['mean_ratio'] <= 1.08 else 'MISSED'})",
               f"- FlexSP plan / coupled bound: mean {summary['mean_coupled']:.4f}, max {summary['max_coupled']:.4f} "
-              "(flexsp.evaluation.bounds.coupled_lower_bound, the tighter bound: what stays above it is the plan's)",
+              "(flexsp.plan.bounds.coupled_lower_bound, the tighter bound: what stays above it is the plan's)",
               f"- speedup over static SP 64: {summary['speedup_static64']:.2f}x (target >= 1.6x); "
               f"over batchada: {summary['speedup_batchada']:.2f}x"]
     return "\n".join(lines), summary
@@ -107,7 +107,7 @@ def scaling(gpu_counts: list[int], batch_sizes: list[int], reps: int, time_limit
              "|---|---|---|---|---|---|"]
     cases = [(n, min(8 * n, 4096)) for n in gpu_counts] + [(64, b) for b in batch_sizes]
     for num_gpus, size in tqdm(cases, desc="scaling"):
-        cost = flexsp.CostModel.from_preset("gpt-7b", context=context, num_gpus=num_gpus)
+        cost = flexsp.cost_from_preset("gpt-7b", context=context, num_gpus=num_gpus)
         cluster = flexsp.Cluster(num_gpus, 8)
         solve, ratio, tight, greedy = [], [], [], []
         for lengths in batches(reps, size, num_gpus, context, seed=1):
@@ -124,7 +124,7 @@ def scaling(gpu_counts: list[int], batch_sizes: list[int], reps: int, time_limit
 def past_the_limit(limit: float = 0.5) -> str:
     """Issue 21's hostile batches at 64 GPUs (gpt-7b, 384K): seconds each strategy's ``plan_batch``
     (validation included) runs past ``limit``, and the micro-batches its plan needs."""
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     cluster = flexsp.Cluster(64, 8)
     cases = {"3,000 x uniform 50K-390K": np.random.default_rng(0).integers(50_000, 390_000, size=3000),
              "20,000 x 3,204": np.full(20_000, 3204)}

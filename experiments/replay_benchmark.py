@@ -35,10 +35,10 @@ def _bandwidth_worker(rank: int, world: int, port: int, sizes: list[int], repeat
     import torch
     import torch.distributed as dist
 
-    from flexsp.profile.comm import alltoall_sweep
+    from flexsp.profile.bandwidth import alltoall_sweep
     from flexsp.profile.compute import DeviceSetup
     from flexsp.profile.fit import fit_bandwidth
-    from flexsp.runtime.groups import GroupPool
+    from flexsp.runtime.pool import GroupPool
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -96,8 +96,8 @@ def main() -> int:
 
     from flexsp.profile.compute import DeviceSetup
     from flexsp.profile.fit import fit_compute
-    from flexsp.replay import Replayer, ReplayModel, plot_replay_gantt
     from flexsp.profile.shape import model_spec
+    from flexsp.replay import Replayer, ReplayModel, plot_replay_gantt
 
     torch.set_num_threads(1)
     profile = flexsp.CostModel.load(args.profile)

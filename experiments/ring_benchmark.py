@@ -4,7 +4,7 @@ One sequence of ``L`` tokens on one group of all ``--world`` ranks, split ``u x 
 attention layer (8 heads, 8 kv heads, head dim 32, fp32), forward + backward. Per (L, split), the
 slowest rank's median over ``--reps``:
 
-* ``layer``: the runtime's layer (``ulysses_attention`` -> all-to-all + ring, K/V hops overlapped);
+* ``layer``: the runtime's layer (``sp_attention`` -> all-to-all + ring, K/V hops overlapped);
 * ``compute``: the same layer with every ring hop replaced by a local copy (same kernels, same
   all-to-all, no point-to-point) - what the layer costs if the ring were free;
 * ``ring comm``: the ring's messages alone, in the runtime's pattern (3(r-1) hops of one K/V block);
@@ -61,7 +61,7 @@ class _Loopback:
         return self.comm.index
 
     def hop(self, x, tag: int = 0):
-        from flexsp.runtime.ring_comm import Pending
+        from flexsp.runtime.sp.ring_comm import Pending
         return Pending(x.clone(), [], x)
 
 
@@ -82,11 +82,13 @@ def _worker(rank: int, world: int, port: int, lengths, splits, reps: int, queue)
     import torch
     import torch.distributed as dist
 
-    from flexsp.plan import Group
-    from flexsp.runtime.groups import GroupPool
-    from flexsp.runtime.token_packing import pack
-    from flexsp.runtime.ring import RingContext, ring_inputs
-    from flexsp.runtime.ulysses import AttentionContext, ulysses_attention
+    from flexsp.plan.types import Group
+    from flexsp.runtime.pool import GroupPool
+    from flexsp.runtime.shard import pack
+    from flexsp.runtime.sp.attention import sp_attention
+    from flexsp.runtime.sp.context import AttentionContext
+    from flexsp.runtime.shard import group_inputs
+    from flexsp.runtime.sp.ring import RingContext
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -99,7 +101,7 @@ def _worker(rank: int, world: int, port: int, lengths, splits, reps: int, queue)
                 group = Group(ranks=tuple(range(world)), seq_ids=(0,), ring=r)
                 seqs = [torch.zeros(L, dtype=torch.long)]
                 if r > 1:
-                    shard, ctx = ring_inputs(pool, group, seqs, rank, "cpu", "sdpa")
+                    shard, ctx = group_inputs(group, seqs, rank, "cpu", pool=pool, backend="sdpa")
                     tokens = shard.input_ids.numel()
                 else:
                     packed = pack(seqs, world)
@@ -111,7 +113,7 @@ def _worker(rank: int, world: int, port: int, lengths, splits, reps: int, queue)
                 dout = torch.randn(tokens, HEADS, DIM, generator=g)
 
                 def layer(c=ctx):
-                    out = ulysses_attention(q, k, v, c)
+                    out = sp_attention(q, k, v, c)
                     torch.autograd.grad(out, (q, k, v), dout)
 
                 row = {"L": L, "u": u, "r": r, "layer": _median_time(layer, reps, dist)}

@@ -28,7 +28,8 @@ from statistics import median
 import numpy as np
 
 import flexsp
-from flexsp.planner import plan_batch
+from flexsp.plan.planner import plan_batch
+from flexsp.plan.specs import ModelSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 4
@@ -65,14 +66,14 @@ def _free() -> None:
 def _measure(cfg: dict, plan: flexsp.Plan, tokens: list, sharding: str, steps: int, pool, name: str) -> dict:
     import torch
 
-    from flexsp.runtime import ModelConfig, StepExecutor, TinyLM, prepare_model
+    from flexsp.runtime import StepExecutor, TinyLM, shard_model
 
     _free()
     _reset_peak()
     base = _rss_kib("VmRSS")
     torch.manual_seed(0)
-    model = TinyLM(ModelConfig(**cfg))
-    prepare_model(model, sharding=sharding, param_dtype=None)
+    model = TinyLM(ModelSpec(**cfg))
+    shard_model(model, sharding=sharding, param_dtype=None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     executor = StepExecutor(model, optimizer, pool, backend="sdpa", failure_name=name)
     executor.run_plan(plan, tokens)   # warm-up: optimizer states exist from here on
@@ -151,21 +152,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "runtime_benchmark.md")
     args = parser.parse_args()
     if args.quick:
-        cfg = dict(vocab_size=128, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
+        cfg = dict(vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tie_embeddings=True)
         num_seqs, max_len, capacity, steps = 12, 200, 64, 1
     else:
-        cfg = dict(vocab_size=4096, hidden=256, num_layers=4, num_heads=8, num_kv_heads=4, mlp_hidden=768)
+        cfg = dict(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=4, ffn=768, tie_embeddings=True)
         num_seqs, max_len, capacity, steps = 48, 1600, 512, 3
     rng = np.random.default_rng(0)
     lengths = np.minimum(rng.lognormal(4.5, 1.0, num_seqs).astype(int) + 8, max_len)
     lengths[0] = max_len   # one long sequence: it needs a group of all 4 ranks
-    batch = [(np.arange(n) * 7 + i) % cfg["vocab_size"] for i, n in enumerate(lengths)]
+    batch = [(np.arange(n) * 7 + i) % cfg["vocab"] for i, n in enumerate(lengths)]
     batch = [b.tolist() for b in batch]
     cluster = flexsp.Cluster(num_gpus=WORLD, gpus_per_node=WORLD)
     # Made-up coefficients with a slow degree-4 all-to-all, so short sequences prefer small groups.
     cost = flexsp.CostModel(alpha1=2e-9, alpha2=2e-6, beta1=1e-4, comm_bytes_per_token=2048,
-                            alltoall_bandwidth={2: 2e9, 4: 2e8}, token_capacity=capacity, heads=cfg["num_heads"],
-                            kv_heads=cfg["num_kv_heads"], meta={"sharding": "none"})
+                            alltoall_bandwidth={2: 2e9, 4: 2e8}, token_capacity=capacity, heads=cfg["heads"],
+                            kv_heads=cfg["kv_heads"], meta={"sharding": "none"})
     plans = {"flexsp": plan_batch(lengths, cost, cluster, strategy="flexsp", time_limit=2.0, ulysses_only=True),
              "static (degree 4)": plan_batch(lengths, cost, cluster, strategy="static", sp_degree=4)}
 

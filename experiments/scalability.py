@@ -38,7 +38,7 @@ COLUMNS = ["sweep", "num_gpus", "context", "draw_limit", "dataset", "approximate
 
 def draw_limit(model: str, context: int, num_gpus: int) -> int:
     """The context, or the longest padded length the whole cluster can hold if that is shorter."""
-    capacity = flexsp.CostModel.from_preset(model, context=context, num_gpus=num_gpus).token_capacity * num_gpus
+    capacity = flexsp.cost_from_preset(model, context=context, num_gpus=num_gpus).token_capacity * num_gpus
     limit = min(context, int(capacity))
     return limit - limit % (2 * num_gpus)
 

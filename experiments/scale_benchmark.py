@@ -12,7 +12,7 @@ Three settings:
   at the 64-GPU figure, Wikipedia lengths rounded up to 128.
 
 ``plan_batch`` runs with its default ``time_limit`` (2 s) unless ``--time-limit`` is given. Prints
-median / max solve time of FlexSP, plan / lower bound for both bounds of ``flexsp.evaluation.bounds`` (the
+median / max solve time of FlexSP, plan / lower bound for both bounds of ``flexsp.plan.bounds`` (the
 simple one and the coupled LP one), FlexSP's speedup over batchada, static (largest degree) and
 dynamic-cp, and whether the issue-16 targets hold (plan / simple bound <= 1.10 from 1,024 GPUs,
 median solve <= 10 s at 16,384); then how far each strategy runs past a 0.5 s ``time_limit`` at the
@@ -30,15 +30,15 @@ import numpy as np
 from tqdm import tqdm
 
 import flexsp
-from flexsp.analytic import analytic_cost_model
-from flexsp.evaluation.bounds import coupled_lower_bound, lower_bound
-from flexsp.lengths import get_distribution, preprocess
-from flexsp.planner import STRATEGIES
+from flexsp.plan.analytic import analytic_cost_model
+from flexsp.plan.bounds import coupled_lower_bound, lower_bound
+from flexsp.plan.lengths import get_distribution, preprocess
+from flexsp.plan.strategies import names as strategy_names
 
 CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
 TARGET_RATIO, TARGET_SOLVE = 1.10, 10.0
-LABEL = ("Plan times are **simulated**: an analytic LLaMA-7B on H100-80GB nodes (`flexsp.analytic`) for "
+LABEL = ("Plan times are **simulated**: an analytic LLaMA-7B on H100-80GB nodes (`flexsp.plan.analytic`) for "
          "`wikipedia` and `long-mix`, the paper's gpt-7b constants (`CostModel.from_preset`) for `gpt-7b-constants`; "
          "solve times are **measured** on this project's 2-core shared CPU.")
 README_FROM = 1024   # the README shows the sizes the targets are about
@@ -53,7 +53,7 @@ def readme_block(header: list[str], lines: list[str], gpus: list[int], load: flo
 def setting(mix: str, num_gpus: int) -> tuple[flexsp.CostModel, flexsp.Cluster]:
     cluster = flexsp.Cluster(num_gpus, 8)
     if mix == "gpt-7b-constants":
-        return flexsp.CostModel.from_preset("gpt-7b", num_gpus=num_gpus), cluster
+        return flexsp.cost_from_preset("gpt-7b", num_gpus=num_gpus), cluster
     return analytic_cost_model("llama-7b", "h100-80gb", num_gpus=num_gpus), cluster
 
 
@@ -106,13 +106,13 @@ def overrun(num_gpus: int, limit: float = 0.5) -> str:
     cost, cluster = setting("gpt-7b-constants", num_gpus)
     lengths = draw("gpt-7b-constants", 8 * num_gpus, cost, cluster, np.random.default_rng(1))
     cells = []
-    for name in STRATEGIES:
+    for name in strategy_names():
         started = time.perf_counter()
         flexsp.plan_batch(lengths, cost, cluster, name, time_limit=limit)
         cells.append(f"{time.perf_counter() - started - limit:+.2f}")
     return (f"### Past the time limit: plan_batch wall time minus time_limit={limit} s, gpt-7b-constants, "
-            f"{num_gpus:,} GPUs, {8 * num_gpus:,} sequences\n\n| " + " | ".join(STRATEGIES) + " |\n|"
-            + "---|" * len(STRATEGIES) + "\n| " + " | ".join(cells) + " |")
+            f"{num_gpus:,} GPUs, {8 * num_gpus:,} sequences\n\n| " + " | ".join(strategy_names()) + " |\n|"
+            + "---|" * len(strategy_names()) + "\n| " + " | ".join(cells) + " |")
 
 
 def restrictions(num_gpus: int, reps: int, time_limit: float | None) -> str:

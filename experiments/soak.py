@@ -53,9 +53,11 @@ def _rank(rank: int, port: int, steps: int, every: int, directory: str, queue) -
     import torch.distributed as dist
 
     import flexsp
+    from flexsp import PlanConfig
     from flexsp.checkpoint import Checkpointer
     from flexsp.data import FlexSPLoader, LoaderConfig
-    from flexsp.runtime import GroupPool, ModelConfig, StepExecutor, TinyLM, prepare_model
+    from flexsp.plan.specs import ModelSpec
+    from flexsp.runtime import GroupPool, StepExecutor, TinyLM, shard_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -67,14 +69,13 @@ def _rank(rank: int, port: int, steps: int, every: int, directory: str, queue) -
         cost = flexsp.CostModel(alpha1=2e-9, alpha2=2e-6, beta1=1e-4, comm_bytes_per_token=1024,
                                 alltoall_bandwidth={2: 1e9, 4: 5e8}, token_capacity=64)
         torch.manual_seed(0)
-        model = TinyLM(ModelConfig(vocab_size=97, hidden=16, num_layers=1, num_heads=4, num_kv_heads=2,
-                                   mlp_hidden=32)).double()
+        model = TinyLM(ModelSpec(vocab=97, hidden=16, layers=1, heads=4, kv_heads=2,
+                                   ffn=32, tie_embeddings=True)).double()
         pool = GroupPool()
-        prepare_model(model, param_dtype=None)   # FSDP2-sharded states, as the cost model's capacity assumes
+        shard_model(model, param_dtype=None)   # FSDP2-sharded states, as the cost model's capacity assumes
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         executor = StepExecutor(model, opt, pool, cost=cost, backend="sdpa")
-        config = LoaderConfig(batch_size=8, seed=1, strategy="flexsp", time_limit=0.05, lookahead=2,
-                              failure_timeout=60)
+        config = LoaderConfig(batch_size=8, seed=1, lookahead=2, failure_timeout=60, plan=PlanConfig(strategy="flexsp", time_limit=0.05))
         trace = []
         started = time.perf_counter()
         loader = FlexSPLoader(data, cost, flexsp.Cluster(WORLD, WORLD), config, pool=pool)

@@ -7,15 +7,19 @@ import math
 import sys
 from pathlib import Path
 
-from .checks import writable_file
-from .cluster import Cluster
-from .communicators import COMMUNICATOR_BYTES, describe_reservation, reserve_communicators
-from .cost import CostModel
-from .errors import FlexSPError, PlanError
-from .lengths import get_distribution, load_lengths
-from .profile import cli as profile_cli
-from .replay import cli as replay_cli
-from .units import parse_tokens
+from flexsp.errors import FlexSPError, PlanError
+from flexsp.inputs import parse_tokens, writable_file
+from flexsp.plan.analytic import cost_from_hardware
+from flexsp.plan.cluster import Cluster
+from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, reserve_communicators
+from flexsp.plan.config import PlanConfig
+from flexsp.plan.cost import CostModel
+from flexsp.plan.lengths import get_distribution, load_lengths
+from flexsp.plan.memory import SHARDINGS
+from flexsp.plan.presets import cost_from_preset
+from flexsp.profile import cli as profile_cli
+from flexsp.replay import cli as replay_cli
+
 
 def _count(minimum: int):
     """argparse type: an integer >= ``minimum``."""
@@ -61,21 +65,31 @@ def _cost_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=_count(1), default=64, help="number of GPUs (default 64)")
     parser.add_argument("--gpus-per-node", type=_count(1), default=8)
     parser.add_argument("--context", type=parse_tokens, default=384 * 1024, help="context limit (default 384K)")
-    parser.add_argument("--time-limit", type=_seconds, default=2.0, help="solver seconds per batch (default 2)")
+    parser.add_argument("--time-limit", type=_seconds, default=PlanConfig.time_limit,
+                        help=f"solver seconds per batch (default {PlanConfig.time_limit:g})")
+    parser.add_argument("--sharding", default=PlanConfig.sharding, choices=SHARDINGS,
+                        help=f"model-state sharding the capacity assumes (default {PlanConfig.sharding})")
     parser.add_argument("--communicator-memory", type=_megabytes, nargs="?", const=COMMUNICATOR_BYTES / 2**20,
                         default=None, metavar="MIB",
                         help="subtract the memory of the SP communicators each rank holds (one per degree > 1 in "
                              f"the pool) from the token capacity; MiB each (default {COMMUNICATOR_BYTES // 2**20}, "
-                             "see flexsp/communicators.py)")
+                             "see flexsp/plan/communicator_memory.py)")
+
+
+def _plan_config(args, **strategy: object) -> PlanConfig:
+    """The one place the command line's planning settings become a ``PlanConfig``."""
+    return PlanConfig(time_limit=args.time_limit, sharding=args.sharding, **strategy)
 
 
 def _cost(args) -> CostModel:
+    config = _plan_config(args)
     if args.cost is not None:
         return CostModel.load(args.cost)
     if args.analytic is not None:
         model, _, gpu = args.analytic.partition(":")
-        return CostModel.from_hardware(model, gpu or "h100-80gb", num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
-    return CostModel.from_preset(args.model, context=args.context, num_gpus=args.gpus)
+        return cost_from_hardware(model, gpu or "h100-80gb", num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                                  sharding=config.sharding, recompute=config.recompute)
+    return cost_from_preset(args.model, context=args.context, num_gpus=args.gpus, sharding=config.sharding)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,14 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _strategy_help() -> str:
-    from .strategies import strategies
+    from flexsp.plan.strategies import strategies
     return "; ".join(f"{s.name} ({s.description})" for s in strategies()).replace("%", "%%")
 
 
 def _strategies(args, cluster: Cluster) -> list[str]:
     """--strategies, each name checked before any solving."""
-    from .evaluation.simulate import default_strategies, parse_strategy, parse_strategy_list
-    from .strategies import get_strategy, names
+    from flexsp.evaluation.simulate import default_strategies, parse_strategy, parse_strategy_list
+    from flexsp.plan.strategies import get_strategy, names
     if args.strategies is None:
         return default_strategies(cluster)
     listed = parse_strategy_list(args.strategies)
@@ -143,14 +157,14 @@ def _outputs(*pairs: tuple[Path | None, str]) -> None:
 
 
 def run_simulate(args) -> int:
-    from .evaluation.simulate import describe, format_communicator_memory, format_table, simulate
+    from flexsp.evaluation.simulate import describe, format_communicator_memory, format_table, simulate
     _outputs((args.json, "--json"), (args.plot, "--plot"), (args.gantt, "--gantt"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
     strategies = _strategies(args, cluster)
     cost = replay_cli.apply_bandwidth(_cost(args), args)
     distribution = get_distribution(args.dataset)
     sim = simulate(distribution, cost, cluster, strategies, steps=args.steps, batch_size=args.batch_size,
-                   context=args.context, seed=args.seed, time_limit=args.time_limit, progress=not args.quiet,
+                   context=args.context, seed=args.seed, config=_plan_config(args), progress=not args.quiet,
                    communicator_bytes=_communicator_bytes(args), workers=args.workers, keep_plans=args.replay)
     replayed = replay_cli.replay_simulation(sim, cost, args, progress=not args.quiet) if args.replay else None
     print(describe(sim))
@@ -166,7 +180,7 @@ def run_simulate(args) -> int:
         data = sim.to_dict() if not replayed else dict(sim.to_dict(), replayed={"label": label, "totals": replayed})
         _write(args.json, json.dumps(data, indent=1) + "\n")
     if args.plot or args.gantt:
-        from .evaluation.plots import plot_gantt, plot_step_times
+        from flexsp.evaluation.plots import plot_gantt, plot_step_times
         if args.plot:
             print(f"wrote {plot_step_times(sim, args.plot)}")
         reference = sim.runs.get("flexsp")
@@ -176,7 +190,7 @@ def run_simulate(args) -> int:
 
 
 def run_plan(args) -> int:
-    from .planner import plan_batch
+    from flexsp.plan.planner import plan_batch
     _outputs((args.output, "-o/--output"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
     lengths = load_lengths(args.lengths)
@@ -184,7 +198,7 @@ def run_plan(args) -> int:
     if args.communicator_memory is not None:
         cost = reserve_communicators(cost, cluster.degrees, _communicator_bytes(args))
         print(describe_reservation(cost))
-    plan = plan_batch(lengths, cost, cluster, args.strategy, sp_degree=args.sp_degree, time_limit=args.time_limit)
+    plan = plan_batch(lengths, cost, cluster, config=_plan_config(args, strategy=args.strategy, sp_degree=args.sp_degree))
     print(f"{args.strategy}: {len(lengths)} sequences -> {len(plan.micro_batches)} micro-batches, "
           f"groups {plan.degree_histogram()}, predicted {plan.predicted_time:.3f} s, solved in {plan.solve_time:.2f} s")
     _write(args.output, plan.to_json() + "\n")

@@ -23,7 +23,7 @@ The bundled Wikipedia sample holds 1,000,000 real document lengths (tokens). `gi
 `commoncrawl` also exist, but they are labelled **approximations** of the paper's corpora."""),
     ("code", """import numpy as np
 import flexsp
-from flexsp.lengths import get_distribution, preprocess
+from flexsp.plan.lengths import get_distribution, preprocess
 
 dist = get_distribution("wikipedia")
 print(dist.describe())
@@ -34,7 +34,7 @@ The paper's published constants for GPT-7B on 64 A100-40GB GPUs (8 nodes of 8), 
 context limit. `seq_time(s, d)` is the time of one sequence of `s` tokens in an SP group of `d` GPUs:
 compute shrinks with `d`, but beyond one node the all-to-all traffic gets expensive."""),
     ("code", """CONTEXT, N = 384 * 1024, 64
-cost = flexsp.CostModel.from_preset("gpt-7b", context=CONTEXT, num_gpus=N)
+cost = flexsp.cost_from_preset("gpt-7b", context=CONTEXT, num_gpus=N)
 cluster = flexsp.Cluster(num_gpus=N, gpus_per_node=8)
 print(f"one GPU holds {cost.token_capacity:.0f} tokens of activations")
 for s in (1_000, 30_000, 300_000):
@@ -86,7 +86,8 @@ paper's protocol is 40 steps of 512; here 3 steps of 256 keep it quick."""),
 from flexsp.evaluation.simulate import simulate, format_table, describe
 
 sim = simulate(dist, cost, cluster, ["flexsp", "batchada", "dynamic-cp", "static:64", "static:32"],
-               steps=3, batch_size=256, context=CONTEXT, time_limit=0.5, progress=False)
+               steps=3, batch_size=256, context=CONTEXT, config=flexsp.PlanConfig(time_limit=0.5),
+               progress=False)
 print(describe(sim))
 display(Markdown(format_table(sim)))"""),
     ("md", """## Where next

@@ -12,10 +12,9 @@ import time
 import numpy as np
 
 from .blaster import interleaved, min_micro_batches
+from .counting import OutOfTime, search_count
 from .materialize import split_at
 from .types import DegreeCosts, GroupAssignment, InfeasibleDegree, Schedule
-from .counting import OutOfTime, search_count
-
 
 # Above this many sequences, a vectorised snake deal replaces the per-sequence LPT loop when it
 # respects memory (with many sequences per group both balance to within one short sequence).

@@ -38,7 +38,7 @@ def solve_milp(bucket_lengths: np.ndarray, bucket_times: np.ndarray, counts: np.
                num_gpus: int, num_micro_batches: int, time_limit: float,
                upper_bound: float | None = None) -> MilpResult | None:
     """Minimise the sum of micro-batch makespans; None when HiGHS finds no feasible point in time."""
-    from scipy.optimize import Bounds, LinearConstraint, milp   # slow to import; only MILP users pay
+    from scipy.optimize import Bounds, LinearConstraint, milp  # slow to import; only MILP users pay
     from scipy.sparse import coo_matrix
     lengths = np.asarray(bucket_lengths, dtype=np.float64)
     counts = np.asarray(counts, dtype=np.int64)

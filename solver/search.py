@@ -14,7 +14,7 @@
    could have chosen.
 
 Micro-batch counts are searched (``counting``), never stepped one at a time. Results depend only on
-the inputs and options; the wall-clock ``time_limit`` stops the search early (keeping the best
+the inputs and options; a wall-clock ``deadline`` stops the search early (keeping the best
 valid plan so far) only when it binds: a one-pass plan exists before anything else runs.
 """
 from __future__ import annotations
@@ -29,12 +29,11 @@ import numpy as np
 from . import blaster
 from .bucketing import RULES, Buckets
 from .counting import OutOfTime, search_count
+from .group_packing import BinPacking, MicroBatchPacker
 from .materialize import to_groups
 from .milp import solve_milp
-from .group_packing import BinPacking, MicroBatchPacker
 from .tighten import tighten
 from .types import DegreeCosts, Infeasible, Schedule, group_times
-
 
 # Share of the time left after the greedy plan that the split search may use; the rest turns its
 # splits into real groups.
@@ -51,7 +50,6 @@ class SearchOptions:
     num_buckets: int = 16           # the paper's default
     extra_micro_batches: int = 2    # micro-batch counts tried above the memory bound
     max_moves: int = 30             # local-search trials (packings of two micro-batches each)
-    time_limit: float = 5.0         # seconds; the best plan so far is returned when it runs out
     exact_max_sequences: int = 8    # up to this many sequences, the MILP proves the plan optimal
     milp_time_limit: float = 0.0    # seconds of MILP polishing per micro-batch on larger batches
     bucketing: str = "dp"           # bucketing rule (solver.bucketing.RULES): "dp" (the paper's) or "naive"
@@ -90,7 +88,7 @@ class BatchSearch:
         self.costs = costs
         self.num_gpus = num_gpus
         self.options = options
-        self.deadline = deadline if deadline is not None else time.perf_counter() + options.time_limit
+        self.deadline = deadline if deadline is not None else math.inf   # None: stop at the move limits only
         longest = self.lengths.max()
         if longest > costs.capacity[-1]:
             raise Infeasible(f"a sequence of {longest} tokens is longer than the whole cluster can hold "

@@ -9,7 +9,7 @@ tokens. Any model of that shape plugs in (the paper's alpha-beta model, an analy
 profiled one, a Ulysses x ring hybrid) without the solver knowing which.
 
 Schedules: what the solver returns, micro-batches of (degree, sequence ids) groups with no ranks
-attached (``flexsp.planner.place`` gives them ranks).
+attached (``flexsp.plan.planner.place`` gives them ranks).
 
 Errors: ``Infeasible`` (the batch cannot be planned on this cluster) and ``InfeasibleDegree`` (a
 sequence does not fit one group of the degree a baseline insists on).
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 
 def seconds(s, quad, lin, ring=0.0):
     """The one time formula, vectorised: ``lin*s + max(quad*s^2, ring*s)``."""

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import flexsp
-from flexsp.evaluation.bounds import coupled_lower_bound, lower_bound
 from test_planner import make_cost, tiny_instances
 from validator import brute_force_optimum
+
+import flexsp
+from flexsp.plan.bounds import coupled_lower_bound, lower_bound
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

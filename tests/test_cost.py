@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import flexsp
-from flexsp.analytic import GPUSpec, ModelSpec, alltoall_bandwidth, analytic_cost_model
-from flexsp.presets import paper_preset
+from flexsp.plan.analytic import alltoall_bandwidth, analytic_cost_model
+from flexsp.plan.presets import cost_from_preset
+from flexsp.plan.specs import GPUSpec, ModelSpec
 
 CONTRACT = dict(alpha1=5.128e-9, alpha2=1.839576e-4, beta1=0.6293563, comm_bytes_per_token=4 * 2 * 32 * 4096 * 2,
                 alltoall_bandwidth={2: 1.25e11, 4: 1.09e11, 8: 1.01e11, 16: 1.08e10, 32: 6.2e9, 64: 5.1e9},
@@ -31,15 +32,15 @@ def test_capacity_check():
 
 
 def test_paper_preset_matches_published_constants():
-    cost = paper_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     assert cost.token_capacity == 6407                         # (30 GB - 7.85B x 16 B / 64) / 4.48 MB
     assert cost.alpha1 == pytest.approx(5.128e-9) and cost.beta1 == pytest.approx(0.6293563)
     assert cost.alltoall_bandwidth[16] == pytest.approx(10.33 * 2**20 * 1000)
     assert cost.comm_bytes_per_token == CONTRACT["comm_bytes_per_token"]
-    big = paper_preset("gpt-30b", context=192 * 1024, num_gpus=64)
+    big = cost_from_preset("gpt-30b", context=192 * 1024, num_gpus=64)
     assert big.token_capacity == math.floor((30 * 1024 - 31.53 * 16 / 64 * 1024) / 3.417381836)
     with pytest.raises(flexsp.CostModelError, match="unknown preset"):
-        paper_preset("gpt-1t")
+        cost_from_preset("gpt-1t")
 
 
 def test_analytic_model_is_close_to_the_paper_for_gpt7b_shapes():
@@ -80,7 +81,7 @@ def test_missing_bandwidth_names_the_degree():
 
 
 def test_json_round_trip_is_exact(tmp_path):
-    cost = paper_preset("gpt-13b", context=192 * 1024)
+    cost = cost_from_preset("gpt-13b", context=192 * 1024)
     path = tmp_path / "cost.json"
     cost.save(path)
     again = flexsp.CostModel.load(path)

@@ -66,8 +66,9 @@ def _hand_time(plan, lengths, cost):
 
 def test_known_plan_time_recomputed_by_hand():
     import numpy as np
+
     import flexsp
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     lengths = np.array([200_000, 60_000, 9_000, 4_000, 3_000, 2_500, 1_200, 800] * 4, dtype=np.int64)
     for strategy, degree in (("flexsp", None), ("static", 64), ("batchada", None)):
         plan = flexsp.plan_batch(lengths, cost, flexsp.Cluster(64, 8), strategy, sp_degree=degree, time_limit=0.5)
@@ -76,9 +77,10 @@ def test_known_plan_time_recomputed_by_hand():
 
 def test_case_study_group_parts_match_the_cost_model():
     import numpy as np
+
     import flexsp
     case = _experiment("case_study")
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     lengths = np.array([30_000, 5_000, 700])
     for degree in (1, 8, 32):
         compute, comm, fixed = case.group_parts(lengths, degree, cost)
@@ -90,8 +92,9 @@ def test_speedup_direction_on_constructed_batches():
     """Many short sequences: static SP 64 pays all-to-all on every one, FlexSP runs them at low degrees,
     so FlexSP's simulated speedup over static 64 is > 1; and (candidates include batchada's plan) never < 1."""
     import numpy as np
+
     import flexsp
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     cluster = flexsp.Cluster(64, 8)
     short = np.full(256, 2_000, dtype=np.int64)
 

@@ -1,55 +1,72 @@
-"""The package layout: evaluation modules under ``flexsp.evaluation`` (old paths warn), solver types
-in one module, and nothing in the repository importing a deprecated path."""
+"""The package layout: no import circle, layers only point down, the planning side is torch-free,
+the flexsp root stays small, and the design doc's layer table is the one in ``tests/layering.py``."""
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
-import warnings
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from layering import LAYERS, ROOT, TORCH_FREE, cycles, graph, layer_of, markdown_table
 
 
-@pytest.mark.parametrize("name", ["simulate", "bounds", "plots", "megatron"])
-def test_old_evaluation_paths_warn_and_are_the_new_modules(name):
-    new = importlib.import_module(f"flexsp.evaluation.{name}")
-    sys.modules.pop(f"flexsp.{name}", None)
-    with pytest.warns(DeprecationWarning, match=f"flexsp.evaluation.{name}"):
-        old = importlib.import_module(f"flexsp.{name}")
-    assert old is new
+def test_no_import_circle():
+    assert cycles(graph()) == []
 
 
-def test_in_repo_modules_import_no_deprecated_path():
-    modules = ["flexsp", "flexsp.cli", "flexsp.planner", "flexsp.strategies", "flexsp.data", "flexsp.replay.cli",
-               "flexsp.evaluation.simulate", "flexsp.evaluation.plots", "flexsp.evaluation.megatron"]
-    code = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
-    subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], check=True, cwd=ROOT)
+def test_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_layers_only_point_down():
+    bad = []
+    for module, targets in graph().items():
+        layer = layer_of(module)
+        allowed = {layer, *LAYERS[layer][1]}
+        for target in targets:
+            if layer_of(target) not in allowed:
+                bad.append(f"{module} -> {target}")
+    assert not bad, "imports that break the layer table:\n" + "\n".join(sorted(bad))
+
+
+def test_planning_side_imports_no_torch():
+    import ast
     offenders = []
-    for folder in ("flexsp", "experiments", "tests", "notebooks", "examples"):
-        for path in (ROOT / folder).rglob("*.py"):
-            text = path.read_text()
-            if path.parent.name == "flexsp" and path.stem in ("simulate", "bounds", "plots", "megatron"):
-                continue     # the shims themselves
-            if path.name == "test_layout.py":
-                continue
-            for old in ("flexsp.simulate", "flexsp.bounds", "flexsp.plots", "flexsp.megatron", "planner import usable_degrees"):
-                alias = old.startswith("planner") and old in text and folder != "tests"   # tests check the alias
-                if f"from {old} import" in text or f"import {old}\n" in text or alias:
-                    offenders.append(f"{path.relative_to(ROOT)}: {old}")
+    for path in [*ROOT.glob("solver/*.py"), *ROOT.glob("flexsp/plan/**/*.py"), *ROOT.glob("flexsp/evaluation/*.py"),
+                 ROOT / "flexsp/inputs.py", ROOT / "flexsp/errors.py",
+                 ROOT / "flexsp/__init__.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("torch", "transformers")]
     assert not offenders
+    code = ("import sys, flexsp, flexsp.plan.planner, flexsp.evaluation.simulate\n"
+            "flexsp.plan_batch([100, 200], flexsp.cost_from_preset('gpt-7b', num_gpus=8), flexsp.Cluster(8))\n"
+            "assert 'torch' not in sys.modules, 'planning imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_solver_types_are_one_module():
-    import solver.dynamic_cp
-    from solver import types
-    assert solver.dynamic_cp.Infeasible is types.Infeasible          # dynamic-cp no longer reaches into search
-    assert issubclass(solver.dynamic_cp.DynamicCPInfeasible, types.Infeasible)
-    source = (ROOT / "solver" / "dynamic_cp.py").read_text()
-    assert "from .search" not in source
-    from solver.search import search_plan   # noqa: F401  (renamed from solver.search.flexsp)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        from solver.group_packing import MicroBatchPacker   # noqa: F401
+def test_flexsp_root_keeps_at_most_six_modules():
+    root = sorted(p.name for p in (ROOT / "flexsp").glob("*.py"))
+    assert len(root) <= 6, root
+
+
+def test_no_shims_left():
+    for old in ("bounds", "megatron", "plots", "simulate", "arguments", "checks", "units", "cost", "planner", "config"):
+        assert not (ROOT / "flexsp" / f"{old}.py").exists()
+    assert not (ROOT / "flexsp/runtime/packing.py").exists()
+    text = "".join(p.read_text() for p in (ROOT / "flexsp").rglob("*.py"))
+    assert "sys.modules[__name__]" not in text and "zero_stage" not in text and "DeprecationWarning" not in text
+
+
+def test_every_module_belongs_to_a_torch_label():
+    for module in graph():
+        layer_of(module)            # raises naming a module no layer owns
+    assert set(TORCH_FREE) <= set(LAYERS)
+
+
+def test_design_doc_layer_table_is_current():
+    text = (ROOT / "docs" / "design.md").read_text()
+    start = "<!-- layers: generated by tests/layering.py markdown_table() -->\n"
+    assert start in text, "docs/design.md lost its generated layer table"
+    body = text.split(start, 1)[1].split("\n<!-- /layers -->", 1)[0]
+    assert body.strip() == markdown_table().strip(), "regenerate: python -c 'import sys; sys.path.insert(0, \"tests\"); " \
+                                                     "import layering; print(layering.markdown_table())'"

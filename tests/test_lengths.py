@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexsp.errors import LengthsError
-from flexsp.lengths import (LengthDistribution, as_lengths, get_distribution, load_lengths,
-                            preprocess)
+from flexsp.plan.lengths import LengthDistribution, as_lengths, get_distribution, load_lengths, preprocess
 
 # ------------------------------------------------------------------------------------- as_lengths
 
@@ -277,7 +276,7 @@ def test_preprocess_properties(lengths, context_limit, num_gpus):
 
 def test_a_byte_order_mark_is_not_data_and_overlong_numbers_are_named(tmp_path):
     from flexsp.errors import LengthsError
-    from flexsp.lengths import load_lengths
+    from flexsp.plan.lengths import load_lengths
     path = tmp_path / "bom.txt"
     path.write_bytes(b"\xef\xbb\xbf12\r\n13\r\n")
     assert load_lengths(path).tolist() == [12, 13]

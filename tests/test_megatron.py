@@ -7,6 +7,7 @@ import pytest
 from flexsp import CostModel
 from flexsp.errors import CostModelError, PlanError
 from flexsp.evaluation.megatron import MegatronModel, megatron_step_time, step_for_cp
+from flexsp.plan.presets import cost_from_preset
 
 
 def small_model(**overrides) -> MegatronModel:
@@ -92,7 +93,7 @@ def test_best_cp_is_chosen_and_pinned_cp_respected():
 
 def test_from_preset_uses_paper_constants():
     m = MegatronModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
-    cost = CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     assert (m.alpha1, m.alpha2, m.beta1, m.token_capacity) == (cost.alpha1, cost.alpha2, cost.beta1, cost.token_capacity)
     assert (m.hidden, m.layers) == (4096, 32)
     assert m.intra_node_bandwidth == cost.alltoall_bandwidth[8]

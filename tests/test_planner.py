@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from validator import brute_force_optimum, check_plan
 
 import flexsp
-from validator import brute_force_optimum, check_plan
 
 STRATEGIES = ("flexsp", "greedy", "batchada", "static")
 
@@ -75,8 +75,8 @@ def test_brute_force_case_needing_several_micro_batches():
 
 
 def test_paper_setting_beats_static_and_batchada():
-    from flexsp.lengths import get_distribution, preprocess
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    from flexsp.plan.lengths import get_distribution, preprocess
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     lengths, _ = preprocess(get_distribution("wikipedia").sample_batch(512, 7), 384 * 1024, 64)
     cluster = flexsp.Cluster(64, 8)
     plans = {s: flexsp.plan_batch(lengths, cost, cluster, s) for s in STRATEGIES}
@@ -144,7 +144,7 @@ def test_unknown_strategy_and_static_degree():
 @pytest.mark.parametrize("num_gpus", [4096, 16384])
 @pytest.mark.parametrize("degrees", [None, (1, 8, 64, 512)])
 def test_large_clusters_small_batches_every_strategy(num_gpus, degrees):
-    from flexsp.analytic import analytic_cost_model
+    from flexsp.plan.analytic import analytic_cost_model
     cost = analytic_cost_model("llama-7b", "h100-80gb", num_gpus=num_gpus)
     cluster = flexsp.Cluster(num_gpus, 8)
     rng = np.random.default_rng(num_gpus)
@@ -160,7 +160,7 @@ def test_large_clusters_small_batches_every_strategy(num_gpus, degrees):
 
 
 def test_a_2m_sequence_on_too_small_a_cluster_names_length_and_capacity():
-    from flexsp.analytic import analytic_cost_model
+    from flexsp.plan.analytic import analytic_cost_model
     cost = analytic_cost_model("llama-7b", "h100-80gb", num_gpus=64)
     with pytest.raises(flexsp.PlanError, match=r"sequence 1 has 2097152 tokens, more than the whole cluster can hold: "
                                                r"64 GPUs x \d+ tokens = \d+"):
@@ -168,16 +168,13 @@ def test_a_2m_sequence_on_too_small_a_cluster_names_length_and_capacity():
 
 
 def test_aligned_block_rule_is_one_function():
-    from flexsp.cluster import aligned_block, is_aligned_block
+    from flexsp.plan.cluster import aligned_block, is_aligned_block
     assert aligned_block(2, 4) == (8, 9, 10, 11)
     assert all(is_aligned_block(aligned_block(k, d)) for d in (1, 2, 8) for k in range(4))
     assert not is_aligned_block((2, 3, 4, 5)) and not is_aligned_block((0, 1, 2)) and not is_aligned_block((0, 2))
 
 
-def test_usable_degrees_is_a_cluster_fact_with_a_deprecated_alias():
+def test_usable_degrees_is_a_cluster_fact():
     cluster = flexsp.Cluster(16, 8)
     assert cluster.usable_degrees() == (1, 2, 4, 8, 16)
     assert cluster.usable_degrees(8, (1, 8, 16)) == (1, 8)
-    from flexsp.planner import usable_degrees
-    with pytest.warns(DeprecationWarning):
-        assert usable_degrees(cluster, 8, (1, 8, 16)) == (1, 8)

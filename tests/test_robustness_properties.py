@@ -13,12 +13,14 @@ import time
 import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from validator import check_plan
 
 import flexsp
 from flexsp import Cluster, CostModel, Plan, plan_batch
 from flexsp.cli import main
 from flexsp.errors import FlexSPError
-from validator import check_plan
+from flexsp.plan.analytic import cost_from_hardware
+from flexsp.plan.presets import cost_from_preset
 
 SLACK = 1.0       # seconds a solve may run past its time_limit (issue 21's bound at the paper's setting)
 
@@ -118,8 +120,8 @@ def test_cost_model_constructor_gives_a_model_that_plans_or_a_named_error(fields
 
 
 # --- plan_batch's arguments ----------------------------------------------------------------------
-PRESET = CostModel.from_preset("gpt-7b")
-HYBRID = CostModel.from_hardware("llama-7b", "h100-80gb", num_gpus=64)
+PRESET = cost_from_preset("gpt-7b")
+HYBRID = cost_from_hardware("llama-7b", "h100-80gb", num_gpus=64)
 CLUSTER = Cluster(64, 8)
 
 

@@ -11,12 +11,12 @@ import pytest
 
 import flexsp
 from flexsp.errors import FlexSPError, PlanError
-from flexsp.lengths import get_distribution
 from flexsp.evaluation.simulate import plan_steps, simulate
+from flexsp.plan.lengths import get_distribution
 
 ROOT = Path(__file__).resolve().parents[1]
 # a small setting whose solves finish far inside the time limit, so it never binds
-SETTING = dict(steps=4, batch_size=48, context=64 * 1024, time_limit=20.0, progress=False)
+SETTING = dict(steps=4, batch_size=48, context=64 * 1024, config=flexsp.PlanConfig(time_limit=20.0), progress=False)
 STRATEGIES = ["flexsp", "greedy", "batchada", "dynamic-cp", "static:16", "static:1"]
 
 
@@ -32,7 +32,7 @@ def _same(a, b) -> None:
 
 
 def test_workers_give_the_serial_results():
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=64 * 1024, num_gpus=16)
+    cost = flexsp.cost_from_preset("gpt-7b", context=64 * 1024, num_gpus=16)
     cluster = flexsp.Cluster(16, 8)
     dist = get_distribution("wikipedia")
     serial = simulate(dist, cost, cluster, STRATEGIES, workers=1, **SETTING)
@@ -42,7 +42,7 @@ def test_workers_give_the_serial_results():
 
 
 def test_bad_workers_and_unrestricted_failures_are_named():
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=64 * 1024, num_gpus=16)
+    cost = flexsp.cost_from_preset("gpt-7b", context=64 * 1024, num_gpus=16)
     with pytest.raises(FlexSPError, match="workers must be >= 1"):
         list(plan_steps([[10]], cost, flexsp.Cluster(16), ["flexsp"], workers=0))
     with pytest.raises(PlanError, match="unknown strategy"):

@@ -4,7 +4,7 @@ import argparse
 import pytest
 
 from flexsp.errors import FlexSPError, SizeError
-from flexsp.units import parse_size, parse_sizes, parse_tokens
+from flexsp.inputs import parse_size, parse_sizes, parse_tokens
 
 
 @pytest.mark.parametrize("text, value", [("393216", 393216), ("384K", 384 * 1024), ("384k", 393216),

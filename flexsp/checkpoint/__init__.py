@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import CheckpointError
+from flexsp.checkpoint.errors import CheckpointError
 
 __all__ = ["Checkpointer", "CheckpointError"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Checkpointer":
-        from .checkpointer import Checkpointer
+        from flexsp.checkpoint.checkpointer import Checkpointer
         return Checkpointer
     raise AttributeError(f"module 'flexsp.checkpoint' has no attribute {name!r}")

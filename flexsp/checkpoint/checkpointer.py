@@ -36,9 +36,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..runtime.agreement import DEFAULT_TIMEOUT, ControlGroup, describe
-from . import layout
-from .errors import CheckpointError
+from flexsp.checkpoint import layout
+from flexsp.checkpoint.errors import CheckpointError
+from flexsp.runtime.failures import DEFAULT_TIMEOUT, ControlGroup, error_line
 
 
 class Checkpointer:
@@ -130,7 +130,7 @@ class Checkpointer:
                     shutil.rmtree(partial)
                 partial.mkdir()
             except OSError as exc:
-                failure = describe(exc)
+                failure = error_line(exc)
         self.control.check(failure, what=what, error=CheckpointError)
         try:
             with _quiet_single_process():
@@ -143,13 +143,13 @@ class Checkpointer:
             try:
                 torch.save(rng, partial / layout.RNG)
             except Exception as exc:
-                failure = describe(exc)
+                failure = error_line(exc)
         self.control.check(failure, what=what, error=CheckpointError)   # also: rng.pt is on disk before listing
         try:
             names = layout.files_of(partial)
             mine = layout.describe(partial, names[self.rank::self.world_size])
         except OSError as exc:
-            failure, mine = describe(exc), {}
+            failure, mine = error_line(exc), {}
         self.control.check(failure, what=what, error=CheckpointError)
         manifest: dict[str, list[int]] = {}
         for part in self.control.gather(mine, what=what, error=CheckpointError):
@@ -164,7 +164,7 @@ class Checkpointer:
                 layout.commit(partial, final)
                 layout.prune(self.directory, self.keep)
             except Exception as exc:   # whatever it is, every rank must hear of it
-                failure = describe(exc)
+                failure = error_line(exc)
         self.control.check(failure, what=what, error=CheckpointError)
         self.last_saved = final
         return final

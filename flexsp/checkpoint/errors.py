@@ -1,5 +1,5 @@
 """The checkpoint error family: a checkpoint that is missing, corrupt, or does not fit this job."""
-from ..errors import FlexSPError
+from flexsp.errors import FlexSPError
 
 
 class CheckpointError(FlexSPError):

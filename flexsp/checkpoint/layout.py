@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .errors import CheckpointError
+from flexsp.checkpoint.errors import CheckpointError
 
 FORMAT = 1
 META = "flexsp.json"

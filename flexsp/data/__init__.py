@@ -5,17 +5,17 @@ batches from a map-style dataset, plans each with ``plan_batch`` in a background
 for this rank the packed shards of every micro-batch it takes part in. The torch-free parts
 (config, batching, planning, lengths) import without torch; ``FlexSPLoader``, ``Step`` and
 ``MicroBatchShard`` load torch on first use. The bundled length distributions are not here:
-``flexsp/lengths_data/`` holds them, read by ``flexsp.lengths``.
+``flexsp/lengths_data/`` holds them, read by ``flexsp.plan.lengths``.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .batching import EpochBatches, GlobalBatch
-from .config import LoaderConfig
-from .errors import LoaderError
-from .planning import AsyncPlanner, PlanBatch, PlannedBatch, PlannerStats
-from .source import resolve_lengths
+from flexsp.data.batching import EpochBatches, GlobalBatch
+from flexsp.data.config import LoaderConfig
+from flexsp.data.errors import LoaderError
+from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, PlannerStats
+from flexsp.data.source import resolve_lengths
 
 _TORCH_NAMES = {"FlexSPLoader": "loader", "Step": "loader", "LoaderStats": "loader",
                 "MicroBatchShard": "collate", "to_tokens": "collate"}

@@ -12,8 +12,8 @@ from typing import Iterator
 
 import numpy as np
 
-from .config import LoaderConfig
-from .errors import LoaderError
+from flexsp.data.config import LoaderConfig
+from flexsp.data.errors import LoaderError
 
 
 @dataclass(frozen=True)

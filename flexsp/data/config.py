@@ -1,10 +1,11 @@
 """``LoaderConfig``: how global batches are formed and planned. Torch-free, so it can be built anywhere."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import LoaderError
+from flexsp.data.errors import LoaderError
+from flexsp.plan.config import PlanConfig
 
 TOO_LONG_POLICIES = ("error", "skip")
 
@@ -12,6 +13,7 @@ TOO_LONG_POLICIES = ("error", "skip")
 @dataclass(frozen=True)
 class LoaderConfig:
     """Global-batch and planning settings; identical on every rank (only rank 0 uses most of them).
+    ``plan`` (a ``PlanConfig``) holds every planning setting: strategy, time limit, degrees, ...
 
     Exactly one of ``batch_size`` (sequences per global batch) or ``max_tokens`` (a token budget:
     sequences are added in shuffled order while the batch stays within it) must be set.
@@ -30,11 +32,7 @@ class LoaderConfig:
     seed: int = 0
     shuffle: bool = True
     on_too_long: str = "error"
-    strategy: str = "flexsp"
-    time_limit: float = 2.0
-    num_buckets: int = 16
-    max_degree: int | None = None
-    sp_degree: int | None = None
+    plan: PlanConfig = field(default_factory=PlanConfig)   # how each global batch is planned
     lookahead: int = 2
     fallback_after: float | None = None
     failure_timeout: float = 300.0
@@ -52,8 +50,8 @@ class LoaderConfig:
             raise LoaderError(f"on_too_long={self.on_too_long!r}; choose one of {', '.join(TOO_LONG_POLICIES)}")
         if not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise LoaderError(f"lookahead must be an integer >= 0 (0 plans synchronously), got {self.lookahead!r}")
-        if self.time_limit <= 0:
-            raise LoaderError(f"time_limit must be > 0 seconds, got {self.time_limit}")
+        if not isinstance(self.plan, PlanConfig):
+            raise LoaderError(f"plan must be a flexsp.PlanConfig, got {type(self.plan).__name__}")
         if not self.failure_timeout > 0:
             raise LoaderError(f"failure_timeout must be > 0 seconds, got {self.failure_timeout!r}")
         if self.fallback_after is not None and self.fallback_after < 0:
@@ -61,5 +59,4 @@ class LoaderConfig:
 
     def batching_key(self) -> dict[str, Any]:
         """The settings that decide which sequences form which batch; a resumed run must match them."""
-        d = asdict(self)
-        return {k: d[k] for k in ("batch_size", "max_tokens", "seed", "shuffle", "on_too_long")}
+        return {k: getattr(self, k) for k in ("batch_size", "max_tokens", "seed", "shuffle", "on_too_long")}

@@ -1,5 +1,5 @@
 """The loader's one error family: bad configuration, bad items, too-long sequences, failed plans."""
-from ..errors import FlexSPError
+from flexsp.errors import FlexSPError
 
 
 class LoaderError(FlexSPError):

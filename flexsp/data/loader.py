@@ -6,7 +6,7 @@ the batch's dataset indices and lengths, the plan, or the error that stopped pla
 runs the same plan and a solver failure raises the same ``LoaderError`` everywhere instead of leaving
 ranks waiting. Each rank then fetches only the items of its own groups, packs them and keeps its
 shard; a data error on any rank (a bad item, a stale length, a read that hangs past the timeout) is
-agreed on the side group (``flexsp.runtime.agreement``) so every rank raises it, none waits.
+agreed on the side group (``flexsp.runtime.failures``) so every rank raises it, none waits.
 Plans use only the pool's degrees (and Ulysses x ring splits). Without a process group (or with one rank)
 the loader plans for ``cluster.num_gpus`` ranks and loads the share of ``rank``, which is how one
 process can stand in for one rank of a large cluster.
@@ -21,42 +21,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..cluster import Cluster
-from ..cost import CostModel
-from ..plan import Plan
-from ..runtime.agreement import ControlGroup, describe
-from ..runtime.groups import GroupPool
-from ..runtime.token_packing import loss_tokens
-from ..runtime.ring import ring_context
-from ..sharding import assumed as assumed_sharding
-from .batching import EpochBatches
-from .collate import MicroBatchShard, shard_group, to_tokens
-from .config import LoaderConfig
-from .errors import LoaderError
-from .planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver
-from .source import resolve_lengths
+from flexsp.data.batching import EpochBatches
+from flexsp.data.collate import shard_group, to_tokens
+from flexsp.data.config import LoaderConfig
+from flexsp.data.errors import LoaderError
+from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver
+from flexsp.data.source import resolve_lengths
+from flexsp.plan.cluster import Cluster
+from flexsp.plan.cost import CostModel
+from flexsp.plan.memory import assumed as assumed_sharding
+from flexsp.plan.types import Plan
+from flexsp.runtime.failures import ControlGroup, error_line
+from flexsp.runtime.pool import GroupPool
+from flexsp.runtime.shard import loss_tokens
+from flexsp.runtime.step import Step
 
 STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Step:
-    """What this rank runs in one optimizer step. Same ``plan``, ``indices`` and token counts on every rank."""
-
-    epoch: int
-    index: int                                  # global batch within the epoch
-    step: int                                   # steps taken by this loader's run, resumes included
-    plan: Plan                                  # seq id i of the plan is dataset item ``indices[i]``
-    indices: tuple[int, ...]
-    lengths: tuple[int, ...]
-    num_tokens: int                             # real tokens in the global batch
-    loss_tokens: int                            # tokens with a next-token label: divide summed losses by it
-    micro_batches: tuple[MicroBatchShard, ...]  # only those this rank takes part in, in plan order
-    last: bool                                  # the epoch's final batch
-    plan_wait: float                            # seconds this step waited for its plan (incl. broadcast)
-    load_seconds: float                         # seconds spent fetching and packing this rank's items
-    fallback: bool                              # planned by the greedy fallback after a slow solve
-    sharding: str = "full"                      # model-state sharding the cost model's capacity assumed
 
 
 @dataclass
@@ -82,7 +62,7 @@ class FlexSPLoader:
     process group; without it the loader stands in for ``rank`` of the cluster. ``planner``, if
     given, replaces ``plan_batch``: ``planner(lengths) -> Plan``. Plans use only ``pool.degrees``, and a
     degree the cost model runs as Ulysses x ring only when the pool holds that split
-    (``GroupPool(ulysses_limit=cost.ulysses_limit)``); ``ulysses_only=True`` keeps every group within
+    (``GroupPool(ulysses_limit=cost.ulysses_limit)``); ``config.plan.ulysses_only`` keeps every group within
     the model's Ulysses limit. Call ``close()`` (or use ``with``).
     With a pool of several ranks, build it on every rank at the same point: it creates a gloo side group
     for plans and load outcomes (``config.failure_timeout``).
@@ -90,15 +70,13 @@ class FlexSPLoader:
 
     def __init__(self, dataset: Sequence[Any], cost: CostModel, cluster: Cluster, config: LoaderConfig, *,
                  lengths: Any = None, pool: GroupPool | None = None, rank: int | None = None,
-                 planner: Solver | None = None, device: torch.device | str | None = None,
-                 ulysses_only: bool = False) -> None:
+                 planner: Solver | None = None, device: torch.device | str | None = None) -> None:
         if not isinstance(config, LoaderConfig):
             raise LoaderError(f"config must be a flexsp.data.LoaderConfig, got {type(config).__name__}")
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
             raise LoaderError(f"dataset must be map-style (__len__ and __getitem__), got {type(dataset).__name__}")
         self.dataset, self.cost, self.cluster, self.config = dataset, cost, cluster, config
         self.pool = pool
-        self.ulysses_only = ulysses_only
         self.sharding = assumed_sharding(cost)
         self.device = None if device is None else torch.device(device)
         initialized = dist.is_available() and dist.is_initialized()
@@ -120,7 +98,7 @@ class FlexSPLoader:
         # plan broadcast and load outcomes go over a gloo side group with config.failure_timeout
         self._control = ControlGroup(config.failure_timeout) if self._communicate else None
         self._lengths_arg = lengths
-        self._solve = planner if planner is not None else self._plan_with(config.strategy)
+        self._solve = planner if planner is not None else self._plan_with(config.plan.strategy)
         self._fallback = self._plan_with("greedy") if config.fallback_after is not None else None
         self._lengths: np.ndarray | None = None
         self._batches: EpochBatches | None = None
@@ -132,19 +110,20 @@ class FlexSPLoader:
     # --- planning (rank 0) ----------------------------------------------------------------------
     def _plan_with(self, strategy: str) -> Solver:
         """A picklable ``plan_batch`` solver, so the background planner can run it in its own process."""
-        c = self.config
-        return PlanBatch(self.cost, self.cluster, strategy=strategy, sp_degree=c.sp_degree, time_limit=c.time_limit,
-                         num_buckets=c.num_buckets, max_degree=c.max_degree, degrees=self._degrees,
-                         ulysses_only=self.ulysses_only)
+        plan = self.config.plan
+        return PlanBatch(self.cost, self.cluster, plan.replace(strategy=strategy, degrees=self._degrees,
+                                                               sp_degree=plan.sp_degree if strategy == plan.strategy else None))
 
     @property
     def _degrees(self) -> tuple[int, ...] | None:
         """The SP degrees the runtime can run (None without a pool: any): the pool's, less those the cost
         model runs as a Ulysses x ring split the pool does not hold."""
+        wanted = self.config.plan.degrees
         if self.pool is None:
-            return None
+            return wanted
         splits = set(getattr(self.pool, "splits", ()))
-        return tuple(d for d in self.pool.degrees if self.cost.split(d)[1] == 1 or self.cost.split(d) in splits)
+        return tuple(d for d in self.pool.degrees if (self.cost.split(d)[1] == 1 or self.cost.split(d) in splits)
+                     and (wanted is None or d in wanted))
 
     @property
     def lengths(self) -> np.ndarray:
@@ -160,9 +139,9 @@ class FlexSPLoader:
         return self._batches
 
     def _capacity(self) -> float:
-        c = self.config
+        c = self.config.plan
         max_degree = c.max_degree
-        if self.ulysses_only and self.cost.ulysses_limit is not None:
+        if c.ulysses_only and self.cost.ulysses_limit is not None:
             max_degree = min(max_degree or self.cost.ulysses_limit, self.cost.ulysses_limit)
         degree = (c.sp_degree if c.strategy == "static" and c.sp_degree
                   else max(self.cluster.usable_degrees(max_degree, self._degrees)))
@@ -253,18 +232,11 @@ class FlexSPLoader:
             for m, mb in enumerate(plan.micro_batches):
                 group = mb.group_of_rank(self.rank)
                 if group is not None:
-                    handle, ring = None, None
-                    if group.ring > 1 and self.pool is not None:   # Ulysses x ring: sub-groups, zigzag layout
-                        ctx = ring_context(self.pool, group, [lengths[s] for s in group.seq_ids], self.rank,
-                                           self.device or "cpu")
-                        handle, ring = ctx.group, ctx.ring
-                    elif self.pool is not None:
-                        handle = self.pool.get(group.ranks)
-                    shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, handle, self.device,
-                                              ring))
+                    shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, self.device,
+                                              self.pool))
         except Exception as exc:
             if self._control is not None:
-                failure = describe(exc)   # named with the batch and the rank by the agreement below
+                failure = error_line(exc)   # named with the batch and the rank by the agreement below
             elif isinstance(exc, LoaderError):
                 raise
             else:   # the dataset's own error (I/O, decoding): name where it happened

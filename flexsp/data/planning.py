@@ -24,19 +24,20 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from ..plan import Group, MicroBatch, Plan
-from .batching import GlobalBatch
-from .errors import LoaderError
+from flexsp.data.batching import GlobalBatch
+from flexsp.data.errors import LoaderError
+from flexsp.plan.config import PlanConfig
+from flexsp.plan.types import Group, MicroBatch, Plan
 
 if TYPE_CHECKING:
-    from ..cluster import Cluster
-    from ..cost import CostModel
+    from flexsp.plan.cluster import Cluster
+    from flexsp.plan.cost import CostModel
 
 Solver = Callable[[np.ndarray], Plan]
 MODES = ("auto", "process", "thread")
@@ -72,19 +73,11 @@ class PlanBatch:
 
     cost: "CostModel"
     cluster: "Cluster"
-    strategy: str = "flexsp"
-    sp_degree: int | None = None
-    time_limit: float = 2.0
-    num_buckets: int = 16
-    max_degree: int | None = None
-    degrees: tuple[int, ...] | None = None   # the SP degrees the runtime's pool holds (None: any)
-    ulysses_only: bool = False               # the runtime cannot run Ulysses x ring groups
+    config: PlanConfig = PlanConfig()
 
     def __call__(self, lengths: np.ndarray) -> Plan:
-        from ..planner import plan_batch   # the solver is only imported where plans are made
-        return plan_batch(lengths, self.cost, self.cluster, strategy=self.strategy, sp_degree=self.sp_degree,
-                          time_limit=self.time_limit, num_buckets=self.num_buckets, max_degree=self.max_degree,
-                          degrees=self.degrees, ulysses_only=self.ulysses_only)
+        from flexsp.plan.planner import plan_batch  # the solver is only imported where plans are made
+        return plan_batch(lengths, self.cost, self.cluster, config=self.config)
 
 
 # --- compact plans ----------------------------------------------------------------------------------

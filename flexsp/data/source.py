@@ -12,9 +12,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import LengthsError
-from ..lengths import as_lengths
-from .errors import LoaderError
+from flexsp.data.errors import LoaderError
+from flexsp.errors import LengthsError
+from flexsp.plan.lengths import as_lengths
 
 TOKENS_KEY = "input_ids"
 LENGTH_COLUMN = "length"

@@ -56,9 +56,11 @@ from typing import Iterable
 
 import numpy as np
 
-from ..cost import CostModel
-from ..errors import CostModelError, PlanError
-from ..lengths import as_lengths
+from flexsp.errors import CostModelError, PlanError
+from flexsp.plan.cost import CostModel
+from flexsp.plan.lengths import as_lengths
+from flexsp.plan.presets import cost_from_preset
+from flexsp.plan.specs import get_model
 
 # 400 Gb/s InfiniBand per node (the paper's cluster) shared by 8 GPUs, in bytes/s per GPU.
 NOMINAL_INTER_NODE_BANDWIDTH = 400e9 / 8 / 8
@@ -108,10 +110,9 @@ class MegatronModel:
 
     @classmethod
     def from_preset(cls, name: str, context: int = 384 * 1024, num_gpus: int = 64, **kwargs) -> "MegatronModel":
-        """The paper's GPT preset (``flexsp.presets``) seen by Megatron."""
-        from ..presets import PAPER_MODELS, paper_preset
-        cost = paper_preset(name, context=context, num_gpus=num_gpus)
-        model = PAPER_MODELS[name.lower()]
+        """The paper's GPT preset (``flexsp.plan.presets``) seen by Megatron."""
+        cost = cost_from_preset(name, context=context, num_gpus=num_gpus)
+        model = get_model(name)
         return cls.from_cost_model(cost, model.hidden, model.layers, **kwargs)
 
     # --- one sequence -------------------------------------------------------------------------

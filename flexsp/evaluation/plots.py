@@ -5,9 +5,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost import CostModel
-from ..plan import Plan
-from .simulate import Simulation
+from flexsp.evaluation.simulate import Simulation
+from flexsp.plan.cost import CostModel
+from flexsp.plan.types import Plan
 
 
 def _pyplot():

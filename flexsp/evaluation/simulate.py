@@ -15,15 +15,16 @@ from typing import Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..cluster import Cluster
-from ..communicators import describe_reservation, pool_degrees, reserve_communicators
-from ..cost import CostModel
-from ..errors import FlexSPError, PlanError
-from ..lengths import LengthDistribution, preprocess
-from ..plan import Plan
-from ..planner import plan_batch
-from ..strategies import get_strategy, strategies
-from .bounds import coupled_lower_bound, lower_bound
+from flexsp.errors import FlexSPError, PlanError
+from flexsp.plan.bounds import coupled_lower_bound, lower_bound
+from flexsp.plan.cluster import Cluster
+from flexsp.plan.communicator_memory import describe_reservation, pool_degrees, reserve_communicators
+from flexsp.plan.config import PlanConfig
+from flexsp.plan.cost import CostModel
+from flexsp.plan.lengths import LengthDistribution, preprocess
+from flexsp.plan.planner import plan_batch
+from flexsp.plan.strategies import get_strategy, strategies
+from flexsp.plan.types import Plan
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Simulation:
     runs: dict[str, StrategyRun]
     lower_bounds: list[float]
     first_batch: np.ndarray
-    coupled_bounds: list[float] = field(default_factory=list)   # flexsp.evaluation.bounds.coupled_lower_bound per step
+    coupled_bounds: list[float] = field(default_factory=list)   # flexsp.plan.bounds.coupled_lower_bound per step
     communicator_bytes: float | None = None   # per communicator, subtracted from capacity (None: not)
 
     def speedup(self, strategy: str, over: str) -> float:
@@ -88,7 +89,7 @@ def parse_strategy_list(text: str) -> list[str]:
 
 def parse_strategy(name: str) -> StrategySpec:
     """``flexsp`` / ``static:32`` / ``flexsp[1,8,64]`` -> what to pass to ``plan_batch``. ``NAME:D``
-    pins ``sp_degree`` for a strategy that accepts it (see ``flexsp.strategies``)."""
+    pins ``sp_degree`` for a strategy that accepts it (see ``flexsp.plan.strategies``)."""
     degrees = None
     if name.endswith("]") and "[" in name:
         name, inside = name[:-1].split("[", 1)
@@ -131,15 +132,15 @@ class Outcome:
 
 
 def plan_step(lengths: np.ndarray, costs: tuple[CostModel, ...], cluster: Cluster, strategies: tuple[str, ...],
-              time_limit: float, keep_plan: bool = False) -> tuple[Outcome, ...]:
-    """Every strategy on one batch, each with its own cost model (module-level, so worker processes
-    can run it)."""
+              config: PlanConfig, keep_plan: bool = False) -> tuple[Outcome, ...]:
+    """Every strategy on one batch, each with its own cost model and ``config`` with the strategy's name,
+    degree and degrees (module-level, so worker processes can run it)."""
     out = []
     for name, cost in zip(strategies, costs):
         spec = parse_strategy(name)
         try:
-            plan = plan_batch(lengths, cost, cluster, spec.strategy, sp_degree=spec.sp_degree,
-                              degrees=spec.degrees, time_limit=time_limit)
+            plan = plan_batch(lengths, cost, cluster, config=config.replace(
+                strategy=spec.strategy, sp_degree=spec.sp_degree, degrees=spec.degrees))
         except PlanError as exc:
             restricted = spec.sp_degree is not None or spec.strategy == "static" or spec.degrees is not None
             out.append(Outcome(error=str(exc)) if restricted else Outcome(fatal=exc))
@@ -150,11 +151,11 @@ def plan_step(lengths: np.ndarray, costs: tuple[CostModel, ...], cluster: Cluste
 
 
 def plan_steps(batches: Sequence[np.ndarray], cost: CostModel, cluster: Cluster, strategies: Sequence[str], *,
-               time_limit: float = 2.0, workers: int = 1, keep_plans: int = 1,
+               config: PlanConfig = PlanConfig(), workers: int = 1, keep_plans: int = 1,
                strategy_costs: Sequence[CostModel] | None = None) -> Iterator[tuple[Outcome, ...]]:
     """``plan_step`` on every batch, in order; ``workers > 1`` plans batches side by side in that many
     spawned processes. Plans are the same as serial ones (the solver is deterministic) unless
-    ``time_limit`` binds, which it does sooner when workers share fewer cores than they are; solve
+    ``config.time_limit`` binds, which it does sooner when workers share fewer cores than they are; solve
     times are measurements either way. The first ``keep_plans`` batches keep their plans.
     ``strategy_costs`` gives each strategy its own cost model (default: ``cost`` for all)."""
     if workers < 1:
@@ -165,28 +166,29 @@ def plan_steps(batches: Sequence[np.ndarray], cost: CostModel, cluster: Cluster,
         raise FlexSPError(f"strategy_costs has {len(costs)} cost models for {len(names)} strategies")
     if workers == 1 or len(batches) <= 1:
         for i, lengths in enumerate(batches):
-            yield plan_step(lengths, costs, cluster, names, time_limit, i < keep_plans)
+            yield plan_step(lengths, costs, cluster, names, config, i < keep_plans)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(max_workers=min(workers, len(batches)),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
         n = len(batches)
-        yield from pool.map(plan_step, batches, [costs] * n, [cluster] * n, [names] * n, [time_limit] * n,
+        yield from pool.map(plan_step, batches, [costs] * n, [cluster] * n, [names] * n, [config] * n,
                             [i < keep_plans for i in range(n)])
 
 
 def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster, strategies: list[str], *,
              steps: int = 10, batch_size: int = 512, context: int = 384 * 1024, seed: int = 0,
-             time_limit: float = 2.0, progress: bool = True, workers: int = 1,
+             config: PlanConfig = PlanConfig(), progress: bool = True, workers: int = 1,
              communicator_bytes: float | None = None, keep_plans: bool = False) -> Simulation:
     """Plan ``steps`` batches of ``batch_size`` lengths drawn (seeded) from ``distribution``, with
     the paper's preprocessing: sequences above ``context`` are not drawn, lengths are padded to a
-    multiple of 2 x N. A strategy that cannot plan a batch (e.g. a static degree too small for its
+    multiple of 2 x N. ``config`` holds the planning settings (time limit, ...); each strategy of
+    ``strategies`` sets its own name, degree and degrees in it. A strategy that cannot plan a batch (e.g. a static degree too small for its
     longest sequence) is reported with its error instead of a time. ``workers`` plans that many
     steps at once in separate processes, with the same results as one (see ``plan_steps``). With
     ``communicator_bytes``, each strategy plans with the capacity left after its pool's communicators
-    (``flexsp.communicators``). ``keep_plans`` keeps every step's ``(plan, lengths)`` in ``run.plans``
+    (``flexsp.plan.communicator_memory``). ``keep_plans`` keeps every step's ``(plan, lengths)`` in ``run.plans``
     (for ``--replay``)."""
     if steps < 1 or batch_size < 1:
         raise FlexSPError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
@@ -201,7 +203,7 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     bounds = [lower_bound(lengths, cost, cluster) for lengths in batches]
     coupled = [coupled_lower_bound(lengths, cost, cluster) for lengths in batches]
     bar = tqdm(total=steps * len(strategies), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
-    planned = plan_steps(batches, cost, cluster, strategies, time_limit=time_limit, workers=workers,
+    planned = plan_steps(batches, cost, cluster, strategies, config=config, workers=workers,
                          keep_plans=steps if keep_plans else 1, strategy_costs=[runs[name].cost for name in strategies])
     for lengths, outcomes in zip(batches, planned):
         for name, outcome in zip(strategies, outcomes):

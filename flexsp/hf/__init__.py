@@ -13,12 +13,13 @@
 
 Needs the ``hf`` extra (``pip install flexsp[hf]``).
 """
-from .adapter import HFCausalLM
-from .attention import CONTEXT_KWARG, install, is_installed, uninstall
-from .features import UnsupportedModelError, check_supported
-from .loss import linear_cross_entropy
-from .prepare import TINY_ARCH, from_config, load_config, prepare_model, shard_states, tiny_config
+from flexsp.hf.adapter import HFCausalLM
+from flexsp.hf.attention import CONTEXT_KWARG, install, is_installed, uninstall
+from flexsp.hf.features import UnsupportedModelError, check_supported
+from flexsp.hf.loss import linear_cross_entropy
+from flexsp.hf.prepare import (from_config, hf_config_kwargs, load_config, prepare_model, shard_states, tiny_archs,
+                               tiny_config, with_layers)
 
-__all__ = ["HFCausalLM", "prepare_model", "from_config", "tiny_config", "load_config", "shard_states", "TINY_ARCH",
+__all__ = ["HFCausalLM", "prepare_model", "from_config", "tiny_config", "load_config", "shard_states", "tiny_archs", "with_layers", "hf_config_kwargs",
            "UnsupportedModelError", "check_supported", "linear_cross_entropy", "install", "uninstall",
            "is_installed", "CONTEXT_KWARG"]

@@ -14,10 +14,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..runtime.ulysses import AttentionContext, check_heads
-from .attention import CONTEXT_KWARG, RECEIPT_KWARG, install
-from .features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
-from .loss import linear_cross_entropy
+from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, install
+from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
+from flexsp.hf.loss import linear_cross_entropy
+from flexsp.runtime.sp.context import AttentionContext, check_heads
 
 
 class HFCausalLM(nn.Module):

@@ -16,8 +16,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..runtime.ulysses import AttentionContext, ulysses_attention
-from .features import UnsupportedModelError, check_call
+from flexsp.hf.features import UnsupportedModelError, check_call
+from flexsp.runtime.sp.attention import sp_attention
+from flexsp.runtime.sp.context import AttentionContext
 
 CONTEXT_KWARG = "flexsp_attention"   # the forward kwarg that carries the AttentionContext
 RECEIPT_KWARG = "flexsp_receipt"     # a list each FlexSP attention call appends to: proof SP really ran
@@ -89,7 +90,7 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      attention_mask: torch.Tensor | None, ctx: AttentionContext, *, scaling: float | None = None,
                      dropout: float = 0.0, sliding_window: int | None = None, softcap: float | None = None,
                      s_aux: Any = None, is_causal: bool | None = None, **_: Any) -> tuple[torch.Tensor, None]:
-    """transformers' calling convention around ``ulysses_attention``.
+    """transformers' calling convention around ``sp_attention``.
 
     In: ``query [1, heads, tokens/d, dim]``, ``key``/``value`` ``[1, kv_heads, tokens/d, dim]`` (this
     rank's shard, rotary already applied from per-sequence position ids). Out: ``[1, tokens/d, heads,
@@ -107,5 +108,5 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     default = q.shape[-1] ** -0.5
     if scaling is not None and scaling != default:
         q = q * (scaling / default)   # the kernel scales by 1/sqrt(dim); fold the model's own scale into q
-    out = ulysses_attention(q, k, v, ctx)
+    out = sp_attention(q, k, v, ctx)
     return out.unsqueeze(0), None

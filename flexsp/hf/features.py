@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import FlexSPError
+from flexsp.errors import FlexSPError
 
 
 class UnsupportedModelError(FlexSPError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..runtime.token_packing import IGNORE_INDEX
+from flexsp.runtime.sp.context import IGNORE_INDEX
 
 CHUNK_BYTES = 256 * 2**20   # fp32 logits per chunk
 

@@ -1,6 +1,7 @@
 """One line from a transformers model (or config) to a FlexSP-ready ``SPModel``."""
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -8,29 +9,47 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapter import HFCausalLM
-from .attention import install
-from .features import UnsupportedModelError, check_supported, model_name
+from flexsp.hf.adapter import HFCausalLM
+from flexsp.hf.attention import install
+from flexsp.hf.features import UnsupportedModelError, check_supported, model_name
+from flexsp.plan.specs import ModelSpec, get_model, model_names
+from flexsp.runtime.fsdp import shard_model
 
-# Tiny random-init configs for tests, examples and profiling (no download).
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
-TINY_ARCH = {
-    "llama": {},
-    "qwen2": {},                                    # q/k/v projections with bias
-    "qwen3": {"head_dim": 32},                      # q/k RMSNorm, head_dim independent of hidden/heads
-    "mistral": {},                                  # sliding_window 4096 by default: exact below it
-    "gemma": {"head_dim": 32, "num_key_value_heads": 1, "tie_word_embeddings": True},   # MQA, tied, scaled embed
-    "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},   # fused qkv / gate_up projections
-}
+MAX_POSITIONS = 4096   # tiny configs: rotary tables long enough for every test sequence
+
+
+def tiny_archs() -> tuple[str, ...]:
+    """Families with a built-in tiny config: the registry's ``hf-*`` entries (``flexsp.plan.specs``)."""
+    return tuple(get_model(n).family for n in model_names(prefix="hf-"))
+
+
+def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """The transformers config keys of a registry entry (the inverse of ``spec_from_hf_config``)."""
+    out = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+               num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+               max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=spec.tie_embeddings)
+    if spec.head_dim is not None:
+        out["head_dim"] = spec.head_dim
+    return {**out, **dict(spec.hf_extra)}
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):
-    """A small random-init config of ``arch`` (one of ``TINY_ARCH``); ``overrides`` win."""
+    """A small random-init config of ``arch`` (one of ``tiny_archs()``); ``overrides`` win."""
     from transformers import AutoConfig
-    if arch not in TINY_ARCH:
-        raise UnsupportedModelError(f"no built-in tiny config for {arch!r}; choose one of {sorted(TINY_ARCH)}")
-    return AutoConfig.for_model(arch, **{**TINY, **TINY_ARCH[arch], **overrides})
+    if arch not in tiny_archs():
+        raise UnsupportedModelError(f"no built-in tiny config for {arch!r}; choose one of {sorted(tiny_archs())}")
+    return AutoConfig.for_model(arch, **{**hf_config_kwargs(get_model(f"hf-{arch}")), **overrides})
+
+
+def with_layers(config: Any, layers: int) -> Any:
+    """A copy of ``config`` with ``layers`` decoder layers (per-layer attention kinds cut to match)."""
+    config = copy.deepcopy(config)
+    getter = getattr(config, "get_text_config", None)
+    text = getter() if callable(getter) else config
+    text.num_hidden_layers = layers
+    if getattr(text, "layer_types", None) is not None:      # per-layer attention kinds (e.g. sliding)
+        text.layer_types = list(text.layer_types)[:layers]
+    return config
 
 
 def load_config(source: str | os.PathLike | Any):
@@ -43,12 +62,12 @@ def load_config(source: str | os.PathLike | Any):
         path = path.parent
     if (path / "config.json").is_file():
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if str(source) in TINY_ARCH:
+    if str(source) in tiny_archs():
         return tiny_config(str(source))
     if path.is_dir():
         raise UnsupportedModelError(f"no config.json in {path}")
     raise UnsupportedModelError(f"model config {source!r} is neither a directory with config.json nor one of "
-                                f"the built-in tiny archs {sorted(TINY_ARCH)}")
+                                f"the built-in tiny archs {sorted(tiny_archs())}")
 
 
 def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_tokens: int | None = None,
@@ -57,7 +76,7 @@ def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_toke
 
     ``max_seqlen``: the longest sequence you will train (needed by sliding-window models: exact only
     within the window). ``shard``: True (or a dict of keyword arguments) applies FSDP2 through
-    ``flexsp.runtime.prepare_model`` - ``fully_shard`` per decoder layer, then the root.
+    ``flexsp.runtime.shard_model`` - ``fully_shard`` per decoder layer, then the root.
     """
     if not hasattr(model, "get_output_embeddings") or not hasattr(model, "config"):
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers causal LM (*ForCausalLM)")
@@ -71,13 +90,8 @@ def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_toke
 
 
 def shard_states(adapter: HFCausalLM, **kwargs: Any) -> nn.Module:
-    """FSDP2 through the runtime's ``prepare_model`` (fully_shard per ``fsdp_units()``, then the root)."""
-    try:
-        from ..runtime import prepare_model as runtime_prepare
-    except ImportError:
-        raise UnsupportedModelError("this flexsp runtime has no sharded-state support (flexsp.runtime.prepare_model)"
-                                    "; call prepare_model(..., shard=False)") from None
-    return runtime_prepare(adapter, **kwargs)
+    """FSDP2 through the runtime's ``shard_model`` (fully_shard per ``fsdp_units()``, then the root)."""
+    return shard_model(adapter, **kwargs)
 
 
 def from_config(config: str | os.PathLike | Any, *, dtype: torch.dtype | None = None, device: Any = None,
@@ -93,4 +107,5 @@ def from_config(config: str | os.PathLike | Any, *, dtype: torch.dtype | None = 
     return prepare_model(model, **prepare)
 
 
-__all__ = ["prepare_model", "from_config", "tiny_config", "load_config", "shard_states", "model_name", "TINY_ARCH"]
+__all__ = ["prepare_model", "from_config", "tiny_config", "load_config", "shard_states", "model_name", "tiny_archs", "with_layers",
+           "hf_config_kwargs"]

@@ -2,22 +2,23 @@
 
 | module | job | torch |
 |---|---|---|
-| ``fit`` | least-squares fits (compute, all-to-all bandwidth), token capacity | no |
-| ``shape`` | model shapes to profile, ``comm_bytes_per_token``, ``check_model_shape`` | no |
+| ``fit`` | least-squares fits (compute, all-to-all bandwidth) | no |
+| ``shape`` | model shapes to profile (from the registry, ``flexsp.plan.specs``), ``check_model_shape`` | no |
 | ``assemble`` | fitted pieces + provenance -> ``flexsp.CostModel`` | no |
 | ``compute`` | forward + backward timings of the runtime model over sequence lengths | yes |
-| ``memory`` | activation bytes per token (GPU measured / CPU estimate), model states by ZeRO stage | yes |
-| ``comm`` | ``all_to_all_single`` timings on every pooled SP group size | yes |
+| ``memory`` | activation bytes per token (GPU measured / CPU estimate), model states by sharding | yes |
+| ``bandwidth`` | ``all_to_all_single`` timings on every pooled SP group size | yes |
 | ``check`` | run a plan's groups and compare measured to predicted group times | yes |
 | ``cli`` | ``add_parser(subparsers)`` / ``run(args)`` for the ``profile`` subcommand | lazily |
 
 Importing this package does not import torch; the torch modules are imported on use.
 """
-from .assemble import assemble_cost_model
-from .fit import (MIN_COMM_POINTS, MIN_COMPUTE_POINTS, BandwidthFit, ComputeFit, FitPoint, FitWarning, fit_bandwidth,
-                  fit_compute, token_capacity)
-from .shape import PRESETS, ShapeWarning, check_model_shape, comm_bytes_per_token, model_spec
+from flexsp.plan.analytic import comm_bytes_per_token
+from flexsp.profile.assemble import assemble_cost_model
+from flexsp.profile.fit import (MIN_COMM_POINTS, MIN_COMPUTE_POINTS, BandwidthFit, ComputeFit, FitPoint, FitWarning,
+                                fit_bandwidth, fit_compute)
+from flexsp.profile.shape import ShapeWarning, check_model_shape, model_spec
 
-__all__ = ["assemble_cost_model", "fit_compute", "fit_bandwidth", "token_capacity", "ComputeFit", "BandwidthFit",
+__all__ = ["assemble_cost_model", "fit_compute", "fit_bandwidth", "ComputeFit", "BandwidthFit",
            "FitPoint", "FitWarning", "MIN_COMPUTE_POINTS", "MIN_COMM_POINTS", "check_model_shape", "ShapeWarning",
-           "comm_bytes_per_token", "model_spec", "PRESETS"]
+           "comm_bytes_per_token", "model_spec"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import datetime
 from typing import Any, Mapping, Sequence
 
-from ..analytic import ModelSpec
-from ..cost import CostModel
-from .fit import BandwidthFit, ComputeFit
-from .shape import comm_bytes_per_token, shape_dict
+from flexsp.plan.analytic import comm_bytes_per_token
+from flexsp.plan.cost import CostModel
+from flexsp.plan.specs import ModelSpec
+from flexsp.profile.fit import BandwidthFit, ComputeFit
 
 
 def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: float, *,
@@ -28,13 +28,13 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
         "source": "flexsp profile",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **dict(environment or {}),
-        "model": shape_dict(spec),
+        "model": spec.shape(),
         "params": spec.params,
         "bytes_per_element": bytes_per_element,
         "estimates": sorted(set(estimates)),
         "compute": compute.to_dict(),
         "memory": dict(memory or {}),
-        "sharding": dict(memory or {}).get("sharding", "full"),   # flexsp.sharding: what the capacity assumed
+        "sharding": dict(memory or {}).get("sharding", "full"),   # flexsp.plan.memory: what the capacity assumed
         "comm": {"gpus_per_node": gpus_per_node, "links": links,
                  "fits": {str(b.degree): b.to_dict() for b in bandwidths},
                  "comm_bytes_per_token": "2 * layers * (2 * hidden + 2 * kv_dim) * bytes_per_element"},

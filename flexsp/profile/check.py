@@ -14,10 +14,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..cost import CostModel
-from ..plan import Plan
-from ..runtime.groups import GroupPool
-from .compute import GroupRunner
+from flexsp.plan.cost import CostModel
+from flexsp.plan.types import Plan
+from flexsp.profile.compute import GroupRunner
+from flexsp.runtime.pool import GroupPool
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import FlexSPError
-from ..units import parse_sizes
+from flexsp.errors import FlexSPError
+from flexsp.inputs import parse_sizes
+from flexsp.plan.memory import SHARDINGS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,7 +61,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c = p.add_argument_group("memory model")
     c.add_argument("--memory-gb", type=float, default=None, help="memory per GPU in GiB (default: the device's)")
     c.add_argument("--usable", type=float, default=0.9, help="usable fraction of it (default 0.9)")
-    c.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3))
+    c.add_argument("--sharding", default="full", choices=SHARDINGS,
+                   help="how model states are sharded over the GPUs (flexsp.plan.memory; default full)")
     c.add_argument("--num-gpus", type=int, default=None, help="GPUs sharding model states (default: world size)")
     c.add_argument("--gpus-per-node", type=int, default=None,
                    help="topology for intra/inter-node labels (default: LOCAL_WORLD_SIZE or world size)")
@@ -106,11 +108,11 @@ def _run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..cost import CostModel
-    from ..errors import CostModelError
-    from ..runtime.groups import GroupPool
-    from .compute import DeviceSetup, GroupRunner
-    from .shape import check_model_shape
+    from flexsp.errors import CostModelError
+    from flexsp.plan.cost import CostModel
+    from flexsp.profile.compute import DeviceSetup, GroupRunner
+    from flexsp.profile.shape import check_model_shape
+    from flexsp.runtime.pool import GroupPool
 
     if args.cost is not None and args.check is None:
         raise CostModelError("--cost only makes sense with --check (validate a saved profile)")
@@ -167,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace, setup):
     """(ModelSpec, build) - ``build`` None means the runtime's TinyLM at the spec's shapes."""
-    from .shape import model_spec
+    from flexsp.profile.shape import model_spec
     shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": getattr(args, "kv_heads"),
              "ffn": args.ffn, "vocab": args.vocab}
     if args.hf_config is None:
@@ -176,7 +178,7 @@ def _model(args: argparse.Namespace, setup):
     if given or args.model != "tiny":
         raise FlexSPError(f"--hf-config takes the shape from the model's config; drop --model/{given or ''}")
     try:
-        from .compute import hf_builder
+        from flexsp.profile.compute import hf_builder
         lengths = args.lengths or []
         return hf_builder(args.hf_config, max_seqlen=max(lengths + (args.memory_lengths or []), default=None)
                           or (32768 if setup.device.type == "cuda" else 2048), attn_implementation=args.hf_attn)
@@ -188,9 +190,9 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
     import torch
     import torch.distributed as dist
 
-    from ..cost import CostModel
-    from .assemble import assemble_cost_model
-    from .fit import fit_bandwidth
+    from flexsp.plan.cost import CostModel
+    from flexsp.profile.assemble import assemble_cost_model
+    from flexsp.profile.fit import fit_bandwidth
 
     on_gpu = setup.device.type == "cuda"
     lengths = sorted(set(args.lengths or ([1024, 2048, 4096, 8192, 16384, 32768] if on_gpu
@@ -209,12 +211,12 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
     _print_compute(compute, say)
     say(f"memory: {mem.bytes_per_token / 2**10:.2f} KiB activations per token "
         f"({'ESTIMATE: ' if mem.estimate else ''}{mem.method}), model states {cap.model_state_bytes / 2**30:.3f} GiB "
-        f"(ZeRO-{cap.zero_stage} over {cap.num_gpus}), {cap.memory_bytes / 2**30:.1f} GiB x {cap.usable_fraction} "
+        f"(sharding {cap.sharding} over {cap.num_gpus}), {cap.memory_bytes / 2**30:.1f} GiB x {cap.usable_fraction} "
         f"-> token_capacity {cap.token_capacity}")
 
     bandwidths = []
     if pool.world_size > 1 and not args.skip_comm:
-        from .comm import alltoall_sweep, link_kind
+        from flexsp.profile.bandwidth import alltoall_sweep, link_kind
         sizes = args.comm_sizes or ([2**20, 2**22, 2**24, 2**26, 2**28] if on_gpu else [2**16, 2**18, 2**20, 2**22])
         samples = alltoall_sweep(pool, setup, sizes, repeats=max(args.repeats, 3), warmup=args.warmup + 1, progress=say)
         for degree in sorted({s.degree for s in samples}):
@@ -242,10 +244,9 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
 
 def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
     """Compute and memory profile on rank 0 alone: (compute fit, memory profile, capacity, estimates)."""
-    from .compute import compute_sweep
-    from .fit import fit_compute
-
-    from .memory import activation_profile, capacity, device_memory_bytes
+    from flexsp.profile.compute import compute_sweep
+    from flexsp.profile.fit import fit_compute
+    from flexsp.profile.memory import activation_profile, capacity, device_memory_bytes
 
     estimates = []
     sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say)
@@ -256,7 +257,7 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
         say(f"warning: {w.message}")
     mem = activation_profile(runner, args.memory_lengths or lengths[-3:])
     memory_bytes = args.memory_gb * 2**30 if args.memory_gb else device_memory_bytes(setup.device)
-    cap = capacity(spec.params, mem.bytes_per_token, memory_bytes, zero_stage=args.zero_stage,
+    cap = capacity(spec.params, mem.bytes_per_token, memory_bytes, sharding=args.sharding,
                    num_gpus=args.num_gpus or pool.world_size, usable_fraction=args.usable)
     if mem.estimate:
         estimates.append("activation memory (CPU saved-tensor estimate)")
@@ -269,11 +270,11 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
 def _check(args, cost, runner, pool, gpus_per_node, say):
     import numpy as np
 
-    from ..errors import CostModelError
-    from ..lengths import load_lengths
-    from ..plan import Plan
-    from ..planner import plan_batch
-    from .check import CheckReport, check_plan
+    from flexsp.errors import CostModelError
+    from flexsp.plan.lengths import load_lengths
+    from flexsp.plan.planner import plan_batch
+    from flexsp.plan.types import Plan
+    from flexsp.profile.check import CheckReport, check_plan
 
     if args.check == "auto":
         # Held-out batches: random lengths inside the swept range, planned by the real planner.
@@ -318,7 +319,7 @@ def _check(args, cost, runner, pool, gpus_per_node, say):
 def planning_cluster(world_size: int, gpus_per_node: int):
     """The ``Cluster`` to plan check batches for. A world that fits in one node (3 or 6 local ranks) is
     one partial node of the next power-of-two size; several nodes need a power-of-two node size."""
-    from ..cluster import Cluster
+    from flexsp.plan.cluster import Cluster
     if world_size <= gpus_per_node:
         return Cluster(world_size, 1 << (world_size - 1).bit_length())
     return Cluster(world_size, gpus_per_node)

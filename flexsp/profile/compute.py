@@ -12,7 +12,7 @@ device is synchronised before and after every timed region, so the timer sees fi
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..analytic import ModelSpec
-from ..runtime.model import ModelConfig, TinyLM
-from ..runtime.token_packing import IGNORE_INDEX, Shard, pack
-from ..runtime.ulysses import AttentionContext
+from flexsp.plan.specs import ModelSpec, spec_from_hf_config
+from flexsp.runtime.models.tiny import TinyLM
+from flexsp.runtime.shard import Shard, pack
+from flexsp.runtime.sp.context import IGNORE_INDEX, AttentionContext
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # wall: what training sees (GPU: after a device sync). cpu: this process's CPU seconds, which leave out
@@ -75,12 +75,6 @@ class DeviceSetup:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
-def model_config(spec: ModelSpec, layers: int) -> ModelConfig:
-    """The runtime model at ``spec``'s shapes with ``layers`` blocks (untied head, as ``ModelSpec.params`` counts)."""
-    return ModelConfig(vocab_size=spec.vocab, hidden=spec.hidden, num_layers=layers, num_heads=spec.heads,
-                       num_kv_heads=spec.kv_heads, mlp_hidden=spec.ffn, tie_embeddings=False)
-
-
 def make_shard(lengths: Sequence[int], degree: int, local_rank: int, vocab: int, device: torch.device,
                group: dist.ProcessGroup | None, backend: str, seed: int = 0) -> tuple[Shard, AttentionContext]:
     """Random token ids for ``lengths`` packed for a group of ``degree``; this rank's shard and context."""
@@ -110,21 +104,12 @@ def hf_builder(config: Any, *, max_seqlen: int | None = None,
                attn_implementation: str = "sdpa") -> tuple[ModelSpec, Callable[[int], nn.Module]]:
     """The shape of a transformers config (a directory with config.json, a config, or a built-in tiny
     arch name) and a function building that model with ``layers`` decoder layers behind FlexSP's adapter."""
-    from ..hf.prepare import from_config, load_config
+    from flexsp.hf.prepare import from_config, load_config, with_layers
     cfg = load_config(config)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = int(text.num_attention_heads)
-    spec = ModelSpec(layers=int(text.num_hidden_layers), hidden=int(text.hidden_size), heads=heads,
-                     kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-                     ffn=int(text.intermediate_size), vocab=int(text.vocab_size),
-                     name=f"hf:{getattr(text, 'model_type', 'model')}:{getattr(cfg, 'name_or_path', '') or 'config'}")
+    spec = spec_from_hf_config(cfg)
 
     def build(layers: int) -> nn.Module:
-        layered = copy.deepcopy(cfg)
-        layered.num_hidden_layers = layers
-        if getattr(layered, "layer_types", None) is not None:
-            layered.layer_types = list(layered.layer_types)[:layers]
-        return from_config(layered, attn_implementation=attn_implementation, max_seqlen=max_seqlen)
+        return from_config(with_layers(cfg, layers), attn_implementation=attn_implementation, max_seqlen=max_seqlen)
 
     return spec, build
 
@@ -145,7 +130,7 @@ class GroupRunner:
             raise ValueError(f"run_layers must be >= 1, got {run_layers}")
         self.spec, self.setup = spec, setup
         self.run_layers = min(run_layers, spec.layers)
-        build = build or (lambda layers: TinyLM(model_config(spec, layers)))
+        build = build or (lambda layers: TinyLM(dataclasses.replace(spec, layers=layers)))
         torch.manual_seed(seed)
         self.model = build(self.run_layers).to(setup.device, setup.dtype)
         # Blocks are identical, so the rest of the model is measured once without any.

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from ..errors import CostModelError
+from flexsp.errors import CostModelError
 
 MIN_COMPUTE_POINTS = 4   # 3 coefficients + at least one spare point, so the reported error means something
 MIN_COMM_POINTS = 3      # 2 coefficients + one spare point
@@ -165,18 +165,3 @@ def fit_bandwidth(degree: int, payload_bytes: Sequence[float], seconds: Sequence
                              f"{x.astype(int).tolist()} bytes; measure larger messages")
     points = tuple(FitPoint(float(a), float(b), float(latency + inverse * a)) for a, b in zip(x, t))
     return BandwidthFit(int(degree), float(latency), float(1.0 / inverse), points)
-
-
-def token_capacity(memory_bytes: float, model_state_bytes: float, activation_bytes_per_token: float,
-                   usable_fraction: float = 0.9) -> int:
-    """Activation tokens one GPU holds: ``(memory * usable - model states) / activation bytes per token``."""
-    if not activation_bytes_per_token > 0:
-        raise CostModelError(f"activation bytes per token must be > 0, got {activation_bytes_per_token}")
-    if not 0 < usable_fraction <= 1:
-        raise CostModelError(f"usable memory fraction must be in (0, 1], got {usable_fraction}")
-    free = memory_bytes * usable_fraction - model_state_bytes
-    if free < activation_bytes_per_token:
-        raise CostModelError(f"model states take {model_state_bytes / 2**30:.2f} GiB of the usable "
-                             f"{memory_bytes * usable_fraction / 2**30:.2f} GiB: no room for activations; "
-                             "raise the ZeRO stage, the GPU count or the memory limit")
-    return int(free // activation_bytes_per_token)

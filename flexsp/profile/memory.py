@@ -20,9 +20,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..sharding import check as check_sharding, from_zero_stage, model_state_bytes
-from .compute import GroupRunner, forward_backward, make_shard
-from .fit import token_capacity
+from flexsp.plan.memory import check as check_sharding
+from flexsp.plan.memory import model_state_bytes, token_capacity
+from flexsp.profile.compute import GroupRunner, forward_backward, make_shard
 
 
 @dataclass(frozen=True)
@@ -100,29 +100,22 @@ def activation_profile(runner: GroupRunner, lengths: Sequence[int]) -> MemoryPro
 class CapacityResult:
     memory_bytes: float
     usable_fraction: float
-    zero_stage: int | None            # the ZeRO stage asked for, if given that way
     num_gpus: int
     params: float
     model_state_bytes: float
     token_capacity: int
-    sharding: str = "full"            # flexsp.sharding choice the capacity assumes (recorded in the cost model)
+    sharding: str = "full"            # flexsp.plan.memory choice the capacity assumes (recorded in the cost model)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def capacity(params: float, bytes_per_token: float, memory_bytes: float, *, sharding: str | None = None,
-             zero_stage: int | None = None, num_gpus: int = 1, usable_fraction: float = 0.9) -> CapacityResult:
-    """Token capacity of one GPU: usable memory minus the model states of ``sharding``
-    (``flexsp.sharding``; default "full"; ``zero_stage`` 3/2/0 is the older name for the same)."""
-    if sharding is None:
-        sharding = from_zero_stage(zero_stage) if zero_stage is not None else "full"
-    elif zero_stage is not None and from_zero_stage(zero_stage) != sharding:
-        raise ValueError(f"sharding={sharding!r} and zero_stage={zero_stage} disagree; give one")
+def capacity(params: float, bytes_per_token: float, memory_bytes: float, *, sharding: str = "full",
+             num_gpus: int = 1, usable_fraction: float = 0.9) -> CapacityResult:
+    """Token capacity of one GPU: usable memory minus the model states of ``sharding`` (``flexsp.plan.memory``)."""
     states = model_state_bytes(params, num_gpus, check_sharding(sharding))
-    cap = token_capacity(memory_bytes, states, bytes_per_token, usable_fraction)
-    return CapacityResult(memory_bytes, usable_fraction, zero_stage, num_gpus, float(params), float(states), cap,
-                          sharding)
+    cap = token_capacity(memory_bytes, states, bytes_per_token, usable_fraction=usable_fraction)
+    return CapacityResult(memory_bytes, usable_fraction, num_gpus, float(params), float(states), cap, sharding)
 
 
 def device_memory_bytes(device: torch.device) -> float:

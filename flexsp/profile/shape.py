@@ -3,26 +3,17 @@
 A profiled cost model is only valid for the model it was measured on: alpha1/alpha2 scale with
 layers x hidden, the activation memory with hidden x layers, the all-to-all bytes with the head
 layout. The profile records the shape in ``CostModel.meta["model"]`` (the same layout
-``flexsp.analytic`` uses), and ``check_model_shape`` compares it with the model being planned.
+``flexsp.plan.analytic`` uses: ``ModelSpec.shape()``), and ``check_model_shape`` compares it with the model being planned.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Mapping
 
-from ..analytic import MODELS, ModelSpec
-from ..cost import CostModel
-from ..errors import CostModelError
-
-SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
-
-# Small shapes for profiling on a CPU or a laptop; the big ones are flexsp.analytic's.
-PRESETS: dict[str, ModelSpec] = {
-    "tiny": ModelSpec(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, name="tiny"),
-    "small": ModelSpec(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=1024, name="small"),
-    **MODELS,
-}
+from flexsp.errors import CostModelError
+from flexsp.plan.cost import CostModel
+from flexsp.plan.specs import SHAPE_FIELDS, ModelSpec, get_model, model_names
 
 
 class ShapeWarning(UserWarning):
@@ -39,12 +30,13 @@ def model_spec(name: str | None = None, **overrides: int | None) -> ModelSpec:
         missing = [f for f in SHAPE_FIELDS if f not in given]
         if missing:
             raise CostModelError(f"without a preset name the model needs {', '.join(missing)}; "
-                                 f"or pick a preset: {sorted(PRESETS)}")
+                                 f"or pick a registered model: {', '.join(model_names())}")
         spec = ModelSpec(**{f: int(given[f]) for f in SHAPE_FIELDS}, name="custom")
     else:
-        if name not in PRESETS:
-            raise CostModelError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or give the shape")
-        spec = PRESETS[name]
+        if name not in model_names():
+            raise CostModelError(f"unknown model preset {name!r}; choose one of {', '.join(model_names())} or give "
+                                 f"the shape")
+        spec = get_model(name)
         if given:
             spec = replace(spec, **{k: int(v) for k, v in given.items()}, name=f"{name} (modified)")
     for f in SHAPE_FIELDS:
@@ -54,20 +46,6 @@ def model_spec(name: str | None = None, **overrides: int | None) -> ModelSpec:
         raise CostModelError(f"hidden ({spec.hidden}) must be a multiple of heads ({spec.heads}) and heads a "
                              f"multiple of kv_heads ({spec.kv_heads})")
     return spec
-
-
-def kv_dim(spec: ModelSpec) -> int:
-    return spec.hidden * spec.kv_heads // spec.heads
-
-
-def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
-    """All-to-all bytes per token over a step (``flexsp.analytic``'s formula): fwd + bwd, every layer,
-    Q and the output at ``hidden`` width, K and V at ``kv_dim`` width."""
-    return 2 * spec.layers * (2 * spec.hidden + 2 * kv_dim(spec)) * bytes_per_element
-
-
-def shape_dict(spec: ModelSpec) -> dict[str, Any]:
-    return asdict(spec)
 
 
 def check_model_shape(cost: CostModel, spec: ModelSpec, *, strict: bool = True) -> None:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from .comm import comm_time, load_bandwidth_table, with_bandwidth
-from .report import GroupReplay, ReplayReport, format_groups, summary
+from flexsp.replay.comm_time import comm_time, load_bandwidth_table, with_bandwidth
+from flexsp.replay.report import GroupReplay, ReplayReport, format_groups, summary
 
 _LAZY = {"LocalExchange": "exchange", "ReplayModel": "runner", "ReplayError": "runner", "RankRunner": "runner",
          "representative_ranks": "runner", "Replayer": "replay", "replay_plan": "replay",

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import CostModelError, FlexSPError
+from flexsp.errors import CostModelError, FlexSPError
+from flexsp.plan.presets import cost_from_preset
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab")
 
@@ -77,7 +78,7 @@ def add_simulate_options(parser: argparse.ArgumentParser) -> None:
 def apply_bandwidth(cost, args: argparse.Namespace):
     """``cost`` with ``--bandwidth``'s measured table in place of its all-to-all bandwidths (if given):
     plans, predictions and the replay's modelled communication then all use it."""
-    from .comm import load_bandwidth_table, with_bandwidth
+    from flexsp.replay.comm_time import load_bandwidth_table, with_bandwidth
     if getattr(args, "bandwidth", None) is None:
         return cost
     return with_bandwidth(cost, load_bandwidth_table(args.bandwidth), f"measured table {args.bandwidth}")
@@ -87,10 +88,10 @@ def build(cost, args: argparse.Namespace):
     """The ``Replayer`` the arguments describe (and ``cost``, unchanged: see ``apply_bandwidth``)."""
     import torch
 
-    from ..profile.compute import DeviceSetup
-    from ..profile.shape import model_spec
-    from .replay import Replayer
-    from .runner import ReplayModel
+    from flexsp.profile.compute import DeviceSetup
+    from flexsp.profile.shape import model_spec
+    from flexsp.replay.replay import Replayer
+    from flexsp.replay.runner import ReplayModel
 
     if args.threads is not None:
         if args.threads < 1:
@@ -103,7 +104,7 @@ def build(cost, args: argparse.Namespace):
     options = dict(repeats=args.repeats, warmup=args.warmup, statistic=args.statistic, clock=args.clock,
                    seed=args.replay_seed)
     if args.hf_config is not None:
-        from .hf import hf_replay_model
+        from flexsp.replay.hf import hf_replay_model
         return Replayer(hf_replay_model(args.hf_config, setup, args.run_layers, args.replay_seed), setup, **options), cost
     overrides = {f.replace("-", "_"): getattr(args, f.replace("-", "_")) for f in SHAPE_FLAGS}
     if args.replay_model is None:
@@ -128,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..units import parse_tokens
-    from ..cost import CostModel
-    from ..lengths import load_lengths
-    from ..plan import Plan
-    from .report import format_groups, summary
+    from flexsp.inputs import parse_tokens
+    from flexsp.plan.cost import CostModel
+    from flexsp.plan.lengths import load_lengths
+    from flexsp.plan.types import Plan
+    from flexsp.replay.report import format_groups, summary
 
     plan = Plan.load(args.plan)
     lengths = load_lengths(args.lengths).tolist()
@@ -143,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
             context = parse_tokens(args.context)
         except argparse.ArgumentTypeError as exc:
             raise CostModelError(str(exc)) from None
-        cost = CostModel.from_preset(args.preset, context=context, num_gpus=plan.num_gpus)
+        cost = cost_from_preset(args.preset, context=context, num_gpus=plan.num_gpus)
     replayer, cost = build(apply_bandwidth(cost, args), args)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     report = replayer.replay(plan, lengths, cost, progress=say)
@@ -158,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
                                  f"{summary(report)}\n")
         print(f"wrote {args.markdown}")
     if args.gantt:
-        from .plot import plot_replay_gantt
+        from flexsp.replay.plot import plot_replay_gantt
         print(f"wrote {plot_replay_gantt(report, args.gantt)}")
     return 0
 

@@ -47,6 +47,6 @@ class LocalExchange:
 
 
 def _check(x: torch.Tensor, dim: int, d: int) -> None:
-    # The real exchange refuses the same inputs (``flexsp.runtime.comm``).
+    # The real exchange refuses the same inputs (``flexsp.runtime.sp.ulysses_comm``).
     if x.dim() != 3 or x.shape[dim] % d:
         raise ValueError(f"all-to-all over {d} ranks needs dim {dim} divisible by {d}, got shape {tuple(x.shape)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import ReplayReport
+from flexsp.replay.report import ReplayReport
 
 
 def plot_replay_gantt(report: ReplayReport, path: str | Path, title: str | None = None) -> Path:

@@ -15,15 +15,15 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..cost import CostModel
-from ..errors import CostModelError, PlanError
-from ..plan import Plan
-from ..profile.compute import DeviceSetup
-from ..profile.shape import ShapeWarning, check_model_shape
-from ..runtime.ulysses import ShardingError, check_heads
-from .comm import comm_time
-from .report import GroupReplay, ReplayReport
-from .runner import RankRunner, ReplayModel, representative_ranks
+from flexsp.errors import CostModelError, PlanError
+from flexsp.plan.cost import CostModel
+from flexsp.plan.types import Plan
+from flexsp.profile.compute import DeviceSetup
+from flexsp.profile.shape import ShapeWarning, check_model_shape
+from flexsp.replay.comm_time import comm_time
+from flexsp.replay.report import GroupReplay, ReplayReport
+from flexsp.replay.runner import RankRunner, ReplayModel, representative_ranks
+from flexsp.runtime.sp.context import ShardingError, check_heads
 
 STATISTICS = {"median": np.median, "min": np.min, "mean": np.mean}
 

@@ -3,7 +3,7 @@
 The model is called through the same entry points the executor uses: ``shard_loss(input_ids,
 position_ids, labels, ctx)`` when the model implements the ``SPModel`` protocol, otherwise
 ``model(input_ids, position_ids, ctx)`` followed by the summed next-token cross-entropy. Its attention
-goes through ``flexsp.runtime.ulysses.ulysses_attention``, which uses the context's ``exchange``: here
+goes through ``flexsp.runtime.sp.ulysses.ulysses_attention``, which uses the context's ``exchange``: here
 ``LocalExchange``, so no process group is needed.
 
 A big model need not fit: ``ReplayModel.from_spec(..., run_layers=k)`` runs ``k`` of its blocks and
@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..analytic import ModelSpec
-from ..errors import FlexSPError
-from ..profile.compute import CLOCKS, DeviceSetup, model_config
-from ..runtime.model import TinyLM
-from ..runtime.token_packing import IGNORE_INDEX, pack
-from ..runtime.ulysses import AttentionContext
-from .exchange import LocalExchange
+from flexsp.errors import FlexSPError
+from flexsp.plan.specs import ModelSpec
+from flexsp.profile.compute import CLOCKS, DeviceSetup
+from flexsp.replay.exchange import LocalExchange
+from flexsp.runtime.models.tiny import TinyLM
+from flexsp.runtime.shard import pack
+from flexsp.runtime.sp.context import IGNORE_INDEX, AttentionContext
 
 
 class ReplayError(FlexSPError):
@@ -58,34 +58,13 @@ class ReplayModel:
             raise ReplayError(f"run_layers must be >= 1, got {k}")
         k = min(k, spec.layers)
         torch.manual_seed(seed)
-        model = TinyLM(model_config(spec, k)).to(setup.device, setup.dtype)
+        model = TinyLM(dataclasses.replace(spec, layers=k)).to(setup.device, setup.dtype)
         if k == spec.layers:
             parts = ((model, 1.0),)
         else:
-            base = TinyLM(model_config(spec, 0)).to(setup.device, setup.dtype)
+            base = TinyLM(dataclasses.replace(spec, layers=0)).to(setup.device, setup.dtype)
             parts = ((model, spec.layers / k), (base, 1.0 - spec.layers / k))
         return cls(parts, spec.heads, spec.kv_heads, spec.vocab, spec, k)
-
-    @classmethod
-    def from_module(cls, model: nn.Module, *, vocab: int | None = None, heads: tuple[int, int] | None = None,
-                    shape: ModelSpec | None = None) -> "ReplayModel":
-        """Any model the runtime can train (``SPModel`` protocol, or ``TinyLM``-like), already on its device."""
-        if heads is None:
-            if hasattr(model, "sp_heads"):
-                heads = tuple(model.sp_heads())
-            else:
-                cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-                q = getattr(cfg, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
-                kv = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", None) or q
-                if q is None:
-                    raise ReplayError("cannot tell the model's attention heads: give heads=(query heads, kv heads)")
-                heads = (int(q), int(kv))
-        if vocab is None:
-            cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-            vocab = getattr(cfg, "vocab_size", None)
-            if vocab is None:
-                raise ReplayError("cannot tell the model's vocabulary size: give vocab=")
-        return cls(((model, 1.0),), int(heads[0]), int(heads[1]), int(vocab), shape)
 
 
 def shard_work(cu_seqlens: Sequence[int], degree: int) -> list[tuple[int, int]]:

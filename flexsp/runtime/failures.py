@@ -1,28 +1,24 @@
 """Failure agreement: an error on one rank reaches every rank as the same error, in bounded time.
 
-Two phases of a step need two mechanisms:
+Three mechanisms, one per situation:
 
-* **Before any collective** (plan, pool, heads, capacity, sharding, the rank's shards): every rank
-  checks locally, then ``agree`` runs one small collective that every rank reaches whatever its
-  checks said (a flag all-reduce; only on failure an ``all_gather_object`` of the messages). If
-  any rank failed, every rank raises the same error (the lowest failing rank's, same type when it
-  is a flexsp error) and the world stays usable: nobody entered the step's collectives.
-* **Inside the step** (forward/backward collectives have begun): peers of a failed rank are blocked
+* **Before any step collective** (plan, pool, heads, capacity, sharding, the rank's shards): every rank
+  checks locally, then ``agree`` runs one small collective on the *training* group that every rank
+  reaches whatever its checks said (a flag all-reduce; only on failure an ``all_gather_object`` of the
+  messages). If any rank failed, every rank raises the same error (the lowest failing rank's, same
+  type when it is a flexsp error) and the world stays usable. No timeout is needed: the checks
+  before it are local, so every rank arrives; no extra communicator either.
+* **Host-side phases where a rank may not arrive** (a data read or a checkpoint write that hangs or
+  dies): ``ControlGroup`` is a gloo side group with a user-set timeout, created collectively up
+  front; each rank reports its outcome and every rank raises "<phase> failed on rank r" in the
+  caller's error class, or a timeout error naming the phase. gloo keeps these exchanges on the host.
+* **Inside a step** (forward/backward collectives have begun): peers of a failed rank are blocked
   in a collective it will never join. ``FailureChannel`` records the first failure in the c10d
   store; a watcher thread on every rank sees it at once, acknowledges it and, on NCCL, aborts the
   local communicators so a blocked collective returns. On gloo an abort cannot unblock a
   collective: peers return when the failed process exits (its sockets close: immediate) or at the
   process group's timeout. Either way each rank then raises ``RankFailure`` with the recorded
   message. The world is unusable afterwards: let the exception end the process (torchrun restarts).
-
-Why ``flexsp.runtime.agreement`` exists beside this module: ``agree`` runs on the *training* group the
-executor already uses (NCCL on GPUs, so no extra communicator and no extra group creation), has no
-timeout of its own (every rank is sure to arrive: the checks before it are local) and re-raises the
-failing rank's own error type. ``agreement.ControlGroup`` serves host-side phases where a rank may
-*not* arrive (a data read or a checkpoint write that hangs): it needs its own gloo group with a
-user-set timeout, created collectively up front, and reports "<phase> failed on rank r" in the
-caller's error class. Merging them would either add a gloo group and a timeout to every step or drop
-the timeout from the loader and checkpoints, and change the errors users see; so both stay, one job each.
 """
 from __future__ import annotations
 
@@ -30,21 +26,23 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..errors import FlexSPError
+from flexsp.errors import FlexSPError
 
 _POLL_SECONDS = 0.5   # how often each rank's watcher asks the store for a failure record
+DEFAULT_TIMEOUT = 300.0   # seconds a ControlGroup waits for every rank to report a phase
 
 
 class RankFailure(FlexSPError):
     """Some rank failed during a step; every rank raises this with the same message."""
 
 
-def describe(exc: BaseException) -> dict[str, str]:
+def error_report(exc: BaseException) -> dict[str, str]:
+    """An error as the JSON-safe dict ``agree`` gathers (its type is rebuilt on the receiving ranks)."""
     return {"type": type(exc).__name__, "module": type(exc).__module__, "message": str(exc)}
 
 
@@ -97,12 +95,82 @@ def agree(error: BaseException | None, group: dist.ProcessGroup | None = None) -
     if int(flag.item()) == 0:
         return
     reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, None if error is None else describe(error), group=group)
+    dist.all_gather_object(reports, None if error is None else error_report(error), group=group)
     agreed = _agreed_error(reports)
     if error is not None and type(error) is type(agreed) and str(error) == str(agreed):
         raise error
     raise agreed from error
 
+
+# --- host-side phases: a gloo side group with its own timeout ------------------------------------
+class ControlGroup:
+    """A gloo group over the whole world with ``timeout`` seconds per agreement. Build it on every rank
+    at the same point (creation is collective). Without a process group it describes a world of one."""
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not timeout > 0:
+            raise FlexSPError(f"agreement timeout must be > 0 seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+                      if self.distributed else None)
+
+    def any(self, flag: bool, *, what: str = "agreement",
+            error: Callable[[str], Exception] = FlexSPError) -> bool:
+        """True on every rank if ``flag`` is true on any rank."""
+        if not self.distributed:
+            return bool(flag)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self.call(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group), what, error)
+        return bool(t.item())
+
+    def gather(self, value: object, *, what: str = "agreement",
+               error: Callable[[str], Exception] = FlexSPError) -> list:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        out: list = [None] * self.world_size
+        self.call(lambda: dist.all_gather_object(out, value, group=self.group), what, error)
+        return out
+
+    def check(self, failure: str | None, *, what: str,
+              error: Callable[[str], Exception] = FlexSPError) -> None:
+        """Raise ``error`` with one message on every rank if any rank passed a ``failure`` ("Type: msg").
+
+        One int all-reduce when all went well; the messages are gathered only after a failure.
+        """
+        if not self.any(failure is not None, what=what, error=error):
+            return
+        failures = [(r, f) for r, f in enumerate(self.gather(failure, what=what, error=error)) if f is not None]
+        rank, message = failures[0]
+        also = f" (also failed on ranks {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""
+        raise error(f"{what} failed on rank {rank}: {message}{also}")
+
+    def call(self, op: Callable[[], object], what: str, error: Callable[[str], Exception] = FlexSPError) -> None:
+        """Run a collective on ``self.group``; a timeout or a dead peer becomes ``error`` naming ``what``."""
+        try:
+            op()
+        except RuntimeError as exc:   # gloo: timeout, or a peer's socket closed because it died
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise error(f"{what}: not every rank arrived within {self.timeout:g} s (a rank hung, crashed or "
+                        f"left): {first}") from None
+
+    def close(self) -> None:
+        """Release the side group (local; call on every rank once it is no longer used)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+            self.distributed = False
+
+
+def error_line(exc: BaseException) -> str:
+    """The one-line ``"Type: message"`` form a ``ControlGroup`` agreement carries."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- inside a step: the first failure, recorded in the store and watched by every rank ---------------
 
 def _tcp_client(store: dist.Store, timeout: timedelta) -> dist.Store | None:
     """A second connection to the job's TCPStore (a blocking wait must not hold the main thread's)."""

@@ -1,9 +1,9 @@
-"""``prepare_model``: shard a model's states with torch FSDP2 the way the cost model's capacity assumes.
+"""``shard_model``: shard a model's states with torch FSDP2 the way the cost model's capacity assumes.
 
 ``fully_shard`` is applied to each of ``model.fsdp_units()`` (decoder layers), then to the root, so
 each layer's parameters are all-gathered just before it runs and its gradients reduce-scattered as
 soon as its backward is done (overlapping the rest of backward). The sharding choice is the one in
-``flexsp.sharding`` and the same string the cost model records:
+``flexsp.plan.memory`` and the same string the cost model records:
 
 * ``"full"``: ZeRO-3 (``reshard_after_forward=True``): a layer's unsharded parameters live only while it runs.
 * ``"grad_optim"``: the compute copy stays unsharded from forward to backward; gradients and
@@ -17,26 +17,28 @@ ranks (divide factor 1): the executor already divides each shard's loss by the g
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import FlexSPError
-from ..sharding import check as check_sharding
+from flexsp.errors import FlexSPError
+from flexsp.runtime.config import TrainConfig
 
 SHARDING_ATTR = "flexsp_sharding"
 
 
 def runtime_sharding(model: nn.Module) -> str:
-    """The sharding ``prepare_model`` applied to ``model``; ``"none"`` for a model it never saw."""
+    """The sharding ``shard_model`` applied to ``model``; ``"none"`` for a model it never saw."""
     return getattr(model, SHARDING_ATTR, "none")
 
 
-def prepare_model(model: nn.Module, *, sharding: str = "full", param_dtype: torch.dtype | None = torch.bfloat16,
-                  reduce_dtype: torch.dtype | None = torch.float32) -> nn.Module:
+def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings: Any) -> nn.Module:
     """Shard ``model`` (an ``SPModel`` already on its device) over the default process group in place.
 
-    ``param_dtype=None`` computes in the parameters' own dtype (fp64 tests); ``reduce_dtype`` then
+    ``config`` (a ``TrainConfig``; keyword ``settings`` such as ``sharding="none"`` override it) gives the
+    sharding and the dtypes. ``param_dtype=None`` computes in the parameters' own dtype (fp64 tests); ``reduce_dtype`` then
     defaults to that dtype too. Half-precision parameters are first upcast to fp32: the optimizer
     must update fp32 master weights, or small updates vanish in bf16 rounding.
     Returns the same module (now an FSDP module); build the optimizer after this call.
@@ -44,16 +46,17 @@ def prepare_model(model: nn.Module, *, sharding: str = "full", param_dtype: torc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    check_sharding(sharding)
+    config = (config or TrainConfig()).replace(**settings) if settings else (config or TrainConfig())
+    sharding, param_dtype, reduce_dtype = config.sharding, config.param_dtype, config.reduce_dtype
     if not (dist.is_available() and dist.is_initialized()):
-        raise FlexSPError("prepare_model needs an initialised process group (torch.distributed.init_process_group); "
+        raise FlexSPError("shard_model needs an initialised process group (torch.distributed.init_process_group); "
                           "a single process can run a world of one")
     if isinstance(model, FSDPModule):
-        raise FlexSPError("the model is already prepared (FSDP-sharded); call prepare_model once")
+        raise FlexSPError("the model is already prepared (FSDP-sharded); call shard_model once")
     for name in ("fsdp_units", "shard_loss", "sp_heads"):
         if not callable(getattr(model, name, None)):
-            raise FlexSPError(f"{type(model).__name__} has no {name}(): prepare_model needs an SPModel "
-                              f"(flexsp.runtime.protocol)")
+            raise FlexSPError(f"{type(model).__name__} has no {name}(): shard_model needs an SPModel "
+                              f"(flexsp.runtime.models.protocol)")
     params = list(model.parameters())
     if not params:
         raise FlexSPError(f"{type(model).__name__} has no parameters to shard")

@@ -11,6 +11,7 @@ from helpers import SlowSolver, cluster, cost_model
 from helpers import lengths as make_lengths
 
 import flexsp
+from flexsp import PlanConfig
 from flexsp.data import AsyncPlanner, EpochBatches, LoaderConfig, LoaderError, PlanBatch
 from flexsp.data.planning import pack_plan, unpack_plan
 
@@ -142,7 +143,7 @@ def test_package_imports_without_torch():
 # ------------------------------------------------------------------------------ the planner process
 
 def test_process_plans_equal_synchronous_plans_in_order():
-    solve = PlanBatch(cost_model(), cluster(), strategy="greedy")
+    solve = PlanBatch(cost_model(), cluster(), PlanConfig(strategy="greedy"))
     sync = AsyncPlanner(_batches(), LENGTHS, solve, lookahead=0)
     expected = [sync.next() for _ in range(5)]
     planner = AsyncPlanner(_batches(), LENGTHS, solve, lookahead=2)

@@ -11,13 +11,16 @@ import torch.nn.functional as F  # noqa: E402
 from runtime.distributed import run_distributed  # noqa: E402  (the shared helper in tests/runtime/)
 
 import flexsp  # noqa: E402
+from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig  # noqa: E402
-from flexsp.runtime import GroupPool, ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.token_packing import IGNORE_INDEX, pack  # noqa: E402
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime import GroupPool, TinyLM  # noqa: E402
+from flexsp.runtime.shard import pack
+from flexsp.runtime.sp.context import IGNORE_INDEX
 
 WORLD = 4
 NUM_SEQS = 44
-CONFIG = LoaderConfig(batch_size=8, seed=5, time_limit=0.1)     # flexsp strategy, planned on rank 0 only
+CONFIG = LoaderConfig(batch_size=8, seed=5, plan=PlanConfig(time_limit=0.1))     # flexsp strategy, planned on rank 0 only
 
 
 def _record(steps):
@@ -110,7 +113,7 @@ def _slow_greedy(seconds, calls):
 def _train_with_slow_solver_worker(rank, world, solve_s, step_s, steps):
     pool = GroupPool()
     torch.manual_seed(0)
-    model = TinyLM(ModelConfig(vocab_size=1000, hidden=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_hidden=64))
+    model = TinyLM(ModelSpec(vocab=1000, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64, tie_embeddings=True))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     calls = []
     config = LoaderConfig(batch_size=6, seed=1, lookahead=2)

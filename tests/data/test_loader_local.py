@@ -5,11 +5,13 @@ from helpers import NUM_GPUS, cluster, cost_model, token_lists
 
 torch = pytest.importorskip("torch")
 
+from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig, LoaderError  # noqa: E402
-from flexsp.runtime.token_packing import IGNORE_INDEX, pack  # noqa: E402
+from flexsp.runtime.shard import pack
+from flexsp.runtime.sp.context import IGNORE_INDEX
 
 # greedy is deterministic, so four stand-in ranks solving alone agree; the 4-process tests use flexsp
-CONFIG = LoaderConfig(batch_size=8, seed=3, strategy="greedy")
+CONFIG = LoaderConfig(batch_size=8, seed=3, plan=PlanConfig(strategy="greedy"))
 
 
 def _steps(dataset, rank, config=CONFIG, **kwargs):
@@ -81,7 +83,7 @@ def test_shards_carry_loss_normalisation_and_labels():
 
 def test_resume_continues_with_the_next_unseen_batch_across_epochs():
     data = token_lists(30, seed=6)
-    cfg = LoaderConfig(max_tokens=400, seed=1, strategy="greedy")
+    cfg = LoaderConfig(max_tokens=400, seed=1, plan=PlanConfig(strategy="greedy"))
     with FlexSPLoader(data, cost_model(), cluster(), cfg) as full:
         reference = _summary(list(full) + list(full))           # two epochs
     with FlexSPLoader(data, cost_model(), cluster(), cfg) as first:
@@ -101,7 +103,7 @@ def test_resume_continues_with_the_next_unseen_batch_across_epochs():
 def test_state_from_other_settings_is_rejected():
     data = token_lists(10)
     state = FlexSPLoader(data, cost_model(), cluster(), CONFIG).state_dict()
-    other = FlexSPLoader(data, cost_model(), cluster(), LoaderConfig(batch_size=4, seed=3, strategy="greedy"))
+    other = FlexSPLoader(data, cost_model(), cluster(), LoaderConfig(batch_size=4, seed=3, plan=PlanConfig(strategy="greedy")))
     with pytest.raises(LoaderError, match=r"batching settings differ .*'batch_size': \(8, 4\)"):
         other.load_state_dict(state)
     with pytest.raises(LoaderError, match="dataset of 10 sequences, this one has 9"):
@@ -112,7 +114,7 @@ def test_too_long_policy_error_and_skip():
     data = token_lists(12) + [list(range(300))]          # 300 tokens > 4 GPUs x 64
     with pytest.raises(LoaderError, match="failed on rank 0: LoaderError: dataset sequence 12 has 300 tokens"):
         _steps(data, 0)
-    steps, loader = _steps(data, 0, LoaderConfig(batch_size=8, on_too_long="skip", strategy="greedy"))
+    steps, loader = _steps(data, 0, LoaderConfig(batch_size=8, on_too_long="skip", plan=PlanConfig(strategy="greedy")))
     assert sorted(i for s in steps for i in s.indices) == list(range(12))
     assert loader.stats.skipped_too_long == 1
 

@@ -7,11 +7,13 @@ import numpy as np
 import torch
 
 import flexsp
+from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig
-from flexsp.runtime import GroupPool, ModelConfig, StepExecutor, TinyLM
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime import GroupPool, StepExecutor, TinyLM
 
 VOCAB = 97
-MODEL = ModelConfig(vocab_size=VOCAB, hidden=16, num_layers=1, num_heads=4, num_kv_heads=2, mlp_hidden=32)
+MODEL = ModelSpec(vocab=VOCAB, hidden=16, layers=1, heads=4, kv_heads=2, ffn=32, tie_embeddings=True)
 
 
 def dataset(n: int = 48, seed: int = 0) -> list[list[int]]:
@@ -29,7 +31,7 @@ def cost_model() -> flexsp.CostModel:
 
 def loader_config(lookahead: int = 0, batch_size: int = 6) -> LoaderConfig:
     # greedy plans are deterministic, so an interrupted and an uninterrupted run plan alike
-    return LoaderConfig(batch_size=batch_size, seed=3, strategy="greedy", lookahead=lookahead)
+    return LoaderConfig(batch_size=batch_size, seed=3, lookahead=lookahead, plan=PlanConfig(strategy="greedy"))
 
 
 def build(world: int, data, *, lookahead: int = 0, pool: GroupPool | None = None, lr: float = 1e-2):

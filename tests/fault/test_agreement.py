@@ -4,7 +4,7 @@ import pytest
 pytest.importorskip("torch")
 
 from flexsp.errors import FlexSPError  # noqa: E402
-from flexsp.runtime.agreement import ControlGroup  # noqa: E402
+from flexsp.runtime.failures import ControlGroup  # noqa: E402
 
 
 class _Boom(FlexSPError):

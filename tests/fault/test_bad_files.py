@@ -13,11 +13,13 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from fault.common import MODEL, SeenCounter, flat_params  # noqa: E402
-
-from flexsp.checkpoint import CheckpointError, Checkpointer  # noqa: E402
-from flexsp.checkpoint import layout  # noqa: E402
+from flexsp.checkpoint import (  # noqa: E402
+    Checkpointer,
+    CheckpointError,
+    layout,  # noqa: E402
+)
 from flexsp.errors import FlexSPError, LengthsError  # noqa: E402
-from flexsp.lengths import load_lengths  # noqa: E402
+from flexsp.plan.lengths import load_lengths  # noqa: E402
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -4,8 +4,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fault.common import MODEL, cost_model, dataset  # noqa: E402
 from runtime.distributed import run_distributed  # noqa: E402
+
+from fault.common import MODEL, cost_model, dataset  # noqa: E402
 
 TIMEOUT = 90
 
@@ -34,7 +35,7 @@ def _skip_loader(world, pool):
     import flexsp
     from flexsp.data import FlexSPLoader, LoaderConfig
     data = [[1] * n for n in (20, 90, 150, 30, 200, 40, 60, 10)]   # 150, 200 fit 4 GPUs (256), not 2 (128)
-    config = LoaderConfig(batch_size=2, on_too_long="skip", strategy="greedy", lookahead=0)
+    config = LoaderConfig(batch_size=2, on_too_long="skip", lookahead=0, plan=flexsp.PlanConfig(strategy="greedy"))
     return FlexSPLoader(data, cost_model(), flexsp.Cluster(world, world), config, pool=pool)
 
 
@@ -45,7 +46,7 @@ def _save_worker(rank, world, directory):
     gen = torch.Generator().manual_seed(rank)
     for _ in range(2):   # each rank trains on its own tokens; FSDP averages the gradients
         opt.zero_grad()
-        model(torch.randint(0, MODEL.vocab_size, (12,), generator=gen)).square().mean().backward()
+        model(torch.randint(0, MODEL.vocab, (12,), generator=gen)).square().mean().backward()
         opt.step()
     with Checkpointer(f"{directory}/fsdp", model, opt, every=0, timeout=20) as ckpt:
         ckpt.step = 2
@@ -59,7 +60,7 @@ def _save_worker(rank, world, directory):
 
 
 def _load_worker(rank, world, directory):
-    from flexsp.checkpoint import CheckpointError, Checkpointer
+    from flexsp.checkpoint import Checkpointer, CheckpointError
     from flexsp.runtime import GroupPool
     out = {}
     for name, fsdp in (("fsdp", True), ("plain", False)):

@@ -8,9 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fault.common import SeenCounter, build, dataset, flat_params, train_step  # noqa: E402
-
-from flexsp.checkpoint import CheckpointError, Checkpointer  # noqa: E402
-from flexsp.checkpoint import layout  # noqa: E402
+from flexsp.checkpoint import (  # noqa: E402
+    Checkpointer,
+    CheckpointError,
+    layout,  # noqa: E402
+)
+from flexsp.plan.specs import ModelSpec
 
 
 def _run(directory, stop_after=None, restore=True, every=2, signal_at=None):
@@ -91,9 +94,9 @@ def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
 
 def test_a_different_model_is_refused_with_the_parameter_named(tmp_path):
     _run(tmp_path, stop_after=2, every=2)
-    from flexsp.runtime import ModelConfig, TinyLM
-    other = TinyLM(ModelConfig(vocab_size=97, hidden=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                               mlp_hidden=32)).double()
+    from flexsp.runtime import TinyLM
+    other = TinyLM(ModelSpec(vocab=97, hidden=32, layers=1, heads=4, kv_heads=2,
+                               ffn=32, tie_embeddings=True)).double()
     opt = torch.optim.Adam(other.parameters())
     with Checkpointer(tmp_path, other, opt, extra={"seen": SeenCounter(30)}) as ckpt:
         with pytest.raises(CheckpointError, match=r"parameter 'embed.weight' is \[97, 16\] in the checkpoint"):

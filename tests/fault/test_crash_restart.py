@@ -79,8 +79,7 @@ def _sigterm_job(rank, world, directory):
     import os
     import signal
 
-    from flexsp.checkpoint import Checkpointer
-    from flexsp.checkpoint import layout
+    from flexsp.checkpoint import Checkpointer, layout
     data = dataset(NUM_SEQS)
     model, opt, loader, executor = build(world, data)
     with loader, Checkpointer(directory, model, opt, loader=loader, every=0, timeout=10) as ckpt:

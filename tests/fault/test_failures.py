@@ -6,8 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fault.common import cost_model, dataset  # noqa: E402
 from runtime.distributed import run_distributed  # noqa: E402
+
+from fault.common import cost_model, dataset  # noqa: E402
 
 WORLD, FAILURE_TIMEOUT, DEADLINE = 4, 3.0, 90   # DEADLINE: the whole launch, a fail-safe
 

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from flexsp.plan import Plan
+from flexsp.plan.types import Plan
 from flexsp.runtime import AttentionContext, GroupPool, loss_tokens, pack
 
 

@@ -12,10 +12,18 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E40
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from flexsp.errors import FlexSPError  # noqa: E402
-from flexsp.hf import (HFCausalLM, UnsupportedModelError, install, is_installed, linear_cross_entropy,  # noqa: E402
-                       load_config, prepare_model, uninstall)
+from flexsp.hf import (
+    HFCausalLM,
+    UnsupportedModelError,
+    install,
+    is_installed,
+    linear_cross_entropy,
+    load_config,
+    prepare_model,
+    uninstall,
+)
 from flexsp.runtime import AttentionContext, ShardingError, pack  # noqa: E402
-from flexsp.runtime.protocol import SPModel  # noqa: E402
+from flexsp.runtime.models.protocol import SPModel  # noqa: E402
 
 from .models import ARCHS, LENGTHS, SMALL, batch, build, config, reference  # noqa: E402
 
@@ -225,8 +233,9 @@ def test_gradient_checkpointing_keeps_the_context():
 def test_sp_never_silently_does_nothing(monkeypatch):
     """If a layer's attention does not come through FlexSP (here: the registry entry bypassed), the
     step fails naming the model, instead of training each rank on its shard alone."""
-    import flexsp.hf.adapter as adapter_module
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import flexsp.hf.adapter as adapter_module
 
     sp = prepare_model(build("llama"), max_seqlen=max(LENGTHS))
     packed = pack(batch(0), 1)

@@ -5,10 +5,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from runtime.distributed import run_distributed  # noqa: E402
+
 from flexsp import Group, MicroBatch, Plan  # noqa: E402
 from flexsp.runtime import GroupPool, StepExecutor  # noqa: E402
-
-from runtime.distributed import run_distributed  # noqa: E402
 
 from .driver import run_step  # noqa: E402
 from .models import ARCHS, LENGTHS, batch, build, reference  # noqa: E402

@@ -5,10 +5,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from runtime.distributed import run_distributed  # noqa: E402
+
 from flexsp import Group, MicroBatch, Plan  # noqa: E402
 from flexsp.runtime import GroupPool, StepExecutor  # noqa: E402
 
-from runtime.distributed import run_distributed  # noqa: E402
 from .models import batch, build, reference  # noqa: E402
 
 LR = 0.5

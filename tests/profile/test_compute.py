@@ -60,7 +60,7 @@ def test_memory_estimate_extrapolates_layers_exactly():
     assert full.bytes_per_token > 0
     assert scaled.activation_bytes == pytest.approx(full.activation_bytes, rel=1e-9)
     assert list(full.activation_bytes) == sorted(full.activation_bytes)
-    cap = capacity(SPEC.params, full.bytes_per_token, 2**30, zero_stage=3, num_gpus=4)
+    cap = capacity(SPEC.params, full.bytes_per_token, 2**30, sharding="full", num_gpus=4)
     assert cap.model_state_bytes == pytest.approx(SPEC.params * 16 / 4)
     assert cap.token_capacity == int((0.9 * 2**30 - cap.model_state_bytes) // full.bytes_per_token)
     with pytest.raises(ValueError, match="at least 2 distinct lengths"):

@@ -13,9 +13,9 @@ SIZES = [2**12, 2**16, 2**20, 2**22]     # 4 KiB .. 4 MiB: big enough that size,
 
 
 def _sweep_worker(rank, world_size):
-    from flexsp.profile.comm import alltoall_sweep
+    from flexsp.profile.bandwidth import alltoall_sweep
     from flexsp.profile.compute import DeviceSetup
-    from flexsp.runtime.groups import GroupPool
+    from flexsp.runtime.pool import GroupPool
     samples = alltoall_sweep(GroupPool(), DeviceSetup.resolve("cpu"), SIZES, repeats=2, warmup=2)
     return [(s.degree, s.payload_bytes, s.seconds) for s in samples]
 
@@ -42,7 +42,7 @@ def _check_worker(rank, world_size, plan_dict, lengths, cost_dict):
     from flexsp import CostModel
     from flexsp.profile.check import check_plan
     from flexsp.profile.compute import DeviceSetup, GroupRunner
-    from flexsp.runtime.groups import GroupPool
+    from flexsp.runtime.pool import GroupPool
     runner = GroupRunner(SPEC, DeviceSetup.resolve("cpu"))
     report = check_plan(Plan.from_dict(plan_dict), lengths, CostModel.from_dict(cost_dict), runner, GroupPool(),
                         repeats=1, warmup=0)
@@ -90,8 +90,8 @@ def test_flexsp_profile_runs_on_a_world_that_is_not_a_power_of_two(world, tmp_pa
 
 @pytest.mark.parametrize("world", [3, 6, 24, 48])
 def test_every_rank_of_a_world_agrees_who_sits_out_of_each_degree(world):
-    from flexsp.profile.comm import block_of, participants
-    from flexsp.runtime.groups import aligned_blocks
+    from flexsp.profile.bandwidth import block_of, participants
+    from flexsp.runtime.pool import aligned_blocks
     for degree in (d for d in (2, 4, 8, 16, 32, 64) if d <= world):
         blocks = [block_of(r, world, degree) for r in range(world)]
         taking_part = [r for r, b in enumerate(blocks) if b is not None]

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from flexsp import CostModelError
-from flexsp.profile import (MIN_COMM_POINTS, MIN_COMPUTE_POINTS, FitWarning, fit_bandwidth, fit_compute,
-                            token_capacity)
+from flexsp.plan.memory import token_capacity
+from flexsp.profile import MIN_COMM_POINTS, MIN_COMPUTE_POINTS, FitWarning, fit_bandwidth, fit_compute
 
 TRUE = dict(alpha1=2e-7, alpha2=5e-5, beta1=5e-3)     # every term dominates somewhere in 64..16K tokens
 LENGTHS = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -96,7 +96,7 @@ def test_bandwidth_fit_recovers_latency_and_bandwidth():
 
 def test_token_capacity_formula_and_errors():
     assert token_capacity(80 * 2**30, 10 * 2**30, 2**20, usable_fraction=0.9) == int((72 - 10) * 2**30 // 2**20)
-    with pytest.raises(CostModelError, match="no room for activations"):
+    with pytest.raises(CostModelError, match="model states leave no activation memory"):
         token_capacity(16 * 2**30, 20 * 2**30, 2**20)
     with pytest.raises(CostModelError, match="bytes per token must be > 0, got 0"):
         token_capacity(16 * 2**30, 0, 0)

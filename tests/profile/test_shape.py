@@ -7,7 +7,9 @@ import pytest
 
 import flexsp
 from flexsp import CostModel, CostModelError
-from flexsp.analytic import MODELS, analytic_cost_model
+from flexsp.plan.analytic import analytic_cost_model
+from flexsp.plan.presets import cost_from_preset
+from flexsp.plan.specs import MODELS
 from flexsp.profile import ShapeWarning, assemble_cost_model, check_model_shape, comm_bytes_per_token, model_spec
 from flexsp.profile.fit import fit_bandwidth, fit_compute
 
@@ -70,7 +72,7 @@ def test_same_shape_passes_and_other_shape_fails():
 
 def test_cost_model_without_shape_warns():
     with pytest.warns(ShapeWarning, match="records no model shape"):
-        check_model_shape(CostModel.from_preset("gpt-7b"), MODELS["llama-7b"])
+        check_model_shape(cost_from_preset("gpt-7b"), MODELS["llama-7b"])
 
 
 def test_model_spec_errors_name_the_value():

@@ -5,17 +5,18 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-
-from flexsp.replay.exchange import LocalExchange  # noqa: E402
-from flexsp.replay.runner import replay_context  # noqa: E402
-from flexsp.runtime import ulysses  # noqa: E402
-from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.token_packing import pack  # noqa: E402
-from flexsp.runtime.ulysses import AllToAllExchange, AttentionContext  # noqa: E402
-
 from runtime.distributed import run_distributed  # noqa: E402
 
-CFG = ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=48)
+from flexsp.plan.specs import ModelSpec
+from flexsp.replay.exchange import LocalExchange  # noqa: E402
+from flexsp.replay.runner import replay_context  # noqa: E402
+from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
+from flexsp.runtime.shard import pack  # noqa: E402
+from flexsp.runtime.sp import ulysses  # noqa: E402
+from flexsp.runtime.sp.context import AttentionContext
+from flexsp.runtime.sp.ulysses_comm import AllToAllExchange
+
+CFG = ModelSpec(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, tie_embeddings=True)
 LENGTHS = [7, 3, 5]          # 15 tokens: padded to 16 for degree 4, to 16 for degree 2
 
 
@@ -63,7 +64,7 @@ def _compare(rank, world_size):
                 checks.append((tuple(a.shape), tuple(b.shape), bool(torch.equal(a[own], b[own])),
                                tuple(c.shape), tuple(e.shape), bool(torch.equal(c[:, mine], e[:, mine]))))
             gen = torch.Generator().manual_seed(7)
-            packed = pack([torch.randint(1, CFG.vocab_size, (n,), generator=gen) for n in LENGTHS], degree)
+            packed = pack([torch.randint(1, CFG.vocab, (n,), generator=gen) for n in LENGTHS], degree)
             shard = packed.shard(local)
             real_ctx = AttentionContext(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen, group=group,
                                         backend="sdpa")
@@ -85,10 +86,10 @@ def test_stand_in_matches_real_exchange_shapes():
                 assert own_equal and mine_equal, (rank, degree)
             logits_real, attend_real, grads_real = res["real"]
             logits_local, attend_local, grads_local = res["stand_in"]
-            assert logits_real == logits_local == (16 // degree, CFG.vocab_size)
+            assert logits_real == logits_local == (16 // degree, CFG.vocab)
             # q [16 tokens, 4/d heads, 8]; kv replicated to 4 heads when d=4 (2 kv heads), else 2/d
-            assert attend_real == attend_local and len(attend_real) == CFG.num_layers
-            assert attend_real[0][0] == (16, CFG.num_heads // degree, CFG.hidden // CFG.num_heads)
+            assert attend_real == attend_local and len(attend_real) == CFG.layers
+            assert attend_real[0][0] == (16, CFG.heads // degree, CFG.hidden // CFG.heads)
             assert grads_real == grads_local
 
 

@@ -12,13 +12,21 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import flexsp  # noqa: E402
 from flexsp.errors import CostModelError, PlanError  # noqa: E402
-from flexsp.plan import Group, MicroBatch, Plan  # noqa: E402
+from flexsp.plan.types import Group, MicroBatch, Plan  # noqa: E402
 from flexsp.profile.compute import DeviceSetup  # noqa: E402
 from flexsp.profile.shape import model_spec  # noqa: E402
-from flexsp.replay import (RankRunner, Replayer, ReplayModel, ReplayReport, comm_time,  # noqa: E402
-                           representative_ranks, with_bandwidth)
+from flexsp.replay import (
+    RankRunner,
+    Replayer,
+    ReplayModel,
+    ReplayReport,
+    comm_time,
+    representative_ranks,
+    with_bandwidth,
+)
 from flexsp.replay.runner import shard_work  # noqa: E402
-from flexsp.runtime.token_packing import IGNORE_INDEX, pack  # noqa: E402
+from flexsp.runtime.shard import pack
+from flexsp.runtime.sp.context import IGNORE_INDEX
 
 TINY = model_spec("tiny")            # the shape experiments/results/cpu_profile.json was fitted on
 MICRO = model_spec(None, layers=1, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=64)

@@ -6,9 +6,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flexsp.runtime.attention import (AttentionError, LseSpec, attend, attend_lse, flash_available,  # noqa: E402
-                                      lse_backward, lse_forward, merge_partials, reference, resolve_backend,
-                                      varlen_available)
+from flexsp.runtime.kernels import (
+    AttentionError,
+    LseSpec,
+    attend,
+    attend_lse,
+    flash_available,
+    lse_backward,
+    lse_forward,
+    merge_partials,
+    reference,
+    resolve_backend,
+    varlen_available,
+)
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 

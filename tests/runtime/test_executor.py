@@ -9,17 +9,19 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flexsp import Group, MicroBatch, Plan, PlanError  # noqa: E402
-from flexsp.runtime.executor import StepExecutor  # noqa: E402
-from flexsp.runtime.fsdp import prepare_model  # noqa: E402
-from flexsp.runtime.groups import GroupPool  # noqa: E402
-from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.token_packing import PAD_TOKEN, loss_tokens  # noqa: E402
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime.fsdp import shard_model  # noqa: E402
+from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
+from flexsp.runtime.pool import GroupPool  # noqa: E402
+from flexsp.runtime.shard import loss_tokens
+from flexsp.runtime.sp.context import PAD_TOKEN
+from flexsp.runtime.step import StepExecutor  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 
 LENGTHS = [9, 17, 5, 12, 3, 7, 11, 2, 6, 13]            # 85 tokens; every token id is unique
 VOCAB = 96
-CFG = dict(vocab_size=VOCAB, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
+CFG = dict(vocab=VOCAB, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64)
 
 
 def _plan(*micro_batches):
@@ -47,7 +49,7 @@ def _optimizer(name, params):
 
 def _model(tie):
     torch.manual_seed(1234)
-    return TinyLM(ModelConfig(**CFG, tie_embeddings=tie)).double()
+    return TinyLM(ModelSpec(**CFG, tie_embeddings=tie)).double()
 
 
 def _full_params(model):
@@ -59,7 +61,7 @@ def _full_params(model):
 def _train(plans, tie, opt_name, sharding, name):
     model = _model(tie)
     if sharding != "plain":
-        prepare_model(model, sharding=sharding, param_dtype=None)   # fp64 compute, fp64 reduction
+        shard_model(model, sharding=sharding, param_dtype=None)   # fp64 compute, fp64 reduction
     seen = []   # every token id this rank pushed through the model
     model.embed.register_forward_hook(lambda mod, args, out: seen.extend(args[0].tolist()))
     executor = StepExecutor(model, _optimizer(opt_name, model.parameters()), GroupPool(), backend="sdpa",
@@ -143,7 +145,7 @@ def _bad_plan_worker(rank, world_size):
     only_1_and_4 = GroupPool(degrees=(1, 4))
     model = _model(True)
     batch = _batch(0)
-    two_heads = TinyLM(ModelConfig(**{**CFG, "num_heads": 2, "num_kv_heads": 1})).double()
+    two_heads = TinyLM(ModelSpec(**{**CFG, "heads": 2, "kv_heads": 1})).double()
     ok = _plan([((0, 1, 2, 3), tuple(range(10)))])
     cases = [
         (pool, model, _plan([((0, 1), (0, 1, 2)), ((4,), (3, 4, 5, 6, 7, 8, 9))]), r"rank 4 is outside 0\.\.3"),

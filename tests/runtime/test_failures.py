@@ -9,10 +9,10 @@ import torch.distributed as dist  # noqa: E402
 
 from flexsp import Cluster, CostModel, PlanError  # noqa: E402
 from flexsp.data import FlexSPLoader, LoaderConfig, LoaderError  # noqa: E402
-from flexsp.runtime.executor import StepExecutor  # noqa: E402
 from flexsp.runtime.failures import RankFailure  # noqa: E402
-from flexsp.runtime.fsdp import prepare_model  # noqa: E402
-from flexsp.runtime.groups import GroupPool  # noqa: E402
+from flexsp.runtime.fsdp import shard_model  # noqa: E402
+from flexsp.runtime.pool import GroupPool  # noqa: E402
+from flexsp.runtime.step import StepExecutor  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 from .test_executor import PLAN_A, _batch, _model  # noqa: E402
@@ -42,7 +42,7 @@ def _setup(dataset):
     loader = FlexSPLoader(dataset, cost, Cluster(num_gpus=4, gpus_per_node=4),
                           LoaderConfig(batch_size=len(dataset), shuffle=False, lookahead=0), pool=pool,
                           planner=lambda lengths: PLAN_A, lengths=[len(x) for x in dataset.items])
-    model = prepare_model(_model(True), sharding="full", param_dtype=None)
+    model = shard_model(_model(True), sharding="full", param_dtype=None)
     executor = StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), pool, cost=cost, backend="sdpa")
     return loader, executor
 

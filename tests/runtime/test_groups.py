@@ -5,7 +5,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from flexsp import PlanError  # noqa: E402
-from flexsp.runtime.groups import GroupPool, aligned_blocks  # noqa: E402
+from flexsp.runtime.pool import GroupPool, aligned_blocks  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 

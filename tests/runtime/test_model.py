@@ -1,19 +1,22 @@
 """The reference model: packed sequences stay independent; tied and untied heads; config checks."""
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.token_packing import pack  # noqa: E402
-from flexsp.runtime.ulysses import ShardingError  # noqa: E402
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
+from flexsp.runtime.shard import pack  # noqa: E402
+from flexsp.runtime.sp.context import ShardingError  # noqa: E402
 
-CFG = ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
+CFG = ModelSpec(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tie_embeddings=True)
 
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_packed_forward_equals_separate_forwards(tie):
     torch.manual_seed(0)
-    model = TinyLM(ModelConfig(**{**CFG.__dict__, "tie_embeddings": tie})).double()
+    model = TinyLM(ModelSpec(**{**CFG.__dict__, "tie_embeddings": tie})).double()
     seqs = [torch.randint(1, 64, (n,)) for n in (7, 1, 5)]
     p = pack(seqs, degree=1)
     ctx = p.context(backend="sdpa")   # device int32 cu_seqlens, host max_seqlen
@@ -26,17 +29,19 @@ def test_packed_forward_equals_separate_forwards(tie):
 
 
 def test_tied_head_shares_the_embedding():
-    tied, untied = TinyLM(CFG), TinyLM(ModelConfig(**{**CFG.__dict__, "tie_embeddings": False}))
+    tied, untied = TinyLM(CFG), TinyLM(ModelSpec(**{**CFG.__dict__, "tie_embeddings": False}))
     assert tied.lm_head is None
     extra = sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in tied.parameters())
-    assert extra == CFG.vocab_size * CFG.hidden
+    assert extra == CFG.vocab * CFG.hidden
 
 
-def test_config_errors_name_the_value():
-    with pytest.raises(ValueError, match="hidden=30 is not divisible by num_heads=4"):
-        ModelConfig(hidden=30, num_heads=4)
-    with pytest.raises(ShardingError, match="4 query heads are not a multiple of 3 kv heads"):
-        ModelConfig(num_heads=4, num_kv_heads=3)
+def test_spec_errors_name_the_value():
+    with pytest.raises(ValueError, match=r"hidden \(30\) is not divisible by heads \(4\)"):
+        dataclasses.replace(CFG, hidden=30)
+    with pytest.raises(ValueError, match=r"heads \(4\) must be a multiple of kv_heads \(3\)"):
+        dataclasses.replace(CFG, kv_heads=3)
+    with pytest.raises(ValueError, match="head size 3 must be even for rotary embeddings"):
+        TinyLM(dataclasses.replace(CFG, hidden=12))
 
 
 def _device_only_attend(q, k, v, cu_seqlens, *, max_seqlen=None, backend="auto", scale=None):
@@ -55,7 +60,7 @@ def _device_only_attend(q, k, v, cu_seqlens, *, max_seqlen=None, backend="auto",
 
 def test_no_host_sync_in_forward_or_backward(monkeypatch):
     """The model, Ulysses layer, packing context and chunked loss read nothing back to the host."""
-    import flexsp.runtime.ulysses as ulysses
+    import flexsp.runtime.sp.ulysses as ulysses
     torch.manual_seed(0)
     model = TinyLM(CFG, loss_chunk_tokens=4).double()   # several checkpointed loss chunks
     p = pack([torch.randint(1, 64, (n,)) for n in (7, 1, 5)], degree=1)

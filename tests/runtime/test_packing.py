@@ -3,7 +3,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flexsp.runtime.token_packing import IGNORE_INDEX, PAD_TOKEN, loss_tokens, pack  # noqa: E402
+from flexsp.runtime.shard import loss_tokens, pack
+from flexsp.runtime.sp.context import IGNORE_INDEX, PAD_TOKEN
 
 
 def _seqs(lengths, start=1):
@@ -46,14 +47,3 @@ def test_bad_input_is_rejected():
         pack([], 2)
     with pytest.raises(ValueError, match=r"local rank 2 is outside 0..1"):
         pack(_seqs([2]), 2).shard(2)
-
-
-def test_old_module_name_is_a_deprecated_alias():
-    import importlib
-    import sys as _sys
-
-    import flexsp.runtime.token_packing as token_packing
-    _sys.modules.pop("flexsp.runtime.packing", None)
-    with pytest.warns(DeprecationWarning, match="token_packing"):
-        old = importlib.import_module("flexsp.runtime.packing")
-    assert old.pack is token_packing.pack and old.PackedGroup is token_packing.PackedGroup

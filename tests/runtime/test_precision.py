@@ -5,15 +5,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flexsp import Group, MicroBatch, Plan  # noqa: E402
-from flexsp.runtime.executor import StepExecutor  # noqa: E402
-from flexsp.runtime.fsdp import prepare_model  # noqa: E402
-from flexsp.runtime.groups import GroupPool  # noqa: E402
-from flexsp.runtime.model import ModelConfig, TinyLM, rotate  # noqa: E402
-from flexsp.runtime.token_packing import pack  # noqa: E402
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime.fsdp import shard_model  # noqa: E402
+from flexsp.runtime.models.tiny import TinyLM, rotate  # noqa: E402
+from flexsp.runtime.pool import GroupPool  # noqa: E402
+from flexsp.runtime.shard import pack  # noqa: E402
+from flexsp.runtime.step import StepExecutor  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 
-CFG = ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
+CFG = ModelSpec(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tie_embeddings=True)
 ROTARY_TOL = 0.04    # bf16 rotary output vs fp64, positions 4096-16383 (bf16 rounding of x alone: ~0.016)
 LOGIT_TOL = 0.02     # max |bf16 - fp32| logit, positions 4096-4607 (logits have std ~0.1-0.2)
 LOSS_TOL = 0.02      # |bf16 - fp32| mean loss per step, relative
@@ -75,7 +76,7 @@ def _precision_worker(rank, world_size, steps):
     losses = {}
     for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         torch.manual_seed(0)
-        model = prepare_model(TinyLM(CFG), sharding="full", param_dtype=dtype)
+        model = shard_model(TinyLM(CFG), sharding="full", param_dtype=dtype)
         assert all(p.dtype == torch.float32 for p in model.parameters())   # fp32 master weights
         executor = StepExecutor(model, torch.optim.AdamW(model.parameters(), lr=1e-2), GroupPool(),
                                 backend="sdpa", failure_name=name)

@@ -7,15 +7,16 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import flexsp  # noqa: E402
-from flexsp import Group, MicroBatch, Plan, PlanError, plan_batch  # noqa: E402
-from flexsp.runtime.attention import attend  # noqa: E402
-from flexsp.runtime.executor import StepExecutor  # noqa: E402
-from flexsp.runtime.groups import GroupPool  # noqa: E402
-from flexsp.runtime.model import ModelConfig, TinyLM  # noqa: E402
-from flexsp.runtime.token_packing import loss_tokens  # noqa: E402
-from flexsp.runtime.ring import ring_inputs  # noqa: E402
-from flexsp.runtime.ulysses import ulysses_attention  # noqa: E402
-from flexsp.runtime.zigzag import zigzag_layout  # noqa: E402
+from flexsp import Group, MicroBatch, Plan, PlanConfig, PlanError, plan_batch  # noqa: E402
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime.kernels import attend  # noqa: E402
+from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
+from flexsp.runtime.pool import GroupPool  # noqa: E402
+from flexsp.runtime.shard import loss_tokens  # noqa: E402
+from flexsp.runtime.sp.attention import sp_attention  # noqa: E402
+from flexsp.runtime.shard import group_inputs  # noqa: E402
+from flexsp.runtime.sp.zigzag import zigzag_layout  # noqa: E402
+from flexsp.runtime.step import StepExecutor  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 
@@ -45,14 +46,15 @@ def _layer_worker(rank, world_size):
         ranks, ring, lengths = next(g for g in groups if rank in g[0])
         q, k, v, dout = _qkv(lengths, name)
         group = Group(ranks=ranks, seq_ids=tuple(range(len(lengths))), ring=ring)
-        shard, ctx = ring_inputs(pool, group, [torch.zeros(n, dtype=torch.long) for n in lengths], rank, "cpu", "sdpa")
+        shard, ctx = group_inputs(group, [torch.zeros(n, dtype=torch.long) for n in lengths], rank, "cpu", pool=pool,
+                                  backend="sdpa")
         lay = zigzag_layout(lengths, len(ranks) // ring, ring)
         local = ranks.index(rank)
         order = lay.stream_order()[local * lay.rank_tokens:(local + 1) * lay.rank_tokens]
         rows = torch.from_numpy(np.where(order < 0, 0, order))
         real = torch.from_numpy(order >= 0)[:, None, None]
         mine = [torch.where(real, t[rows], 0.0).requires_grad_() for t in (q, k, v)]
-        out = ulysses_attention(*mine, ctx)
+        out = sp_attention(*mine, ctx)
         grads = torch.autograd.grad((out * torch.where(real, dout[rows], 0.0)).sum(), mine)
         results[name] = {"order": order, "out": out.detach(), "grads": grads, "real_tokens": shard.real_tokens}
     return results
@@ -96,7 +98,7 @@ def test_ring_attention_layer_equals_one_process():
 # and a pure ring (1 x 4) beside a degree-4 Ulysses group.
 LENGTHS = [23, 3, 17, 9, 1, 12, 7, 30, 5, 2, 14, 6]
 VOCAB = 128
-CFG = dict(vocab_size=VOCAB, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=48)
+CFG = dict(vocab=VOCAB, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, tie_embeddings=True)
 
 
 def _plan():
@@ -116,7 +118,7 @@ def _batch():
 
 def _model():
     torch.manual_seed(99)
-    return TinyLM(ModelConfig(**CFG)).double()
+    return TinyLM(ModelSpec(**CFG)).double()
 
 
 def _cost(heads=2):
@@ -133,13 +135,14 @@ def _planned():
 
 def _loader_step(pool, limit):
     """One step the way examples/train.py runs it: FlexSPLoader plans (2-head cost model) and shards."""
-    from flexsp.data import FlexSPLoader, LoaderConfig
-    from flexsp.runtime.token_packing import IGNORE_INDEX
     import torch.distributed as dist
+
+    from flexsp.data import FlexSPLoader, LoaderConfig
+    from flexsp.runtime.sp.context import IGNORE_INDEX
     batch = _batch()
     cost, cluster = _cost(limit), flexsp.Cluster(num_gpus=8, gpus_per_node=8)
     loader = FlexSPLoader([t.tolist() for t in batch], cost, cluster, pool=pool, lengths=LENGTHS,
-                          config=LoaderConfig(batch_size=len(LENGTHS), seed=3, lookahead=0, time_limit=1.0))
+                          config=LoaderConfig(batch_size=len(LENGTHS), seed=3, lookahead=0, plan=PlanConfig(time_limit=1.0)))
     step = next(iter(loader))
     loader.close()
     model = _model()

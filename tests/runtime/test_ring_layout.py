@@ -7,10 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flexsp.runtime.attention import attend_lse, lse_backward, lse_forward, merge_partials  # noqa: E402
-from flexsp.runtime.ring import _block  # noqa: E402
-from flexsp.runtime.ring_comm import place, ring_blocks  # noqa: E402
-from flexsp.runtime.zigzag import RingTensors, zigzag_layout, zigzag_pack  # noqa: E402
+from flexsp.runtime.kernels import attend_lse, lse_backward, lse_forward, merge_partials  # noqa: E402
+from flexsp.runtime.sp.ring import _block  # noqa: E402
+from flexsp.runtime.sp.ring_comm import place, ring_blocks  # noqa: E402
+from flexsp.runtime.sp.zigzag import RingTensors, zigzag_layout, zigzag_pack  # noqa: E402
 
 LAYOUTS = [  # (lengths, ulysses, ring): divisible, not divisible, shorter than the ring, single tokens
     ([16, 24], 2, 4),
@@ -55,7 +55,7 @@ def test_blocks_tile_the_causal_mask(lengths, ulysses, ring):
     """For each ring rank i, the union over j of block masks is exactly the true causal mask of i's rows."""
     lay = zigzag_layout(lengths, ulysses, ring)
     truth = _true_mask(lengths)
-    from flexsp.runtime.attention import block_mask
+    from flexsp.runtime.kernels import block_mask
     for i in range(ring):
         rt = RingTensors.build(lay, i, "cpu")
         rows_i = lay.order(i)
@@ -155,7 +155,7 @@ def test_ring_placement_and_fixed_order():
 
 def test_pool_splits_follow_the_ulysses_limit_and_the_degrees():
     from flexsp import PlanError
-    from flexsp.runtime.ring_comm import pool_splits as _splits
+    from flexsp.runtime.sp.ring_comm import pool_splits as _splits
     assert _splits((1, 2, 4, 8), None, 2) == ((2, 2), (2, 4))         # as the planner splits past the limit
     assert _splits((1, 8), None, 2) == ((2, 4),)                      # degrees= bounds them
     assert _splits((1, 2, 4, 8), [(1, 4), (4, 1)], None) == ((1, 4),)  # ring 1 is plain Ulysses
@@ -171,8 +171,8 @@ def test_pool_splits_follow_the_ulysses_limit_and_the_degrees():
 def test_each_hop_is_in_flight_while_a_block_is_computed(monkeypatch):
     """Event order on one rank (hops looped back): start hop, compute the current block, then wait -
     forward and backward; the backward's dK/dV sums hop once per foreign block."""
-    import flexsp.runtime.ring as ring_mod
-    from flexsp.runtime.ring_comm import Pending
+    import flexsp.runtime.sp.ring as ring_mod
+    from flexsp.runtime.sp.ring_comm import Pending
 
     events = []
 

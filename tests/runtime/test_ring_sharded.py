@@ -5,12 +5,13 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from flexsp import Group, MicroBatch, Plan  # noqa: E402
-from flexsp.runtime import GroupPool, ModelConfig, StepExecutor, TinyLM, loss_tokens, prepare_model  # noqa: E402
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime import GroupPool, StepExecutor, TinyLM, loss_tokens, shard_model  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 
 LENGTHS = [23, 3, 17, 9, 1, 12, 7, 30, 5, 2, 14, 6]
-CFG = dict(vocab_size=128, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=48)
+CFG = dict(vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, tie_embeddings=True)
 
 
 def _plan() -> Plan:
@@ -25,19 +26,19 @@ def _plan() -> Plan:
 
 
 def _batch():
-    ids = torch.randint(1, CFG["vocab_size"], (sum(LENGTHS),), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(1, CFG["vocab"], (sum(LENGTHS),), generator=torch.Generator().manual_seed(7))
     return list(ids.split(LENGTHS))
 
 
 def _model():
     torch.manual_seed(99)
-    return TinyLM(ModelConfig(**CFG)).double()
+    return TinyLM(ModelSpec(**CFG)).double()
 
 
 def _worker(rank, world_size, plan):
     pool = GroupPool(splits=[(2, 4), (2, 2), (1, 4)])
     model = _model()
-    prepare_model(model, sharding="full", param_dtype=None)
+    shard_model(model, sharding="full", param_dtype=None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with StepExecutor(model, optimizer, pool, backend="sdpa") as executor:
         result = executor.run_plan(Plan.from_dict(plan), _batch())

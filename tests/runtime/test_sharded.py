@@ -7,10 +7,10 @@ torch = pytest.importorskip("torch")
 from flexsp import Cluster, CostModel  # noqa: E402
 from flexsp.data import FlexSPLoader, LoaderConfig  # noqa: E402
 from flexsp.errors import CostModelError  # noqa: E402
-from flexsp.runtime.executor import StepExecutor  # noqa: E402
-from flexsp.runtime.fsdp import prepare_model  # noqa: E402
-from flexsp.runtime.groups import GroupPool  # noqa: E402
-from flexsp.sharding import state_bytes  # noqa: E402
+from flexsp.plan.memory import state_bytes  # noqa: E402
+from flexsp.runtime.fsdp import shard_model  # noqa: E402
+from flexsp.runtime.pool import GroupPool  # noqa: E402
+from flexsp.runtime.step import StepExecutor  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 from .test_executor import PLAN_A, _batch, _full_params, _model, _optimizer, _reference  # noqa: E402
@@ -42,7 +42,7 @@ def _loader_worker(rank, world_size, sharding, opt_name):
                           planner=lambda lengths: PLAN_A)
     model = _model(True)
     if sharding != "plain":
-        prepare_model(model, sharding=sharding, param_dtype=None)
+        shard_model(model, sharding=sharding, param_dtype=None)
     optimizer = _optimizer(opt_name, model.parameters())
     executor = StepExecutor(model, optimizer, pool, cost=cost if sharding != "plain" else None, backend="sdpa",
                             failure_name=f"loader-{sharding}")

@@ -3,9 +3,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flexsp.runtime.attention import attend  # noqa: E402
-from flexsp.runtime.groups import GroupPool  # noqa: E402
-from flexsp.runtime.ulysses import AttentionContext, ShardingError, ulysses_attention  # noqa: E402
+from flexsp.runtime.kernels import attend  # noqa: E402
+from flexsp.runtime.pool import GroupPool  # noqa: E402
+from flexsp.runtime.sp.context import AttentionContext, ShardingError
+from flexsp.runtime.sp.ulysses import ulysses_attention
 
 from .distributed import run_distributed  # noqa: E402
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexsp
-from flexsp.lengths import get_distribution, preprocess
+from flexsp.plan.lengths import get_distribution, preprocess
 from solver.dynamic_cp import DynamicCPInfeasible, dynamic_cp, group_degrees, megatron_group_size
 from solver.types import DegreeCosts, GroupAssignment, Schedule
 
@@ -146,7 +146,7 @@ def fixture_cases():
 
 
 def setting_costs(setting: dict) -> tuple[flexsp.CostModel, DegreeCosts]:
-    cost = flexsp.CostModel.from_preset(setting["model_preset"], context=setting["context"],
+    cost = flexsp.cost_from_preset(setting["model_preset"], context=setting["context"],
                                         num_gpus=setting["num_gpus"])
     cluster = flexsp.Cluster(setting["num_gpus"], setting["gpus_per_node"])
     assert cost.token_capacity == setting["max_seq_len_per_rank"]   # P of the upstream runs
@@ -292,7 +292,7 @@ def test_never_more_micro_batches_than_upstream_for_smaller_per_rank(dataset, pe
     """Below one GPU's capacity the stand-in caps a group at its memory, upstream's runs cap it at
     ``size * max_seqlen_per_rank``: the stand-in packs at least as much. Compared where upstream
     itself can run (no sequence asks for more than 64 GPUs)."""
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     costs = cost.degree_costs(flexsp.Cluster(64).degrees)
     size_of, memory = capped_sizes(costs, 64, per_rank)
     for seed in range(2):
@@ -307,7 +307,7 @@ def test_never_more_micro_batches_than_upstream_for_smaller_per_rank(dataset, pe
 
 @pytest.mark.parametrize("dataset", ["github", "commoncrawl"])
 def test_other_length_distributions_match_upstream_at_default_per_rank(dataset):
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     costs = cost.degree_costs(flexsp.Cluster(64).degrees)
     per_rank = cost.token_capacity
     lengths, _ = preprocess(get_distribution(dataset).sample_batch(512, 5), 384 * 1024, 64)
@@ -374,7 +374,7 @@ def test_planner_rejects_a_sequence_longer_than_the_cluster():
 
 
 def test_scales_about_linearly_131072_sequences_on_16384_gpus():
-    cost = flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
+    cost = flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64)
     degrees = flexsp.Cluster(16384).degrees
     costs = DegreeCosts(degrees, tuple(1e-9 / d for d in degrees), tuple(1e-4 / d for d in degrees),
                         tuple(cost.token_capacity * d for d in degrees), 0.6)

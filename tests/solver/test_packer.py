@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from solver.types import DegreeCosts
 from solver.group_packing import MicroBatchPacker
+from solver.types import DegreeCosts
 
 COSTS = DegreeCosts(degrees=(1, 2, 4, 8), quad=(1e-6, 5e-7, 2.5e-7, 1.25e-7),
                     lin=(1e-3, 6e-4, 3.5e-4, 2e-4), capacity=(100.0, 200.0, 400.0, 800.0), beta1=0.05)

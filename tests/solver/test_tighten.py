@@ -3,9 +3,8 @@ cases it is for (free GPUs -> promote, a fast sibling -> merge, an unbalanced pa
 import numpy as np
 import pytest
 
-from solver.types import DegreeCosts
-from solver.types import GroupAssignment, group_times
 from solver.tighten import tighten
+from solver.types import DegreeCosts, GroupAssignment, group_times
 
 COSTS = DegreeCosts(degrees=(1, 2, 4, 8), quad=(1e-6, 5e-7, 2.5e-7, 1.25e-7),
                     lin=(1e-3, 6e-4, 3.5e-4, 2e-4), capacity=(100.0, 200.0, 400.0, 800.0), beta1=0.05)

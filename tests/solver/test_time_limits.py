@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import flexsp
-from flexsp.planner import STRATEGIES
+from flexsp.plan.strategies import names as strategy_names
+
+STRATEGIES = strategy_names()
 from solver.counting import search_count
 
 LIMIT = 0.5
@@ -19,7 +21,7 @@ MARGIN = 8.0     # seconds past the limit allowed here (loaded CI); the README s
 
 @pytest.fixture(scope="module")
 def preset():
-    return flexsp.CostModel.from_preset("gpt-7b", context=384 * 1024, num_gpus=64), flexsp.Cluster(64, 8)
+    return flexsp.cost_from_preset("gpt-7b", context=384 * 1024, num_gpus=64), flexsp.Cluster(64, 8)
 
 
 def timed(lengths, cost, cluster, strategy):

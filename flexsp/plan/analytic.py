@@ -1,0 +1,119 @@
+"""A cost model from a model and GPU description, for clusters nobody has profiled yet.
+
+Formulas (bf16 training, fwd + bwd = 3x the forward FLOPs, FlashAttention so no s^2 memory):
+
+* ``alpha1 = 3 * layers * 2 * hidden / (peak_flops * efficiency)`` seconds per token^2: causal
+  attention does ``2 * s^2 * hidden`` FLOPs per layer forward (QK^T and AV, half the square each).
+* ``alpha2 = 3 * 2 * P_linear / (peak_flops * efficiency)`` with ``P_linear`` the weights every
+  token multiplies: per layer ``hidden * (hidden + 2 * kv_dim)`` (QKV) ``+ hidden^2`` (output)
+  ``+ 3 * hidden * ffn`` (SwiGLU), plus ``hidden * vocab`` for the LM head.
+* ``beta1``: a fixed per-group overhead (kernel launches, optimizer-free step bookkeeping), given.
+* ``comm_bytes_per_token = 2 (fwd+bwd) * layers * (2 * hidden + 2 * kv_dim) * 2 bytes``: Ulysses
+  moves Q, K, V in and the output back, K and V at their (GQA) width.
+* Activation memory per token ``= 34 * hidden * layers`` bytes (Korthikanti et al. 2022 without
+  the s^2 term; it gives 4.46 MB for GPT-7B, the paper measured 4.48 MB), or ``2 * hidden * layers``
+  with full recomputation. Model states per GPU: ``flexsp.plan.memory.model_state_bytes`` (mixed-precision
+  Adam as the runtime keeps it: ``"full"`` 16P/N, ``"grad_optim"`` 2P + 16P/N, ``"none"`` 18P).
+  ``token_capacity = (memory * usable_fraction - model states) / activation bytes per token``.
+* Beyond the Ulysses limit (``heads``), groups are Ulysses x ring hybrids (``flexsp.plan.cost``): the
+  ring passes K and V (``2 * kv_dim * 2`` bytes per token per layer) three times per step (forward,
+  and K/V plus their gradients backward) at the inter-node point-to-point bandwidth.
+* All-to-all bandwidth per degree ``d`` (bytes of a rank's payload per second): each rank keeps
+  ``1/d`` of its payload and sends the rest. Inside a node all of it crosses NVLink:
+  ``bw[d] = intra_bw * d / (d - 1)``. Across nodes (``d > g``, ``g`` GPUs per node), the share
+  ``(d - g) / d`` leaves the node over the GPU's NIC while ``(g - 1) / d`` stays on NVLink, and the
+  slower of the two sets the pace: ``bw[d] = 1 / max((d - g) / (d * inter_bw), (g - 1) / (d * intra_bw))``.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, fields
+from typing import Any
+
+from flexsp.errors import CostModelError
+from flexsp.inputs import integer, number
+from flexsp.plan.cluster import power_of_two_degrees
+from flexsp.plan.cost import CostModel
+from flexsp.plan.memory import check as check_sharding
+from flexsp.plan.memory import model_state_bytes, token_capacity
+from flexsp.plan.specs import GPUSpec, ModelSpec, get_gpu, get_model, model_names
+
+
+def alltoall_bandwidth(degree: int, gpus_per_node: int, intra: float, inter: float) -> float:
+    if degree <= gpus_per_node:
+        return intra * degree / (degree - 1)
+    off_node = (degree - gpus_per_node) / (degree * inter)
+    on_node = (gpus_per_node - 1) / (degree * intra)
+    return 1.0 / max(off_node, on_node)
+
+
+def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
+    """All-to-all bytes per token over a step: fwd + bwd, every layer, Q and the output at ``hidden``
+    width, K and V at ``kv_dim`` width (the formula in the module docstring)."""
+    return 2 * spec.layers * (2 * spec.hidden + 2 * spec.kv_dim) * bytes_per_element
+
+
+def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: int, gpus_per_node: int = 8, *,
+                        sharding: str = "full", beta1: float = 0.1, recompute: bool = False) -> CostModel:
+    """Cost model from FLOPs, bytes and bandwidths (formulas in the module docstring).
+
+    ``sharding`` (``flexsp.plan.memory``: "full", "grad_optim", "none") sets the model states the
+    capacity leaves room for."""
+    sharding = check_sharding(sharding)
+    model = get_model(model) if isinstance(model, str) else model
+    gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    for name in ("peak_flops", "memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "efficiency"):
+        if not getattr(gpu, name) > 0:
+            raise CostModelError(f"GPU {name} must be > 0, got {getattr(gpu, name)}")
+    flops = gpu.peak_flops * gpu.efficiency
+    kv_dim = model.kv_dim
+    act_per_token = (2 if recompute else 34) * model.hidden * model.layers
+    capacity = token_capacity(gpu.memory_bytes, model_state_bytes(model.params, num_gpus, sharding), act_per_token,
+                              usable_fraction=gpu.usable_memory,
+                              what=f"{model.name} on {num_gpus} x {gpu.name} with sharding {sharding!r}:")
+    degrees = power_of_two_degrees(num_gpus)[1:]
+    return CostModel(
+        alpha1=3 * model.layers * 2 * model.hidden / flops,
+        alpha2=3 * 2 * model.linear_params / flops,
+        beta1=beta1,
+        comm_bytes_per_token=comm_bytes_per_token(model),
+        alltoall_bandwidth={d: alltoall_bandwidth(d, gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
+                            for d in degrees},
+        token_capacity=capacity,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        ring_bytes_per_token=3 * model.layers * 2 * kv_dim * 2,
+        ring_bandwidth=gpu.inter_node_bandwidth,
+        meta={"source": "analytic", "model": model.shape(), "gpu": asdict(gpu), "num_gpus": num_gpus,
+              "gpus_per_node": gpus_per_node, "sharding": sharding, "recompute": recompute,
+              "activation_bytes_per_token": act_per_token},
+    )
+
+
+def cost_from_hardware(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: int, gpus_per_node: int = 8,
+                       **options: Any) -> CostModel:
+    """An analytic model of ``model`` (a registered name or ``ModelSpec``) on ``gpu`` (a name or ``GPUSpec``),
+    every argument checked first (``options``: ``analytic_cost_model``'s keyword options)."""
+    _check_spec(model, ModelSpec, model_names(), "model")
+    _check_spec(gpu, GPUSpec, (), "gpu")
+    num_gpus = integer(num_gpus, "num_gpus", CostModelError)
+    gpus_per_node = integer(gpus_per_node, "gpus_per_node", CostModelError)
+    allowed = [p.name for p in inspect.signature(analytic_cost_model).parameters.values()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise CostModelError(f"cost_from_hardware got unknown options {unknown}; valid: {', '.join(allowed)}")
+    return analytic_cost_model(model, gpu, num_gpus=num_gpus, gpus_per_node=gpus_per_node, **options)
+
+
+def _check_spec(value: Any, kind: type, known, what: str) -> None:
+    """A model/GPU argument: a name (looked up later, with the list of known names) or a spec of numbers."""
+    if isinstance(value, str):
+        return
+    if not isinstance(value, kind):
+        raise CostModelError(f"{what} must be a registered name{' (' + ', '.join(known) + ')' if known else ''} "
+                             f"or a {kind.__name__}, got {value!r}")
+    for f in fields(value):
+        if f.type not in ("float", float):
+            continue
+        number(getattr(value, f.name), f"{what} {f.name}", CostModelError, positive=True)

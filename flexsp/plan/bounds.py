@@ -1,0 +1,167 @@
+"""Lower bounds on any plan's step time, to say how far a plan is from optimal.
+
+``lower_bound`` is the simple one: every sequence at its cheapest degree spread over all GPUs, plus
+``beta1`` per micro-batch memory needs. It ignores that a long sequence must run at a large,
+area-expensive degree to finish within its micro-batch, and that memory caps how much work each
+micro-batch can take, so a gap to it may be the bound's, not the plan's.
+
+``coupled_lower_bound`` couples the three. Sort any plan's micro-batches by makespan; ``tau_j``
+(the ``j``-th largest, minus ``beta1``) is at most ``S / j``, where ``S`` is the sum of all of them.
+A sequence in micro-batch ``j`` must use a degree that finishes it within ``S / j`` and holds it, so
+its GPU-seconds are at least ``a(s, S / j)``, the least area over such degrees. Each micro-batch
+holds at most ``N x capacity`` tokens and at most ``N tau_j <= N S / j`` GPU-seconds, and all of
+them at most ``N S``. The smallest ``S`` for which a fractional assignment of tokens to micro-batch
+ranks meets all of that (a small LP over length buckets, each costed at its shortest length) plus
+``M beta1``, minimised over the micro-batch count ``M``, is a bound no plan can beat, and never
+below the simple one. Counts up to a few above the memory bound get one LP each; all larger counts
+share one LP whose last rank pools every rank beyond (no memory limit there), so the minimum is
+over every count.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from flexsp.plan.cluster import Cluster
+from flexsp.plan.cost import CostModel
+from solver.bucketing import dp_buckets
+from solver.types import DegreeCosts
+
+# Length buckets of the LP (each costed at its shortest member: a relaxation, so still a bound),
+# and how many of the longest sequences get a bucket of their own (they set the critical path).
+BOUND_BUCKETS = 32
+OWN_BUCKETS = 8
+# Micro-batch counts above the memory bound that are tried one LP each; counts beyond fall back
+# to the simple quantities (valid for any count).
+EXTRA_COUNTS = 8
+# The LP is solved to floating-point tolerances; shave this much so rounding never lifts the
+# bound above a plan.
+SAFETY = 1e-6
+
+
+def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None,
+                degrees=None) -> float:
+    """Every sequence at its cheapest degree (GPU-seconds) spread perfectly over all GPUs, plus
+    beta1 for each of the fewest micro-batches whose memory could hold the batch."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    costs = cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
+    area = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
+    micro_batches = max(1, math.ceil(lengths.sum() / (cost.token_capacity * cluster.num_gpus) - 1e-12))
+    return float(area.sum()) / cluster.num_gpus + cost.beta1 * micro_batches
+
+
+def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None,
+                        degrees=None) -> float:
+    """The LP bound of the module docstring: never above any plan's time, never below
+    ``lower_bound`` (nor below the slowest sequence at its fastest degree plus the micro-batches'
+    beta1)."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    costs = cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
+    n = cluster.num_gpus
+    times = costs.times(lengths)                                     # inf where it cannot fit
+    area = (times * np.asarray(costs.degrees)[None, :]).min(axis=1)
+    fewest = max(1, math.ceil(lengths.sum() / (cost.token_capacity * n) - 1e-12))
+    floor = max(float(area.sum()) / n, float(times.min(axis=1).max()))   # valid for every count
+    shortest, tokens = _buckets(lengths)
+    per_token = costs.times(shortest) * np.asarray(costs.degrees)[None, :] / shortest[:, None]   # [B, D]
+    seq_time = costs.times(shortest)                                 # [B, D]
+    last = min(fewest + EXTRA_COUNTS, len(lengths))
+    best = math.inf
+    if last < len(lengths):
+        # every count above ``last``: ranks beyond it pooled into one tail without memory limit
+        best = (last + 1) * costs.beta1 + _least_span(last + 1, per_token, seq_time, tokens,
+                                                      n * cost.token_capacity, n, floor, tail=True)
+    for count in range(fewest, last + 1):
+        if count * costs.beta1 + floor >= best:
+            break
+        span = _least_span(count, per_token, seq_time, tokens, n * cost.token_capacity, n, floor)
+        best = min(best, count * costs.beta1 + span)
+    return float(best) * (1 - SAFETY)
+
+
+def _buckets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Shortest length and total tokens of each LP bucket; the longest sequences alone."""
+    order = np.sort(lengths)
+    own = order[-OWN_BUCKETS:]
+    rest = order[:-OWN_BUCKETS]
+    shortest, tokens = list(own), list(own)
+    if rest.size:
+        buckets = dp_buckets(rest.astype(np.int64), BOUND_BUCKETS)
+        nb = len(buckets.upper)
+        low = np.full(nb, np.inf)
+        np.minimum.at(low, buckets.index, rest)
+        mass = np.bincount(buckets.index, weights=rest, minlength=nb)
+        keep = mass > 0
+        shortest += list(low[keep])
+        tokens += list(mass[keep])
+    return np.asarray(shortest, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+
+
+def _rates(span: float, count: int, per_token: np.ndarray, seq_time: np.ndarray) -> np.ndarray:
+    """``[B, count]`` least GPU-seconds per token of each bucket in micro-batch rank ``j`` (time
+    budget ``span / j``); inf where no degree finishes it in time."""
+    budget = span / np.arange(1, count + 1)                          # [M]
+    ok = seq_time[:, :, None] <= budget[None, None, :] * (1 + 1e-12)  # [B, D, M]
+    return np.where(ok, per_token[:, :, None], np.inf).min(axis=1)
+
+
+def _least_span(count: int, per_token: np.ndarray, seq_time: np.ndarray, tokens: np.ndarray,
+                memory: float, num_gpus: int, floor: float, tail: bool = False) -> float:
+    """Least ``S`` for which the token assignment LP is feasible with ``count`` micro-batches
+    (``tail``: the last rank stands for all ranks from ``count`` on, with no memory limit).
+
+    The rates change only at breakpoints ``j x seq_time[b, d]``; bisect them for the first
+    feasible one, then solve the LP for ``S`` itself on the interval below it."""
+    finite = seq_time[np.isfinite(seq_time)]
+    points = np.unique((finite[:, None] * np.arange(1, count + 1)[None, :]).ravel())
+    points = points[points > floor]
+    top = max(points[-1] if points.size else floor, floor) * 2 + count * float(
+        (tokens * np.where(np.isfinite(per_token), per_token, np.inf).min(axis=1)).sum()) / num_gpus
+    points = np.concatenate([[floor], points, [top]])
+    lo, hi = 0, len(points) - 1
+    if _solve(points[0], points[0], count, per_token, seq_time, tokens, memory, num_gpus, tail) is not None:
+        return float(points[0])
+    if _solve(points[hi], points[hi], count, per_token, seq_time, tokens, memory, num_gpus, tail) is None:
+        return float(points[hi])      # not even then: memory; the counts above take over
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _solve(points[mid], points[mid], count, per_token, seq_time, tokens, memory, num_gpus, tail) is not None:
+            hi = mid
+        else:
+            lo = mid
+    inside = _solve(points[lo], points[hi], count, per_token, seq_time, tokens, memory, num_gpus, tail)
+    return float(points[hi] if inside is None else inside)
+
+
+def _solve(rate_at: float, upper: float, count: int, per_token: np.ndarray, seq_time: np.ndarray,
+           tokens: np.ndarray, memory: float, num_gpus: int, tail: bool = False) -> float | None:
+    """Least ``S`` in ``[rate_at, upper]`` with the rates at ``rate_at``; None if infeasible.
+
+    Variables: ``z[b, j]``, the share of bucket ``b``'s tokens in micro-batch rank ``j``, then ``S``;
+    rows scaled to O(1) (memory in micro-batches, GPU-seconds per GPU in seconds)."""
+    from scipy.optimize import linprog  # slow to import; only bound users pay
+    rates = _rates(rate_at, count, per_token, seq_time)               # [B, M]
+    nb = len(tokens)
+    nvar = nb * count + 1
+    finite = np.isfinite(rates)
+    work = np.where(finite, rates, 0.0) * tokens[:, None] / num_gpus  # seconds per GPU if all of b is in j
+    a_eq = np.zeros((nb, nvar))
+    for b in range(nb):
+        a_eq[b, b * count:(b + 1) * count] = 1.0
+    a_ub = np.zeros((2 * count + 1, nvar))
+    b_ub = np.zeros(2 * count + 1)
+    for j in range(count - 1 if tail else count):
+        a_ub[j, j:nb * count:count] = tokens / memory                 # memory of micro-batch j
+        b_ub[j] = 1.0
+        a_ub[count + j, j:nb * count:count] = work[:, j]              # its GPU-seconds <= N S / (j+1)
+        a_ub[count + j, -1] = -1.0 / (j + 1)
+    a_ub[-1, :-1] = work.ravel()                                      # all GPU-seconds <= N S
+    a_ub[-1, -1] = -1.0
+    bounds = [(0.0, 1.0 if ok else 0.0) for ok in finite.ravel()] + [(rate_at, upper)]
+    c = np.zeros(nvar)
+    c[-1] = 1.0
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(nb), bounds=bounds, method="highs")
+    if res.status != 0:
+        return None
+    return float(res.x[-1])

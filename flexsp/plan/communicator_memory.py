@@ -1,0 +1,86 @@
+"""Memory the SP communicators take, and the token capacity left for activations once it is paid.
+
+A ``GroupPool`` gives every rank one communicator per SP degree above 1 it holds (the groups of a
+degree are aligned blocks, so each rank is in exactly one of them; degree 1 needs none, and a
+Ulysses x ring degree reuses its Ulysses block and adds one ring communicator). NCCL allocates
+buffers per communicator, and the total grows with the count: NVIDIA/nccl#964 measured 544 MB for
+a 2-GPU and 688 MB for a 4-GPU communicator on 4 x A100 (NVLink) after one all-reduce, and
+NVIDIA/nccl#2363 reports a 512 MiB shared network buffer per communicator (NCCL 2.28). The default
+below, ``COMMUNICATOR_BYTES`` = 512 MiB, sits in that range; it is a documented figure, not a
+measurement of your cluster: override it with what ``torch.cuda.mem_get_info`` shows before and
+after building your pool (NCCL_BUFFSIZE and the channel count change it).
+
+Planning with ``reserve_communicators(cost, pool_degrees)`` lowers ``token_capacity`` by
+``communicators x bytes_each / activation_bytes_per_token`` (rounded down to whole tokens), so a
+plan never counts on memory the communicators hold. Fewer degrees (``plan_batch(degrees=...)``,
+``GroupPool(degrees=...)``) mean fewer communicators and more tokens per GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Mapping
+
+from flexsp.errors import CostModelError
+from flexsp.inputs import number
+from flexsp.plan.cluster import Cluster
+from flexsp.plan.cost import CostModel
+
+COMMUNICATOR_BYTES = 512 * 2**20
+
+
+def communicators_per_rank(degrees: Iterable[int]) -> int:
+    """Communicators each rank holds in a pool of these SP degrees: one per degree above 1."""
+    return sum(1 for d in set(int(d) for d in degrees) if d > 1)
+
+
+def pool_degrees(cluster: Cluster, strategy: str = "flexsp", degrees: Iterable[int] | None = None,
+                 sp_degree: int | None = None) -> tuple[int, ...]:
+    """The degrees a pool must hold to run every plan of ``strategy`` (what ``plan_batch`` may use)."""
+    usable = tuple(sorted(set(degrees))) if degrees is not None else cluster.degrees
+    from flexsp.plan.strategies import get_strategy  # the registry imports the solver: only when asked
+    if get_strategy(strategy).accepts_sp_degree:    # one degree for every group
+        return (sp_degree if sp_degree is not None else usable[-1],)
+    return usable
+
+
+def reserve_communicators(cost: CostModel, degrees: Iterable[int], bytes_each: float = COMMUNICATOR_BYTES, *,
+                          activation_bytes_per_token: float | None = None) -> CostModel:
+    """``cost`` with ``token_capacity`` lowered by the memory of a pool of ``degrees``' communicators.
+
+    ``activation_bytes_per_token`` defaults to what the cost model records (presets, analytic models
+    and profiles do). Applying it again replaces the earlier reservation rather than adding to it.
+    ``meta["communicators"]`` records the count, bytes each, tokens given up and the capacity before.
+    """
+    bytes_each = number(bytes_each, "bytes per communicator", CostModelError)
+    per_token = activation_bytes_per_token if activation_bytes_per_token is not None else cost.activation_bytes_per_token
+    if per_token is None:
+        raise CostModelError("this cost model does not record its activation bytes per token (meta "
+                             "'activation_bytes_per_token'); pass activation_bytes_per_token=... to reserve "
+                             "communicator memory")
+    per_token = number(per_token, "activation_bytes_per_token", CostModelError, positive=True)
+    count = communicators_per_rank(degrees)
+    previous = cost.meta.get("communicators")
+    before = previous["capacity_before"] if isinstance(previous, Mapping) and "capacity_before" in previous \
+        else cost.token_capacity
+    reserved = count * bytes_each / per_token
+    capacity = math.floor(before - reserved)
+    if capacity < 1:
+        raise CostModelError(
+            f"{count} communicators x {bytes_each / 2**20:.0f} MiB per rank leave no activation memory "
+            f"(they take {reserved:.0f} of {before:.0f} tokens per GPU); use fewer SP degrees or a smaller figure")
+    meta = dict(cost.meta, communicators={"count": count, "bytes_each": bytes_each, "tokens": math.ceil(reserved),
+                                          "capacity_before": before})
+    return dataclasses.replace(cost, token_capacity=capacity, meta=meta)
+
+
+def describe_reservation(cost: CostModel, label: str = "") -> str:
+    """One line: communicators per rank, their memory, the capacity before and after."""
+    info = cost.meta.get("communicators")
+    if not isinstance(info, Mapping) or not {"count", "bytes_each", "capacity_before"} <= set(info):
+        return f"{label}no communicator memory reserved; token capacity {cost.token_capacity:.0f} per GPU"
+    total = info["count"] * info["bytes_each"]
+    plural = "" if info["count"] == 1 else "s"
+    return (f"{label}{info['count']} communicator{plural} per rank x {info['bytes_each'] / 2**20:.0f} MiB = "
+            f"{total / 2**30:.2f} GiB reserved: token capacity {info['capacity_before']:.0f} -> "
+            f"{cost.token_capacity:.0f} per GPU")

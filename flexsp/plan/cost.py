@@ -1,0 +1,278 @@
+"""The paper's alpha-beta cost model (FlexSP Eqs. 11-14) and its token-capacity memory model.
+
+    seq_time(s, d)   = (alpha1*s^2 + alpha2*s)/d + [d>1] * comm_bytes_per_token*s/d / bandwidth[d]
+    group_time(S, d) = sum(seq_time(s, d) for s in S) + beta1
+    fits(S, d)       = sum(S)/d <= token_capacity
+
+Ulysses cannot split a sequence over more ranks than the model has attention heads. When the model
+knows its ``heads``, a degree ``d`` above the Ulysses limit ``U`` (the largest power of two dividing
+``heads``) is costed as the USP-style hybrid practitioners run: Ulysses over ``u = U`` ranks (the
+all-to-all at ``bandwidth[u]`` on a ``s/d`` payload) times a ring of ``r = d/u`` ranks passing K/V
+blocks point to point, overlapped with the attention compute:
+
+    seq_time(s, d) = alpha2*s/d + comm_bytes_per_token*s/d / bandwidth[u]
+                     + max(alpha1*s^2/d,  ring_bytes_per_token*s*(r-1) / (r*min(u, kv_heads)) / ring_bandwidth)
+
+``ring_bytes_per_token`` is the K+V bytes of one token over all layers, forward plus backward (the
+backward passes K/V and their gradients: 3 passes); each rank holds ``1/min(u, kv_heads)`` of the
+KV width after the Ulysses split (GQA kv heads are replicated, never split, below one per rank).
+
+Constructors for the paper's presets and for a model + hardware description live in
+``flexsp.plan.presets.cost_from_preset`` and ``flexsp.plan.analytic.cost_from_hardware``; they all build
+this one object.
+
+Every coefficient is checked when the model is built (a named ``CostModelError``, never a bare
+exception), and so is the range of the times it can produce for the lengths it will see
+(``check_range``): a user's unit slip (ms for s, MB for bytes) is refused before a solver divides
+by a time that underflowed or sums times that overflowed. Capacities are integers of tokens.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from flexsp.errors import CostModelError
+from flexsp.inputs import exact_sum, integer, number, read_json
+from flexsp.plan.cluster import is_power_of_two
+from flexsp.plan.lengths import as_lengths
+from solver.types import DegreeCosts, seconds
+
+MAX_GROUP_TOKENS = 2**52      # tokens one group may hold: float64 counts every sum of them exactly
+MAX_SECONDS = 1e150           # longest time one group may take (times, sums and ratios stay finite)
+MIN_SECONDS = 1e-150          # shortest time one token may take
+MIN_SHARE_OF_BETA1 = 2.0**-40  # ... relative to beta1, so that beta1 + t != beta1 in float64
+
+def _as_array(lengths: Iterable[int]) -> np.ndarray:
+    return np.asarray(lengths if isinstance(lengths, np.ndarray) else list(lengths), dtype=np.float64)
+
+
+_COEFFICIENTS = ("alpha1", "alpha2", "beta1", "comm_bytes_per_token", "token_capacity")
+
+
+def _degree_key(key: Any) -> int:
+    """An alltoall_bandwidth key: an integer power of two, or its decimal string (JSON keys are strings)."""
+    if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 20:
+        key = int(key)
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+        raise CostModelError(f"alltoall_bandwidth keys must be integer SP degrees, got {key!r}")
+    if not is_power_of_two(int(key)) or key > 2**40:
+        raise CostModelError(f"alltoall_bandwidth has degree {key}, which is not a power of two (1, 2, 4, ...)")
+    return int(key)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    alpha1: float                       # s per token^2: attention, all layers, fwd+bwd, one GPU
+    alpha2: float                       # s per token: everything linear in tokens
+    beta1: float                        # s per group per micro-batch: fixed overhead
+    comm_bytes_per_token: float         # all-to-all bytes per token over a whole step
+    alltoall_bandwidth: Mapping[int, float]  # degree -> bytes/s
+    token_capacity: float               # activation tokens one GPU can hold
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False)  # provenance, free-form
+    heads: int | None = None            # attention heads: sets the Ulysses limit (None: no limit)
+    kv_heads: int | None = None         # KV heads (GQA); None: as many as heads
+    ring_bytes_per_token: float = 0.0   # K+V bytes per token, all layers, fwd+bwd (ring axis)
+    ring_bandwidth: float | None = None  # point-to-point bytes/s per GPU for the ring axis
+
+    def __post_init__(self) -> None:
+        for name in _COEFFICIENTS:
+            value = getattr(self, name)
+            if value is None:
+                raise CostModelError(f"cost model coefficient {name} is missing")
+            object.__setattr__(self, name, number(value, f"cost model coefficient {name}", CostModelError))
+        if self.token_capacity < 1:
+            raise CostModelError(f"token_capacity must be >= 1 token per GPU, got {self.token_capacity}")
+        if self.token_capacity > MAX_GROUP_TOKENS:
+            raise CostModelError(f"token_capacity {self.token_capacity:.6g} is above 2**52 tokens per GPU, more than "
+                                 f"the planner counts exactly; give the activation tokens one GPU holds")
+        if self.alpha1 == 0 and self.alpha2 == 0:
+            raise CostModelError("alpha1 and alpha2 are both 0: every sequence would take no time")
+        table = self.alltoall_bandwidth if self.alltoall_bandwidth is not None else {}
+        if not isinstance(table, Mapping):
+            raise CostModelError(f"alltoall_bandwidth must map SP degree -> bytes/s, got {type(table).__name__}")
+        bandwidth: dict[int, float] = {}
+        for key, value in table.items():
+            degree = _degree_key(key)
+            bandwidth[degree] = number(value, f"alltoall_bandwidth[{degree}]", CostModelError, positive=True)
+        object.__setattr__(self, "alltoall_bandwidth", dict(sorted(bandwidth.items())))
+        if self.meta is not None and not isinstance(self.meta, Mapping):
+            raise CostModelError(f"meta must be a mapping (a JSON object) of provenance, got {type(self.meta).__name__}")
+        object.__setattr__(self, "meta", dict(self.meta or {}))
+        for name in ("heads", "kv_heads"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, integer(value, f"{name} (attention heads; or None)", CostModelError,
+                                                       maximum=2**31))
+        if self.heads is not None and self.kv_heads is not None and self.heads % self.kv_heads:
+            raise CostModelError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        object.__setattr__(self, "ring_bytes_per_token",
+                           number(self.ring_bytes_per_token, "ring_bytes_per_token", CostModelError))
+        if self.ring_bandwidth is not None:
+            object.__setattr__(self, "ring_bandwidth", number(self.ring_bandwidth, "ring_bandwidth (bytes/s, or None)",
+                                                              CostModelError, positive=True))
+        self.check_range(d for d in (1, *self.alltoall_bandwidth) if self.split(d)[1] == 1 or self.ring_bandwidth)
+
+    def check_range(self, degrees: Iterable[int]) -> None:
+        """Raise ``CostModelError`` unless every time this model gives at these degrees is representable.
+
+        A group of degree ``d`` sees 1 to ``token_capacity * d`` tokens. Its capacity must be at most
+        2**52 tokens (float64 counts it exactly), the time of a full group at most 1e150 s (sums and
+        ratios of times then stay finite), and one token's time at least 1e-150 s and at least 2**-40
+        of ``beta1`` (a smaller time vanishes when added to the per-group overhead).
+        """
+        for degree in degrees:
+            tokens = self.token_capacity * degree
+            if tokens > MAX_GROUP_TOKENS:
+                raise CostModelError(
+                    f"a group of {degree} GPUs holds token_capacity x {degree} = {tokens:.6g} tokens, above 2**52, "
+                    f"more than the planner counts exactly; lower token_capacity or the largest SP degree")
+            quad, lin, ring = self.coefficients(degree)
+            full = float(math.floor(tokens))
+            longest = lin * full + max(quad * full * full, ring * full) + self.beta1
+            if not longest <= MAX_SECONDS:
+                raise CostModelError(
+                    f"a group of {degree} GPUs at its capacity of {full:.0f} tokens would take {longest:.3g} s, above "
+                    f"{MAX_SECONDS:.0e} s: alpha1/alpha2 are seconds per token^2 / per token, comm_bytes_per_token "
+                    f"bytes and bandwidths bytes/s; check their units")
+            shortest = lin + max(quad, ring)
+            if not (shortest >= MIN_SECONDS and shortest >= self.beta1 * MIN_SHARE_OF_BETA1):
+                raise CostModelError(
+                    f"one token in a group of {degree} GPUs takes {shortest:.3g} s, which vanishes beside "
+                    f"beta1 = {self.beta1:.3g} s (a sequence's time must be at least {MIN_SECONDS:.0e} s and "
+                    f"2**-40 of beta1); check the units of alpha1, alpha2 and beta1")
+
+    # --- time ---------------------------------------------------------------------------------
+    def bandwidth(self, degree: int) -> float:
+        if degree == 1:
+            return math.inf
+        try:
+            return self.alltoall_bandwidth[degree]
+        except KeyError:
+            known = sorted(self.alltoall_bandwidth)
+            raise CostModelError(
+                f"no all-to-all bandwidth for SP degree {degree}; the cost model knows degrees {known}. "
+                f"Add alltoall_bandwidth[{degree}] or keep plans below it") from None
+
+    @property
+    def ulysses_limit(self) -> int | None:
+        """Largest Ulysses degree: the largest power of two dividing ``heads`` (None: unlimited)."""
+        return None if self.heads is None else self.heads & -self.heads
+
+    def split(self, degree: int) -> tuple[int, int]:
+        """(Ulysses degree, ring degree) of a group of ``degree`` GPUs."""
+        limit = self.ulysses_limit
+        ulysses = degree if limit is None else min(degree, limit)
+        return ulysses, degree // ulysses
+
+    def coefficients(self, degree: int) -> tuple[float, float, float]:
+        """(s^2, s, ring) coefficients of one sequence's time at ``degree`` (see the module docstring)."""
+        if not is_power_of_two(int(degree)):
+            raise CostModelError(f"SP degree must be a power of two, got {degree}")
+        ulysses, ring = self.split(degree)
+        comm = 0.0 if ulysses == 1 else self.comm_bytes_per_token / self.bandwidth(ulysses)
+        ring_coefficient = 0.0
+        if ring > 1:
+            if self.ring_bandwidth is None:
+                raise CostModelError(
+                    f"SP degree {degree} exceeds the Ulysses limit of {self.ulysses_limit} ({self.heads} heads) and "
+                    f"needs a ring axis: give ring_bandwidth (and ring_bytes_per_token), or keep plans within the "
+                    f"limit (plan_batch(..., ulysses_only=True))")
+            width = min(ulysses, self.kv_heads or ulysses)
+            ring_coefficient = self.ring_bytes_per_token * (ring - 1) / (ring * width) / self.ring_bandwidth
+        return self.alpha1 / degree, (self.alpha2 + comm) / degree, ring_coefficient
+
+    def seq_time(self, length, degree: int):
+        """Seconds for sequence(s) of ``length`` tokens in a group of ``degree`` GPUs (no beta1)."""
+        out = seconds(length, *self.coefficients(degree))
+        return float(out) if out.ndim == 0 else out
+
+    def group_time(self, lengths: Iterable[int], degree: int) -> float:
+        """Seconds for one group: its sequences one after another plus the fixed beta1."""
+        return float(np.sum(self.seq_time(_as_array(lengths), degree))) + self.beta1
+
+    # --- memory -------------------------------------------------------------------------------
+    def group_capacity(self, degree: int) -> int:
+        """Tokens a group of ``degree`` GPUs can hold, as an integer (lengths are compared exactly)."""
+        return math.floor(self.token_capacity * degree)   # a power-of-two multiple of a float is exact
+
+    def fits(self, lengths: Iterable[int], degree: int) -> bool:
+        return exact_sum(as_lengths(lengths)) <= self.group_capacity(degree)
+
+    def min_degree(self, length: int) -> int:
+        """Smallest power-of-two degree whose group holds ``length`` tokens alone."""
+        length = integer(length, "length", CostModelError)
+        degree = 1
+        while self.group_capacity(degree) < length:
+            degree *= 2
+        return degree
+
+    @property
+    def activation_bytes_per_token(self) -> float | None:
+        """Activation bytes one token takes on a GPU, where the model records it: ``meta`` key
+        ``activation_bytes_per_token`` (presets, analytic) or a profile's ``meta["memory"]["bytes_per_token"]``."""
+        value = self.meta.get("activation_bytes_per_token")
+        if value is None and isinstance(self.meta.get("memory"), Mapping):
+            value = self.meta["memory"].get("bytes_per_token")
+        return None if value is None else number(value, "meta activation_bytes_per_token", CostModelError,
+                                                 positive=True)
+
+    # --- solver view --------------------------------------------------------------------------
+    def degree_costs(self, degrees: Iterable[int]) -> DegreeCosts:
+        degrees = tuple(sorted(set(int(d) for d in degrees)))
+        self.check_range(degrees)
+        quad, lin, ring = zip(*(self.coefficients(d) for d in degrees))
+        return DegreeCosts(degrees=degrees, quad=quad, lin=lin,
+                           capacity=tuple(float(self.group_capacity(d)) for d in degrees),
+                           beta1=self.beta1, ring=ring)
+
+    # --- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in _COEFFICIENTS}
+        out["alltoall_bandwidth"] = {str(d): bw for d, bw in self.alltoall_bandwidth.items()}
+        out["meta"] = dict(self.meta)
+        for name, default in (("heads", None), ("kv_heads", None), ("ring_bytes_per_token", 0.0),
+                              ("ring_bandwidth", None)):
+            if getattr(self, name) != default:      # written when set, so every model round-trips exactly
+                out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CostModel":
+        if not isinstance(data, Mapping):
+            raise CostModelError(f"a cost model must be a JSON object, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise CostModelError(f"cost model has unknown keys {unknown} (a typo?); valid keys: {', '.join(known)}")
+        missing = [k for k in (*_COEFFICIENTS, "alltoall_bandwidth") if k not in data]
+        if missing:
+            raise CostModelError(f"cost model is missing {', '.join(missing)}")
+        if not isinstance(data["alltoall_bandwidth"], Mapping):
+            raise CostModelError("alltoall_bandwidth must be an object mapping degree -> bytes/s")
+        values = dict(data)
+        if values.get("ring_bytes_per_token") is None:
+            values["ring_bytes_per_token"] = 0.0
+        return cls(**values)
+
+    def save(self, path: str | Path) -> None:
+        try:
+            text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise CostModelError(f"cost model meta cannot be written as JSON: {exc}") from None
+        try:
+            Path(path).write_text(text + "\n")
+        except OSError as exc:
+            raise CostModelError(f"cannot write cost model {path}: {exc.strerror or exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        data = read_json(path, "cost model", CostModelError)
+        try:
+            return cls.from_dict(data)
+        except CostModelError as exc:
+            raise CostModelError(f"{path}: {exc}") from None

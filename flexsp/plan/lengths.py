@@ -1,0 +1,358 @@
+"""Sequence-length distributions: validate, load, sample and preprocess batches of lengths.
+
+Everything the planner sees as "a batch" passes through :func:`as_lengths`, the one place that
+decides what a valid length is (a positive integer token count). Distributions come from a file of
+lengths, the bundled Wikipedia sample, or a documented parametric *approximation* of the GitHub and
+CommonCrawl corpora used in the FlexSP paper (arXiv 2412.01523), whose real length files are not
+public here.
+"""
+from __future__ import annotations
+
+import functools
+import gzip
+import os
+import types
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from flexsp.errors import LengthsError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_INT64_MAX = np.iinfo(np.int64).max
+_SHORT = 8192  # describe() reports the share of sequences at most this long
+
+
+# --------------------------------------------------------------------------------------- validation
+
+def _bad(name: str, index: int, value: Any, reason: str) -> LengthsError:
+    return LengthsError(f"{name}[{index}] = {value!r} is not a valid sequence length: {reason}")
+
+
+def _is_number_type(t: type) -> bool:
+    return issubclass(t, (int, float, np.integer, np.floating)) and not issubclass(t, (bool, np.bool_))
+
+
+def _scalar_problem(value: Any) -> str | None:
+    """Why one Python/numpy scalar is not a length, or None. Used only on slow, rare paths."""
+    if isinstance(value, (bool, np.bool_)):
+        return "a bool is not a token count"
+    if not _is_number_type(type(value)):
+        return f"expected a positive integer, got {type(value).__name__}"
+    if isinstance(value, (float, np.floating)):
+        if value != value or value in (float("inf"), float("-inf")):
+            return "not a finite number"
+        if not float(value).is_integer():
+            return "not a whole number of tokens"
+    if value <= 0:
+        return "lengths must be >= 1"
+    if value > _INT64_MAX:
+        return f"too large (at most {_INT64_MAX})"
+    return None
+
+
+def _first_problem_in_array(arr: np.ndarray) -> tuple[int, str] | None:
+    """Vectorised scan of a 1-D array: (index, reason) of the first invalid entry, or None."""
+    kind = arr.dtype.kind
+    if kind == "b":
+        return 0, "a bool is not a token count"
+    if kind in "iu":
+        bad = arr <= 0
+        if kind == "u":
+            bad |= arr > _INT64_MAX
+    elif kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(arr) | (arr <= 0) | (arr != np.floor(arr)) | (arr >= 2.0 ** 63)
+    elif kind == "O":
+        for i, value in enumerate(arr):
+            reason = _scalar_problem(value)
+            if reason is not None:
+                return i, reason
+        return None
+    else:
+        return 0, f"expected integers, got an array of dtype {arr.dtype}"
+    if not bad.any():
+        return None
+    i = int(np.argmax(bad))
+    return i, _scalar_problem(arr[i].item()) or "not a positive integer"
+
+
+def as_lengths(values: Iterable[Any] | np.ndarray, *, name: str = "lengths") -> np.ndarray:
+    """Validate a batch of sequence lengths and return it as a fresh 1-D int64 array.
+
+    Accepts lists, tuples, other iterables and numpy arrays (integer dtype, or float dtype holding
+    whole numbers). Rejects an empty batch and any value that is not a positive integer (0,
+    negatives, 1.5, NaN, bools, strings) with a :class:`LengthsError` naming the first bad value and
+    its index. Vectorised, so a 131,072-length batch costs milliseconds.
+    """
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+            raise LengthsError(f"{name} must be a sequence of positive integers, "
+                               f"got {type(values).__name__}")
+        items = values if isinstance(values, (list, tuple)) else list(values)
+        # One cheap pass over the Python types: catches bools (numpy would silently turn
+        # [True, 2] into [1, 2]), strings, None, nested lists... before numpy coerces them.
+        if not all(_is_number_type(t) for t in set(map(type, items))):
+            for i, value in enumerate(items):
+                if not _is_number_type(type(value)):
+                    shown = value.item() if isinstance(value, np.generic) else value
+                    raise _bad(name, i, shown, _scalar_problem(value) or "not a number")
+        try:
+            arr = np.asarray(items)
+        except (OverflowError, ValueError):  # ints beyond uint64: keep them as Python objects
+            arr = np.asarray(items, dtype=object)
+    if arr.ndim != 1:
+        raise LengthsError(f"{name} must be one-dimensional, got an array of shape {arr.shape}")
+    if arr.size == 0:
+        raise LengthsError(f"{name} is empty: a batch needs at least one sequence")
+    problem = _first_problem_in_array(arr)
+    if problem is not None:
+        i, reason = problem
+        value = arr[i].item() if isinstance(arr[i], np.generic) else arr[i]
+        raise _bad(name, i, value, reason)
+    return np.array(arr, dtype=np.int64)  # always a copy: callers may mutate it freely
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+_FORMATS = "a .npy array or a text file (.txt or .txt.gz) with one integer per line"
+
+
+def _read_text(path: Path) -> str:
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8-sig") as f:
+                return f.read()
+        return path.read_text(encoding="utf-8-sig")   # a byte-order mark (Windows editors) is not data
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # BadGzipFile is an OSError
+        raise LengthsError(f"{path}: cannot read lengths ({e}); expected {_FORMATS}") from None
+
+
+def _parse_text(path: Path, text: str) -> np.ndarray:
+    lines = text.splitlines()
+    try:  # fast path: no blank lines, every line an integer (int() tolerates surrounding spaces)
+        values = np.array(lines, dtype=np.int64)
+    except (ValueError, OverflowError):
+        values = None
+    if values is not None and values.size and not (values <= 0).any():
+        return values
+    # Slow path, also taken for a bad value: find the first offending line and name it.
+    parsed: list[int] = []
+    for number, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            value = int(line)
+        except ValueError:
+            if line.isdigit():      # beyond Python's digit limit for int()
+                raise LengthsError(f"{path}, line {number}: a {len(line)}-digit number is not a valid sequence "
+                                   f"length: lengths must be between 1 and {_INT64_MAX}") from None
+            raise LengthsError(f"{path}, line {number}: {line[:40]!r} is not an integer; "
+                               f"expected one sequence length per line") from None
+        if not 0 < value <= _INT64_MAX:
+            raise LengthsError(f"{path}, line {number}: {value} is not a valid sequence length: "
+                               f"lengths must be between 1 and {_INT64_MAX}")
+        parsed.append(value)
+    if not parsed:
+        raise LengthsError(f"{path}: the file holds no lengths")
+    return np.array(parsed, dtype=np.int64)
+
+
+def load_lengths(path: PathLike) -> np.ndarray:
+    """Load and validate lengths from ``.npy``, ``.txt`` or ``.txt.gz`` (one integer per line).
+
+    Blank lines are ignored; a bad line raises :class:`LengthsError` naming the file and line.
+    Any suffix other than ``.npy``/``.gz`` is read as plain text.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise LengthsError(f"no such lengths file: {path} (expected {_FORMATS})")
+    if path.suffix == ".npy":
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise LengthsError(f"{path}: not a readable .npy array ({e})") from None
+        try:
+            return as_lengths(arr, name="lengths")
+        except LengthsError as e:
+            raise LengthsError(f"{path}: {e}") from None
+    return _parse_text(path, _read_text(path))
+
+
+# ------------------------------------------------------------------------------------ distributions
+
+@dataclass(frozen=True, eq=False)
+class LengthDistribution:
+    """An empirical distribution of sequence lengths (tokens) to draw global batches from.
+
+    ``approximate`` marks synthetic stand-ins for corpora whose real lengths are not available;
+    ``source`` says where the numbers come from. ``lengths`` is stored read-only.
+    """
+
+    name: str
+    lengths: np.ndarray
+    approximate: bool
+    source: str
+
+    def __post_init__(self) -> None:
+        lengths = as_lengths(self.lengths, name=f"{self.name} lengths")
+        lengths.flags.writeable = False  # shared by every batch drawn from it
+        object.__setattr__(self, "lengths", lengths)
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    def sample_batch(self, batch_size: int, rng_or_seed: int | np.random.Generator) -> np.ndarray:
+        """Draw ``batch_size`` lengths with replacement; the same seed gives the same batch."""
+        if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, (int, np.integer)) \
+                or batch_size < 1:
+            raise LengthsError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if isinstance(rng_or_seed, np.random.Generator):
+            rng = rng_or_seed
+        elif isinstance(rng_or_seed, (int, np.integer)) and not isinstance(rng_or_seed, (bool, np.bool_)) \
+                and rng_or_seed >= 0:
+            rng = np.random.default_rng(int(rng_or_seed))
+        else:
+            raise LengthsError("rng_or_seed must be a non-negative integer seed or a "
+                               f"numpy.random.Generator, got {rng_or_seed!r}")
+        return self.lengths[rng.integers(0, self.lengths.size, size=int(batch_size))]
+
+    def describe(self) -> str:
+        """One line of summary statistics, flagged when the distribution is an approximation."""
+        x = self.lengths
+        line = (f"{self.name}: {x.size:,} lengths, median {np.median(x):,.0f}, mean {x.mean():,.0f}, "
+                f"max {int(x.max()):,}, {np.mean(x <= _SHORT):.1%} <= {_SHORT}")
+        return line + " [APPROXIMATION]" if self.approximate else line
+
+
+# ---------------------------------------------------------------------------- built-in distributions
+
+@dataclass(frozen=True)
+class _LogNormal:
+    weight: float  # mixture weight
+    median: float  # tokens; exp(mu)
+    sigma: float   # std-dev of log(length)
+
+
+# Approximations of the paper's GitHub and CommonCrawl length distributions. The real files are not
+# public; these are two-component log-normal mixtures (a body of ordinary documents plus a tail of
+# long ones) chosen to match the few published facts we could verify, plus stated assumptions:
+#
+# * Mean document size in the Pile (Gao et al. 2020, arXiv 2101.00027, Table 1): GitHub 5.25 KiB,
+#   Pile-CC 4.33 KiB. At ~3 bytes/token for code and ~4.3 bytes/token for English web text that is
+#   roughly 1.8K and 1.0K tokens. C4.en (a cleaned CommonCrawl; 364.9M documents, 828.6 GB in
+#   the HF dataset card) averages ~2.3 KB, i.e. ~500 tokens per page.
+# * FlexSP (arXiv 2412.01523, Fig. 1): all three corpora are long-tailed; GitHub has the heaviest
+#   tail (more documents beyond 32K/128K than Wikipedia), CommonCrawl is mostly short web pages
+#   with a thin tail. We could not retrieve the figure's numbers, so the tail weights are ours:
+#   GitHub ~1.3% of documents > 32K and ~0.2% > 128K (about 10x / 50x the bundled Wikipedia
+#   sample's 0.13% / 0.005%); CommonCrawl ~0.08% > 32K and ~0.002% > 128K. GitHub's mean (~2.9K) is
+#   above the Pile's because the Pile dropped very large files, which long-context training keeps.
+# Lengths are rounded up to whole tokens and capped at 2**21 (the Wikipedia sample's max is 1.82M).
+_APPROXIMATIONS: Mapping[str, tuple[_LogNormal, ...]] = types.MappingProxyType({
+    "github": (_LogNormal(0.93, 550.0, 1.25), _LogNormal(0.07, 8000.0, 1.5)),
+    "commoncrawl": (_LogNormal(0.97, 450.0, 0.95), _LogNormal(0.03, 3000.0, 1.2)),
+})
+_APPROXIMATION_SIZE = 1_000_000
+_APPROXIMATION_CAP = 2 ** 21
+BUILTIN_DISTRIBUTIONS = ("wikipedia", *_APPROXIMATIONS)
+
+_WIKIPEDIA_SOURCE = ("1,000,000 sampled Wikipedia document lengths (tokens) from the public FlexSP "
+                     "reference release (Apache-2.0); see flexsp/lengths_data/ATTRIBUTION.md")
+
+
+@functools.lru_cache(maxsize=1)
+def _wikipedia_lengths() -> np.ndarray:
+    """The bundled sample, parsed once per process (read-only, so sharing it is safe)."""
+    with resources.as_file(resources.files("flexsp") / "lengths_data" / "wikipedia.txt.gz") as path:
+        lengths = load_lengths(path)
+    lengths.flags.writeable = False
+    return lengths
+
+
+@functools.lru_cache(maxsize=8)
+def _approximate_lengths(name: str, seed: int) -> np.ndarray:
+    """Deterministic draw from a named mixture: same (name, seed), same lengths."""
+    components = _APPROXIMATIONS[name]
+    rng = np.random.default_rng(seed)
+    weights = np.array([c.weight for c in components])
+    which = rng.choice(len(components), size=_APPROXIMATION_SIZE, p=weights / weights.sum())
+    mu = np.log([c.median for c in components])[which]
+    sigma = np.array([c.sigma for c in components])[which]
+    raw = np.exp(mu + sigma * rng.standard_normal(_APPROXIMATION_SIZE))
+    lengths = np.clip(np.ceil(raw), 1, _APPROXIMATION_CAP).astype(np.int64)
+    lengths.flags.writeable = False
+    return lengths
+
+
+def _approximation_source(name: str) -> str:
+    parts = ", ".join(f"{c.weight:g} x LogNormal(median {c.median:g}, sigma {c.sigma:g})"
+                      for c in _APPROXIMATIONS[name])
+    return (f"approximation of the {name} corpus used in FlexSP (arXiv 2412.01523), not the real "
+            f"corpus: {parts}, see flexsp/plan/lengths.py")
+
+
+def get_distribution(name_or_path: PathLike, seed: int = 0) -> LengthDistribution:
+    """A built-in distribution by name ("wikipedia", "github", "commoncrawl") or one loaded from a file.
+
+    ``seed`` only affects the generated approximations (github, commoncrawl).
+    """
+    if isinstance(name_or_path, str) and name_or_path.lower() in BUILTIN_DISTRIBUTIONS:
+        name = name_or_path.lower()
+        if name == "wikipedia":
+            return LengthDistribution(name, _wikipedia_lengths(), False, _WIKIPEDIA_SOURCE)
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise LengthsError(f"seed must be a non-negative integer, got {seed!r}")
+        return LengthDistribution(name, _approximate_lengths(name, int(seed)), True,
+                                  _approximation_source(name))
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise LengthsError(f"expected a distribution name or a file path, got {type(name_or_path).__name__}")
+    path = Path(name_or_path)
+    if not path.exists() and isinstance(name_or_path, str) and path.suffix == "" and len(path.parts) == 1:
+        raise LengthsError(f"unknown length distribution {name_or_path!r}; choose one of "
+                           f"{', '.join(BUILTIN_DISTRIBUTIONS)}, or give a path to {_FORMATS}")
+    name = path.name.removesuffix(".gz").removesuffix(".txt").removesuffix(".npy")
+    return LengthDistribution(name, load_lengths(path), False, f"file {path}")
+
+
+# ------------------------------------------------------------------------------------ preprocessing
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise LengthsError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def preprocess(lengths: Iterable[int] | np.ndarray, context_limit: int, num_gpus: int,
+               round_to_multiple: bool = True) -> tuple[np.ndarray, int]:
+    """The paper's preprocessing: drop over-long sequences, pad the rest to a multiple of 2 x N.
+
+    Ulysses splits each sequence evenly over the GPUs of its group (at most N), so padding every
+    length to a multiple of ``2 * num_gpus`` makes every split exact. A sequence is kept when its
+    *padded* length fits ``context_limit``, so every returned length is <= ``context_limit`` (this
+    only differs from "length <= context_limit" when the limit is not itself a multiple of 2 x N).
+    Returns ``(kept_lengths, dropped_count)`` in the original order; the count is never hidden.
+    """
+    arr = as_lengths(lengths)
+    limit = _positive_int(context_limit, "context_limit")
+    gpus = _positive_int(num_gpus, "num_gpus")
+    if round_to_multiple:
+        multiple = 2 * gpus
+        limit -= limit % multiple  # the longest padded length that still fits
+        if limit == 0:
+            raise LengthsError(f"context_limit {context_limit} is below 2 x num_gpus = {multiple}: "
+                               f"no padded sequence can fit")
+    keep = arr <= limit
+    kept = arr[keep]
+    if round_to_multiple:
+        kept = -(-kept // multiple) * multiple  # ceil to a multiple
+    return kept, int(arr.size - kept.size)

@@ -1,0 +1,64 @@
+"""The paper's published cost-model constants for GPT-7B/13B/30B on 64 x A100-40GB (docs/design.md, "Cost model").
+
+Times were published in ms and memory in MB; we store seconds and bytes. Bandwidths are in the
+reference's "MB per ms" (a time in ms is MB / v), so bytes/s = v * 2**20 * 1000. The memory model:
+``token_capacity = floor((30 GB - model states) / activation MB per token)`` with model states from
+``flexsp.plan.memory`` (default ``"full"``, ZeRO-3: ``params * 16 bytes / N``, the paper's setting).
+Parameters were published at 192K and 384K context only; other contexts interpolate linearly between the two (labelled in ``meta``). The bandwidth table stops at 64 GPUs;
+bigger clusters reuse the 64-GPU value for every larger degree (inter-node all-to-all bandwidth per
+GPU flattens once most peers are off-node), also labelled in ``meta``.
+"""
+from __future__ import annotations
+
+from flexsp.errors import CostModelError
+from flexsp.inputs import integer
+from flexsp.plan.cost import CostModel
+from flexsp.plan.memory import check as check_sharding
+from flexsp.plan.memory import model_state_bytes, token_capacity
+from flexsp.plan.specs import get_model, model_names
+
+MB = 2**20
+MEMORY_LIMIT_MB = 30 * 1024
+PAPER_BANDWIDTH_MB_PER_MS = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
+
+
+def paper_bandwidth(num_gpus: int = 64) -> dict[int, float]:
+    """The paper's measured all-to-all bandwidth in bytes/s for degrees 2..64, extended to
+    ``num_gpus`` with the 64-GPU value."""
+    table = {d: v * MB * 1000 for d, v in PAPER_BANDWIDTH_MB_PER_MS.items()}
+    degree = 128
+    while degree <= num_gpus:
+        table[degree] = table[64]
+        degree *= 2
+    return table
+
+
+def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *, sharding: str = "full") -> CostModel:
+    """The paper's cost model for ``name`` (gpt-7b, gpt-13b, gpt-30b) at ``context`` tokens, model states
+    sharded ``sharding`` (``flexsp.plan.memory``; the paper ran ZeRO-3, ``"full"``) over ``num_gpus`` GPUs."""
+    papers = model_names(paper=True)
+    if not isinstance(name, str) or name.lower() not in papers:
+        raise CostModelError(f"unknown preset {name!r}; choose one of {sorted(papers)}")
+    context = integer(context, "context (tokens, e.g. 393216; the CLI also reads 384K)", CostModelError)
+    num_gpus = integer(num_gpus, "num_gpus", CostModelError)
+    check_sharding(sharding)
+    key = name.lower()
+    spec = get_model(key)
+    model = spec.paper
+    states_mb = model_state_bytes(model.params_b(context) * 2**30, num_gpus, sharding) / MB  # the paper's B = 2**30
+    capacity = token_capacity(MEMORY_LIMIT_MB, states_mb, model.act_mb_per_token,
+                              what=f"{name} on {num_gpus} GPUs with sharding {sharding!r} (30 GB each):")
+    exact_params = context in (192 * 1024, 384 * 1024)
+    return CostModel(
+        alpha1=model.alpha1_ms / 1000,
+        alpha2=model.alpha2_ms / 1000,
+        beta1=model.beta1_ms / 1000,
+        comm_bytes_per_token=4 * 2 * spec.layers * spec.hidden * 2,
+        alltoall_bandwidth=paper_bandwidth(num_gpus),
+        token_capacity=capacity,
+        meta={"source": "FlexSP paper (arXiv 2412.01523), 64 x A100-40GB", "preset": key, "context": context,
+              "num_gpus": num_gpus, "sharding": sharding, "params_b": round(model.params_b(context), 4),
+              "activation_bytes_per_token": model.act_mb_per_token * MB,
+              "params": "published" if exact_params else "interpolated between 192K and 384K",
+              "bandwidth": "published" if num_gpus <= 64 else "published to 64 GPUs, 64-GPU value above"},
+    )

@@ -1,0 +1,139 @@
+"""The registry of planning strategies: the one place a strategy is named, described and wired.
+
+``plan_batch``, ``flexsp simulate`` (its default comparison and ``--strategies`` check), the CLI
+help and the README's strategy list all read this registry, so a new baseline is one module with a
+planning function plus one ``register_strategy(Strategy(...))`` call. A planning function gets a
+``PlanRequest`` (the solver's view of the batch) and returns a ``solver.types.Schedule``; the
+planner places, scores and validates it like any other strategy's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from flexsp.errors import PlanError
+from solver.search import SearchOptions
+from solver.types import DegreeCosts, Schedule
+
+# plan_batch options every strategy honours; a strategy lists any others it accepts in ``options``
+COMMON_OPTIONS = frozenset({"time_limit", "num_buckets", "max_degree", "degrees", "ulysses_only", "validate"})
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a planning function sees: lengths, per-degree costs (only the usable degrees), the GPU
+    count, search options, the strategy-specific ``sp_degree``, the wall-clock ``deadline``
+    (``time.perf_counter()`` seconds) and, for a strategy with ``candidates``, one thunk per
+    candidate strategy that plans the same request with it."""
+
+    lengths: np.ndarray
+    costs: DegreeCosts
+    num_gpus: int
+    options: SearchOptions
+    deadline: float
+    sp_degree: int | None = None
+    candidates: tuple[Callable[[], Schedule], ...] = ()
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One planning strategy. ``options``: the ``plan_batch`` arguments it takes beyond
+    ``COMMON_OPTIONS`` (only ``"sp_degree"`` today: ``plan_batch`` refuses it for the others, and
+    ``simulate`` accepts ``NAME:D`` for it). ``candidates``: strategies whose plans its planning
+    function receives as ``PlanRequest.candidates`` thunks (FlexSP keeps the best, so it is never
+    slower than one of them). ``in_default_comparison``: listed by ``default_strategies``."""
+
+    name: str
+    plan: Callable[[PlanRequest], Schedule]
+    description: str                                   # one line, shown in the CLI help and the README
+    options: frozenset[str] = frozenset()              # plan_batch options beyond COMMON_OPTIONS, e.g. "sp_degree"
+    candidates: tuple[str, ...] = ()                   # strategies whose plans this one also considers
+    in_default_comparison: bool = True                 # listed by flexsp.evaluation.simulate.default_strategies
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", frozenset(self.options))
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        unknown = self.options - COMMON_OPTIONS - {"sp_degree"}
+        if not self.name or not isinstance(self.name, str) or any(c in self.name for c in ",:[] "):
+            raise PlanError(f"strategy name {self.name!r} must be a non-empty string without ',:[] '")
+        if unknown:
+            raise PlanError(f"strategy {self.name!r}: unknown plan_batch options {sorted(unknown)}")
+
+    @property
+    def accepts_sp_degree(self) -> bool:
+        return "sp_degree" in self.options
+
+
+@dataclass
+class _Registry:
+    """Insertion-ordered name -> Strategy. The one piece of module-level state in the planner, on
+    purpose: a registration must be visible to ``plan_batch``, the CLI and ``simulate`` alike.
+    Worker processes (``simulate --workers``) re-import this module, so they see the built-ins and
+    what their modules register at import, not what a parent registered at run time."""
+
+    entries: dict[str, Strategy] = field(default_factory=dict)
+
+
+_REGISTRY = _Registry()
+
+
+def register_strategy(strategy: Strategy) -> Strategy:
+    """Add ``strategy`` (listed after those before it); a ``PlanError`` if its name is taken.
+    Candidates are looked up when it plans, so they may be registered after it."""
+    if strategy.name in _REGISTRY.entries:
+        raise PlanError(f"a strategy named {strategy.name!r} is already registered; pick another name "
+                        f"(registered: {', '.join(names())})")
+    _REGISTRY.entries[strategy.name] = strategy
+    return strategy
+
+
+def unregister_strategy(name: str) -> None:
+    """Remove a registered strategy (tests, plugins); a ``PlanError`` naming the valid ones if unknown
+    or if another strategy lists it as a candidate."""
+    get_strategy(name)
+    users = [s.name for s in _REGISTRY.entries.values() if name in s.candidates]
+    if users:
+        raise PlanError(f"strategy {name!r} is a candidate of {users}; unregister those first")
+    del _REGISTRY.entries[name]
+
+
+def get_strategy(name: object) -> Strategy:
+    if not isinstance(name, str) or name not in _REGISTRY.entries:
+        raise PlanError(f"unknown strategy {name!r}; choose one of {', '.join(names())}")
+    return _REGISTRY.entries[name]
+
+
+def strategies() -> tuple[Strategy, ...]:
+    return tuple(_REGISTRY.entries.values())
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY.entries)
+
+
+def run_strategy(name: str, request: PlanRequest) -> Schedule:
+    """Plan ``request`` with strategy ``name``, its candidates wired in as thunks."""
+    strategy = get_strategy(name)
+    thunks = tuple((lambda c=c: run_strategy(c, _without_candidates(request))) for c in strategy.candidates)
+    return strategy.plan(PlanRequest(request.lengths, request.costs, request.num_gpus, request.options,
+                                     request.deadline, request.sp_degree, thunks))
+
+
+def _without_candidates(request: PlanRequest) -> PlanRequest:
+    return PlanRequest(request.lengths, request.costs, request.num_gpus, request.options, request.deadline)
+
+
+def describe_strategies(indent: str = "") -> str:
+    """One line per strategy: ``name: description`` (the CLI help and the README list)."""
+    return "\n".join(f"{indent}{s.name}: {s.description}" for s in strategies())
+
+
+def markdown_list() -> str:
+    """The README's strategy list (``tests/test_strategies.py`` checks the README holds exactly this)."""
+    return "\n".join(f"- `{s.name}`: {s.description}" for s in strategies())
+
+
+__all__ = ["Strategy", "PlanRequest", "register_strategy", "unregister_strategy", "get_strategy", "strategies",
+           "names", "run_strategy", "describe_strategies", "markdown_list", "COMMON_OPTIONS"]

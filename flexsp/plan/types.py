@@ -1,0 +1,309 @@
+"""A step's plan: micro-batches of concurrent SP groups, each a block of ranks and its sequences.
+
+JSON form (the public contract):
+``{"num_gpus", "predicted_time", "micro_batches": [{"groups": [{"ranks": [...], "seq_ids": [...]}]}]}``
+plus optional ``strategy``, ``gpus_per_node`` and ``solve_time``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+from flexsp.errors import PlanError
+from flexsp.inputs import INT64_MAX, exact_sum, integer, number, parse_json, read_json
+from flexsp.plan.cluster import is_power_of_two, misaligned
+from flexsp.plan.lengths import as_lengths
+from solver.types import seconds
+
+if TYPE_CHECKING:
+    from flexsp.plan.cluster import Cluster
+    from flexsp.plan.cost import CostModel
+
+
+@dataclass(frozen=True)
+class Group:
+    """One SP group: ``degree`` GPUs that run ``seq_ids`` one after another with Ulysses attention."""
+
+    ranks: tuple[int, ...]
+    seq_ids: tuple[int, ...]
+    ring: int = 1    # ranks of the ring-attention axis; degree / ring run Ulysses (1: pure Ulysses)
+
+    @property
+    def degree(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def ulysses(self) -> int:
+        return self.degree // self.ring
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Groups that run at the same time on disjoint ranks; the slowest one sets the pace."""
+
+    groups: tuple[Group, ...]
+
+    def group_of_rank(self, rank: int) -> Group | None:
+        for group in self.groups:
+            if rank in group.ranks:
+                return group
+        return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_gpus: int
+    micro_batches: tuple[MicroBatch, ...]
+    predicted_time: float
+    strategy: str = ""
+    gpus_per_node: int | None = None
+    solve_time: float = 0.0
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    # --- views --------------------------------------------------------------------------------
+    @property
+    def num_sequences(self) -> int:
+        return sum(len(g.seq_ids) for mb in self.micro_batches for g in mb.groups)
+
+    def degree_histogram(self) -> dict[int, int]:
+        """How many groups of each degree the plan uses, over all micro-batches."""
+        hist: dict[int, int] = {}
+        for mb in self.micro_batches:
+            for g in mb.groups:
+                hist[g.degree] = hist.get(g.degree, 0) + 1
+        return dict(sorted(hist.items()))
+
+    def group_times(self, lengths: Sequence[int], cost: "CostModel") -> list[list[float]]:
+        """Seconds of every group (beta1 included), per micro-batch; vectorised over sequences."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        coefficients = {d: cost.coefficients(d) for d in self.degree_histogram()}
+        out = []
+        for mb in self.micro_batches:
+            sizes = [len(g.seq_ids) for g in mb.groups]
+            owner = np.repeat(np.arange(len(mb.groups)), sizes)
+            s = lengths[np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64, count=sum(sizes))]
+            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 3)[owner]
+            per_seq = seconds(s, coeffs[:, 0], coeffs[:, 1], coeffs[:, 2])
+            out.append((np.bincount(owner, weights=per_seq, minlength=len(mb.groups)) + cost.beta1).tolist())
+        return out
+
+    def time(self, lengths: Sequence[int], cost: "CostModel") -> float:
+        """Step time under ``cost``: the sum over micro-batches of the slowest group."""
+        return float(sum(max(times) for times in self.group_times(lengths, cost)))
+
+    # --- rules --------------------------------------------------------------------------------
+    def validate(self, lengths: Sequence[int] | None = None, cost: "CostModel | None" = None,
+                 cluster: "Cluster | None" = None, *, aligned: bool = True, rel_tol: float = 1e-6) -> None:
+        """Raise ``PlanError`` naming the first broken rule of docs/design.md; return None when valid.
+
+        Checks that need data are skipped without it: exactly-once needs ``lengths``; memory and
+        predicted time need ``lengths`` and ``cost``; node containment needs ``cluster``.
+        """
+        n = integer(self.num_gpus, "num_gpus", PlanError)
+        if cluster is not None and cluster.num_gpus != n:
+            raise PlanError(f"plan is for {n} GPUs but the cluster has {cluster.num_gpus}")
+        if not self.micro_batches:
+            raise PlanError("plan has no micro-batches")
+        ids_per_mb = []
+        for m, mb in enumerate(self.micro_batches):
+            if not mb.groups:
+                raise PlanError(f"micro-batch {m} has no groups")
+            self._check_ranks(m, mb, cluster, aligned)
+            self._check_split(m, mb, cost)
+            ids_per_mb.append(_int_array(m, mb, "seq_ids"))
+        all_ids = np.concatenate(ids_per_mb)
+        mb_of = np.repeat(np.arange(len(ids_per_mb)), [len(ids) for ids in ids_per_mb])
+        order = np.argsort(all_ids, kind="stable")
+        repeated = np.flatnonzero(np.diff(all_ids[order]) == 0)
+        if repeated.size:
+            first, second = order[repeated[0]], order[repeated[0] + 1]
+            raise PlanError(f"sequence {all_ids[first]} is planned twice "
+                            f"(micro-batches {mb_of[first]} and {mb_of[second]})")
+        if lengths is not None:
+            lengths = as_lengths(lengths if isinstance(lengths, (list, tuple, np.ndarray)) else np.asarray(lengths))
+            extra = np.sort(all_ids[(all_ids < 0) | (all_ids >= len(lengths))])
+            if extra.size:
+                raise PlanError(f"sequence ids {_short(extra.tolist())} do not exist (batch has {len(lengths)})")
+            planned = np.zeros(len(lengths), dtype=bool)
+            planned[all_ids] = True
+            missing = np.flatnonzero(~planned)
+            if missing.size:
+                raise PlanError(f"sequences {_short(missing.tolist())} are not planned ({missing.size} of {len(lengths)})")
+            if cost is not None:
+                for m, mb in enumerate(self.micro_batches):
+                    for j, g in enumerate(mb.groups):
+                        tokens = exact_sum(lengths[list(g.seq_ids)])     # exact: int64 sums can wrap
+                        if tokens > cost.group_capacity(g.degree):
+                            raise PlanError(
+                                f"micro-batch {m} group {j}: {tokens} tokens overflow {g.degree} GPUs "
+                                f"(capacity {cost.group_capacity(g.degree)})")
+                actual = self.time(lengths, cost)
+                predicted = number(self.predicted_time, "predicted_time", PlanError)
+                if not math.isclose(actual, predicted, rel_tol=rel_tol, abs_tol=1e-9):
+                    raise PlanError(f"predicted_time {self.predicted_time} does not match the cost model's {actual}")
+
+    @staticmethod
+    def _check_split(m: int, mb: MicroBatch, cost: "CostModel | None") -> None:
+        """Ulysses x ring = group size; the Ulysses degree divides the model's heads and the split is
+        the one the cost model costs (when it knows the heads)."""
+        for j, g in enumerate(mb.groups):
+            ring = integer(g.ring, f"micro-batch {m} group {j}: ring", PlanError)
+            if g.degree % ring:
+                raise PlanError(f"micro-batch {m} group {j}: ring degree {ring} must be a power of two dividing "
+                                f"the group's {g.degree} GPUs (Ulysses x ring = group size)")
+            if cost is None:
+                continue
+            limit = cost.ulysses_limit
+            if limit is not None and g.ulysses > limit:
+                raise PlanError(
+                    f"micro-batch {m} group {j}: Ulysses degree {g.ulysses} (= {g.degree} GPUs / ring {ring}) exceeds "
+                    f"the model's {cost.heads} attention heads (at most {limit} ranks split them); "
+                    f"it needs ring = {g.degree // limit}")
+            expected = cost.split(g.degree)
+            if (g.ulysses, ring) != expected:
+                raise PlanError(f"micro-batch {m} group {j}: runs Ulysses {g.ulysses} x ring {ring}, but the cost model "
+                                f"costs {g.degree} GPUs as Ulysses {expected[0]} x ring {expected[1]}")
+
+    def _check_ranks(self, m: int, mb: MicroBatch, cluster: "Cluster | None", aligned: bool) -> None:
+        """Degrees, rank ranges, overlaps, alignment and node containment of one micro-batch, checked
+        on all its ranks at once; the message names the first offending group."""
+        n = self.num_gpus
+        degrees = np.array([g.degree for g in mb.groups])
+        starts = np.concatenate([[0], np.cumsum(degrees)[:-1]])
+        owner = np.repeat(np.arange(len(degrees)), degrees)
+        ranks = _int_array(m, mb, "ranks")
+
+        def fail(bad_group: np.ndarray, message) -> None:
+            if bad_group.any():
+                j = int(np.flatnonzero(bad_group)[0])
+                raise PlanError(f"micro-batch {m} group {j}: {message(j)}")
+
+        fail(degrees < 1, lambda j: "group has no ranks")
+        fail(degrees & (degrees - 1) != 0, lambda j: f"degree {degrees[j]} is not a power of two")
+        fail(np.array([not g.seq_ids for g in mb.groups]), lambda j: "group has no sequences")
+        fail(np.array([not isinstance(g.ring, int) or not is_power_of_two(g.ring) or g.ring > g.degree
+                       for g in mb.groups]),
+             lambda j: f"ring degree {mb.groups[j].ring!r} must be a power of two dividing the group's {degrees[j]} GPUs")
+        first = ranks[starts][owner]        # every group has >= 1 rank from here on
+        outside = (ranks < 0) | (ranks >= n)
+        fail(np.bincount(owner, weights=outside, minlength=len(degrees)) > 0,
+             lambda j: f"rank {ranks[owner == j][outside[owner == j]][0]} is outside 0..{n - 1}")
+        _, where, counts = np.unique(ranks, return_inverse=True, return_counts=True)   # O(ranks), not O(num_gpus)
+        twice = counts[where] > 1
+        fail(np.bincount(owner, weights=twice, minlength=len(degrees)) > 0,
+             lambda j: f"rank {ranks[owner == j][twice[owner == j]][0]} is used by two groups of the same micro-batch")
+        if aligned:
+            off = misaligned(ranks, degrees)
+            fail(np.bincount(owner, weights=off, minlength=len(degrees)) > 0,
+                 lambda j: f"ranks {_short(mb.groups[j].ranks)} are not an aligned block "
+                           f"[k*{degrees[j]}, (k+1)*{degrees[j]})")
+        if cluster is not None:
+            gpn = cluster.gpus_per_node
+            crosses = (ranks // gpn != first // gpn) & (degrees[owner] <= gpn)
+            fail(np.bincount(owner, weights=crosses, minlength=len(degrees)) > 0,
+                 lambda j: f"{degrees[j]} GPUs fit in one node but span nodes "
+                           f"{sorted(set(r // gpn for r in mb.groups[j].ranks))}")
+
+    # --- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_gpus": self.num_gpus,
+            "predicted_time": self.predicted_time,
+            "strategy": self.strategy,
+            "gpus_per_node": self.gpus_per_node,
+            "solve_time": self.solve_time,
+            "micro_batches": [{"groups": [_group_dict(g) for g in mb.groups]} for mb in self.micro_batches],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """Parse the JSON form; a malformed document raises ``PlanError`` saying what is wrong."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        for key in ("num_gpus", "predicted_time", "micro_batches"):
+            if key not in data:
+                raise PlanError(f"plan is missing '{key}'")
+        num_gpus = integer(data["num_gpus"], "num_gpus", PlanError)
+        predicted = number(data["predicted_time"], "predicted_time (seconds)", PlanError)
+        if not isinstance(data["micro_batches"], list):
+            raise PlanError("micro_batches must be a list")
+        micro_batches = []
+        for m, mb in enumerate(data["micro_batches"]):
+            if not isinstance(mb, Mapping) or not isinstance(mb.get("groups"), list):
+                raise PlanError(f"micro_batches[{m}] must be an object with a 'groups' list")
+            groups = []
+            for j, g in enumerate(mb["groups"]):
+                where = f"micro_batches[{m}].groups[{j}]"
+                if not isinstance(g, Mapping) or not isinstance(g.get("ranks"), list) or not isinstance(g.get("seq_ids"), list):
+                    raise PlanError(f"{where} must be an object with 'ranks' and 'seq_ids' lists")
+                groups.append(Group(ranks=tuple(_int(r, f"{where}.ranks") for r in g["ranks"]),
+                                    seq_ids=tuple(_int(s, f"{where}.seq_ids") for s in g["seq_ids"]),
+                                    ring=integer(g.get("ring", 1), f"{where}.ring", PlanError)))
+            micro_batches.append(MicroBatch(tuple(groups)))
+        gpn = data.get("gpus_per_node")
+        strategy = data.get("strategy")
+        if strategy is not None and not isinstance(strategy, str):
+            raise PlanError(f"strategy must be a string, got {strategy!r}")
+        solve_time = data.get("solve_time")
+        return cls(num_gpus=num_gpus, micro_batches=tuple(micro_batches), predicted_time=predicted,
+                   strategy=strategy or "",
+                   gpus_per_node=None if gpn is None else integer(gpn, "gpus_per_node", PlanError),
+                   solve_time=0.0 if solve_time is None else number(solve_time, "solve_time (seconds)", PlanError))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(parse_json(text, "plan", PlanError))
+
+    def save(self, path: str | Path) -> None:
+        try:
+            Path(path).write_text(self.to_json() + "\n")
+        except OSError as exc:
+            raise PlanError(f"cannot write plan {path}: {exc.strerror or exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        data = read_json(path, "plan file", PlanError)
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            raise PlanError(f"{path}: {exc}") from None
+
+
+def _group_dict(group: Group) -> dict[str, Any]:
+    out: dict[str, Any] = {"ranks": list(group.ranks), "seq_ids": list(group.seq_ids)}
+    if group.ring > 1:      # only hybrid groups carry the split; the contract's keys stay as they are
+        out["ring"] = group.ring
+    return out
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{what} must hold integers, got {value!r}")
+    if not 0 <= value <= INT64_MAX:
+        raise PlanError(f"{what} must hold integers from 0 to 2**63-1, got {value}")
+    return value
+
+
+def _int_array(m: int, mb: MicroBatch, what: str) -> np.ndarray:
+    """All groups' ``ranks`` or ``seq_ids`` of a micro-batch as one int64 array; a value that is not
+    an integer in int64's range is a ``PlanError`` naming its group."""
+    for j, g in enumerate(mb.groups):
+        for value in getattr(g, what):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+                    or not -INT64_MAX <= value <= INT64_MAX:
+                raise PlanError(f"micro-batch {m} group {j}: {what} must hold integers in int64's range, got {value!r}")
+    return np.fromiter((v for g in mb.groups for v in getattr(g, what)), dtype=np.int64)
+
+
+def _short(items: Sequence[int], limit: int = 8) -> str:
+    items = list(items)
+    text = ", ".join(str(i) for i in items[:limit])
+    return f"[{text}{', ...' if len(items) > limit else ''}]"

@@ -1,0 +1,60 @@
+"""Modelled communication for a replay: the cost model's all-to-all term, optionally with a measured
+bandwidth table in place of its bandwidths. No torch.
+
+A group of ``d > 1`` ranks moves ``comm_bytes_per_token * tokens / d`` bytes per rank per step (all
+layers, forward and backward) at ``bandwidth[d]``, exactly the term ``CostModel.seq_time`` adds, so a
+replayed group differs from its prediction only in compute.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from flexsp.errors import CostModelError
+from flexsp.plan.cost import CostModel
+
+
+def load_bandwidth_table(path: str | Path) -> dict[int, float]:
+    """Degree -> bytes/s from a JSON file: a cost model (its ``alltoall_bandwidth``, e.g. a
+    ``flexsp profile`` run under torchrun), ``{"alltoall_bandwidth": {...}}``, or ``{"2": 1.2e9, ...}``."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise CostModelError(f"bandwidth table {path} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise CostModelError(f"cannot read bandwidth table {path}: {exc}") from None
+    return parse_bandwidth_table(data, str(path))
+
+
+def parse_bandwidth_table(data: Any, where: str = "bandwidth table") -> dict[int, float]:
+    if isinstance(data, Mapping) and "alltoall_bandwidth" in data:
+        data = data["alltoall_bandwidth"]
+    if not isinstance(data, Mapping) or not data:
+        raise CostModelError(f"{where} must map SP degrees to bytes/s, e.g. {{\"2\": 5e9, \"4\": 4e9}}; got {data!r}")
+    table = {}
+    for key, value in data.items():
+        try:
+            degree, bandwidth = int(key), float(value)
+        except (TypeError, ValueError):
+            raise CostModelError(f"{where}: entry {key!r}: {value!r} is not degree: bytes/s") from None
+        if degree < 2 or degree & (degree - 1) or not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise CostModelError(f"{where}: entry {key!r}: {value!r} needs a power-of-two degree >= 2 and bytes/s > 0")
+        table[degree] = bandwidth
+    return dict(sorted(table.items()))
+
+
+def with_bandwidth(cost: CostModel, table: Mapping[int, float], source: str) -> CostModel:
+    """``cost`` with its all-to-all bandwidths replaced by ``table`` (recorded in ``meta``)."""
+    data = cost.to_dict()
+    data["alltoall_bandwidth"] = {str(d): bw for d, bw in table.items()}
+    data["meta"] = dict(cost.meta, replay_bandwidth_source=source)
+    return CostModel.from_dict(data)
+
+
+def comm_time(cost: CostModel, tokens: int, degree: int) -> float:
+    """Seconds of all-to-all one rank of a ``degree`` group spends on ``tokens`` tokens (0 for degree 1)."""
+    if degree == 1:
+        return 0.0
+    return cost.comm_bytes_per_token * tokens / degree / cost.bandwidth(degree)

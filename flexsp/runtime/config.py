@@ -1,0 +1,46 @@
+"""``TrainConfig``: the runtime's training settings in one frozen object, each default written once.
+
+``shard_model`` and ``StepExecutor`` read it; an example or trainer builds one next to its
+``PlanConfig`` so the sharding the cost model's capacity assumes and the sharding the runtime runs
+are the same value (``flexsp.plan.memory``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flexsp.errors import FlexSPError
+from flexsp.plan.memory import DEFAULT as DEFAULT_SHARDING
+from flexsp.plan.memory import check as check_sharding
+from flexsp.runtime.kernels import BACKENDS
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``sharding``: how FSDP2 shards model states ("full", "grad_optim", "none"); ``param_dtype``: the
+    compute dtype (None: the parameters' own, e.g. fp64 tests); ``reduce_dtype``: gradient reduction
+    dtype (None: the compute dtype); ``backend``: the local attention kernel (``flexsp.runtime.kernels``)."""
+
+    sharding: str = DEFAULT_SHARDING
+    param_dtype: torch.dtype | None = torch.bfloat16
+    reduce_dtype: torch.dtype | None = torch.float32
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_sharding(self.sharding)
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise FlexSPError(f"{name} must be a torch.dtype or None, got {value!r}")
+        if self.backend not in BACKENDS:
+            raise FlexSPError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise FlexSPError(f"unknown training settings {unknown}; valid: "
+                              f"{', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **changes)

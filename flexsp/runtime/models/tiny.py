@@ -1,0 +1,154 @@
+"""A small LLaMA-style decoder whose attention is sequence-parallel and everything else token-wise.
+
+RMSNorm, rotary embeddings driven by per-sequence position ids, grouped-query attention, SwiGLU MLP,
+tied or untied LM head, built from a ``flexsp.plan.specs.ModelSpec`` (``MODELS["tiny-lm"]`` is the example size). ``forward`` takes one rank's flat token shard; only attention looks past it
+(through ``sp_attention``), so the rest runs on the shard as is. It implements ``SPModel``
+(``flexsp.runtime.models.protocol``). Precision: whatever the parameter dtype (bf16 under FSDP2 mixed
+precision), rotary angles are computed in fp64 and applied in fp32, norms reduce in fp32, and the
+loss is taken on fp32 logits: bf16 angles are off by whole radians past a few thousand positions.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexsp.errors import CostModelError
+from flexsp.plan.specs import ModelSpec
+from flexsp.runtime.models.protocol import LOSS_CHUNK_TOKENS, chunked_cross_entropy, loss_dtype
+from flexsp.runtime.sp.attention import sp_attention
+from flexsp.runtime.sp.context import AttentionContext
+
+
+def check_spec(spec: ModelSpec) -> ModelSpec:
+    """``spec`` if ``TinyLM`` can build it: rotary embeddings need an even head size."""
+    if spec.head_size % 2:
+        raise CostModelError(f"model {spec.name!r}: head size {spec.head_size} must be even for rotary embeddings")
+    return spec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(loss_dtype(x.dtype))   # reduce in fp32 (fp64 stays fp64)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``x [tokens, heads, dim]`` at ``position_ids`` (restarted per sequence).
+
+    Angles in fp64 (a position times a frequency loses whole radians in bf16 and ~1e-2 in fp32 at
+    100K positions), cos/sin and the rotation in fp32 (or wider), the result in ``x``'s dtype.
+    """
+    dim = x.shape[-1]
+    wide = loss_dtype(x.dtype)
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float64) / dim)
+    angles = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]   # [tokens, dim/2]
+    cos, sin = angles.cos().to(wide)[:, None, :], angles.sin().to(wide)[:, None, :]
+    xw = x.to(wide)
+    x1, x2 = xw[..., : dim // 2], xw[..., dim // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelSpec) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q = nn.Linear(cfg.hidden, cfg.heads * cfg.head_size, bias=False)
+        self.kv = nn.Linear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, bias=False)
+        self.out = nn.Linear(cfg.heads * cfg.head_size, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        cfg, tokens = self.cfg, x.shape[0]
+        q = self.q(x).view(tokens, cfg.heads, cfg.head_size)
+        k, v = self.kv(x).view(tokens, 2, cfg.kv_heads, cfg.head_size).unbind(1)
+        q, k = rotate(q, position_ids, cfg.rope_theta), rotate(k, position_ids, cfg.rope_theta)
+        return self.out(sp_attention(q, k, v, ctx).reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=False)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids, ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyLM(nn.Module):
+    """Decoder-only LM over a flat token shard: ``input_ids [tokens]`` -> ``logits [tokens, vocab]``.
+
+    ``shard_loss`` (the ``SPModel`` entry the executor uses) never materialises more than
+    ``loss_chunk_tokens`` tokens' logits at once; ``forward`` returns all logits (tests, inference).
+    """
+
+    def __init__(self, cfg: ModelSpec, *, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> None:
+        super().__init__()
+        self.cfg = check_spec(cfg)
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.apply(_init)
+
+    # --- SPModel ------------------------------------------------------------------------------
+    def sp_heads(self) -> tuple[int, int]:
+        return self.cfg.heads, self.cfg.kv_heads
+
+    def fsdp_units(self) -> Sequence[nn.Module]:
+        return list(self.blocks)
+
+    def shard_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                   ctx: AttentionContext) -> torch.Tensor:
+        """Summed next-token cross-entropy of this shard (fp32 or wider), logits chunk by chunk."""
+        hidden = self.hidden_states(input_ids, position_ids, ctx)
+        return chunked_cross_entropy(hidden, labels, self._project, chunk_tokens=self.loss_chunk_tokens)
+
+    # --- plain use ----------------------------------------------------------------------------
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      ctx: AttentionContext | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[tokens, hidden]``. Without ``ctx`` the tokens are one causal sequence."""
+        if ctx is None:
+            ctx = AttentionContext.single(input_ids.numel(), device=input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.numel(), device=input_ids.device)
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, position_ids, ctx)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                ctx: AttentionContext | None = None) -> torch.Tensor:
+        """All logits of the shard (in the parameters' dtype)."""
+        return self._project(self.hidden_states(input_ids, position_ids, ctx))
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.embed.weight) if self.lm_head is None else self.lm_head(hidden)
+
+
+def _init(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)

@@ -1,0 +1,22 @@
+"""The one place that decides which SP axis serves a group: Ulysses alone, or Ulysses x ring.
+
+Models call ``sp_attention(q, k, v, ctx)`` in every attention layer; the context built for the
+micro-batch says which axis its group runs (``ctx.ring`` is set for a Ulysses x ring group). A new SP
+axis is one module beside ``ulysses`` and ``ring`` plus one branch here.
+"""
+from __future__ import annotations
+
+import torch
+
+from flexsp.runtime.sp.context import AttentionContext
+from flexsp.runtime.sp.ring import ring_attention
+from flexsp.runtime.sp.ulysses import ulysses_attention
+
+
+def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    """Causal attention of this rank's token shard over its SP group; returns ``q``'s shape.
+
+    ``q [tokens/d, heads, dim]``, ``k``/``v`` ``[tokens/d, kv_heads, dim]`` (this rank's shard)."""
+    if ctx.ring is not None:
+        return ring_attention(q, k, v, ctx)
+    return ulysses_attention(q, k, v, ctx)

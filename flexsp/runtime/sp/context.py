@@ -1,0 +1,101 @@
+"""What every attention layer of one forward pass needs: ``AttentionContext`` (the SP group and the
+packed layout), the head-divisibility rule, the token ids every SP axis pads and ignores with, and
+``Shard``, one rank's tokens.
+
+The context is built once per micro-batch (``AttentionContext.packed`` or the ring axis's
+``ring_context``) and handed to every layer; ``flexsp.runtime.sp.attention.sp_attention`` reads it to
+decide which SP axis serves the group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.distributed as dist
+
+from flexsp.errors import FlexSPError
+from flexsp.runtime.sp.ulysses_comm import AllToAllExchange, Exchange
+
+if TYPE_CHECKING:
+    from flexsp.runtime.sp.ring import RingContext
+
+IGNORE_INDEX = -100   # label of tokens that have no next token (sequence ends, padding)
+PAD_TOKEN = 0
+
+
+class ShardingError(FlexSPError):
+    """The model's heads cannot be split over the SP degree asked for."""
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """What every attention layer of one forward pass needs: the SP group and the packed layout.
+
+    ``cu_seqlens`` (int32, on the compute device) bounds the group's real sequences in its full
+    packed stream (not this shard); it is built once per micro-batch (``packed``) so no layer copies
+    or reads it on the host. ``max_seqlen`` is a host int for the kernels. ``group`` is None for degree 1.
+    ``ring`` (a ``flexsp.runtime.sp.ring.RingContext``) is set for a Ulysses x ring group: then ``group``
+    is the Ulysses sub-group and ``cu_seqlens`` bounds this rank's ring shard.
+    ``exchange`` replaces the all-to-all over ``group`` (replay's local stand-in); None means the real one.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    group: dist.ProcessGroup | None = None
+    backend: str = "auto"
+    ring: "RingContext | None" = None
+    exchange: Exchange | None = None
+
+    @property
+    def trades(self) -> Exchange:
+        return self.exchange if self.exchange is not None else AllToAllExchange(self.group)
+
+    @property
+    def degree(self) -> int:
+        return self.trades.degree
+
+    @classmethod
+    def packed(cls, bounds: Sequence[int], device: torch.device | str | None = None, *,
+               group: dist.ProcessGroup | None = None, backend: str = "auto") -> "AttentionContext":
+        """The context of a packed stream whose sequences end at the host ints ``bounds`` (``[0, ..., real]``):
+        one host-to-device copy of ``cu_seqlens`` here, none in the layers."""
+        bounds = [int(b) for b in bounds]
+        if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 and bound at least one sequence, got {bounds}")
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        if device is not None and torch.device(device).type != "cpu":
+            cu = cu.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else cu.to(device)
+        max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
+        return cls(cu_seqlens=cu, max_seqlen=max_seqlen, group=group, backend=backend)
+
+    @classmethod
+    def single(cls, tokens: int, backend: str = "auto", device: torch.device | str | None = None) -> "AttentionContext":
+        """One causal sequence on one device (no packing, no SP)."""
+        return cls.packed((0, tokens), device, backend=backend)
+
+
+def check_heads(heads: int, kv_heads: int, degree: int) -> None:
+    """Raise ``ShardingError`` unless ``degree`` ranks can split ``heads`` query heads evenly."""
+    if heads % degree:
+        usable = [d for d in (1 << i for i in range(heads.bit_length())) if heads % d == 0]
+        raise ShardingError(f"Ulysses SP degree {degree} does not divide the {heads} attention heads; "
+                            f"this model supports SP degrees {usable} (at most {max(usable)})")
+    if heads % kv_heads:
+        raise ShardingError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's tokens of a group (Ulysses packing or a ring group's zigzag slice): its first
+    ``real_tokens`` tokens are data, the rest padding."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    real_tokens: int
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> "Shard":
+        """The shard on ``device`` (three copies per micro-batch, nothing per sequence)."""
+        move = lambda t: t.to(device, non_blocking=non_blocking)   # noqa: E731
+        return Shard(move(self.input_ids), move(self.position_ids), move(self.labels), self.real_tokens)

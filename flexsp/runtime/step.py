@@ -1,0 +1,320 @@
+"""Run one planned training step on this rank: the only step path (the loader's ``Step`` or a plan + batch).
+
+1. **Check, locally**: plan against the pool and world, ring groups, heads, the cost model's
+   capacity and sharding, and (for a loader ``Step``) that this rank's shards are the plan's.
+2. **Agree** (``failures.agree``): one flag all-reduce that every rank reaches; if any rank's checks
+   failed, every rank raises the same error and nobody has entered a step collective.
+3. **Run every micro-batch on every rank**: a member of a group runs its shard through
+   ``model.shard_loss`` (Ulysses all-to-alls inside its group); a rank idle in a micro-batch runs a
+   one-token dummy with loss weight 0, so it joins every FSDP all-gather and reduce-scatter in the
+   same order as the others. Gradients are reduce-scattered per layer during backward (FSDP2) and
+   accumulate over micro-batches; a model that was not prepared is all-reduced per parameter at the end.
+4. **One optimizer step.** A failure after step collectives began is recorded for every rank
+   (``failures.FailureChannel``) and raised everywhere as the same ``RankFailure``.
+
+Each shard's loss is a sum divided by the global batch's label count, so the summed gradient equals
+that of the mean next-token loss over the global batch on one device, whatever the plan.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flexsp.errors import FlexSPError, PlanError
+from flexsp.plan import memory as sharding_mod
+from flexsp.plan.cost import CostModel
+from flexsp.plan.types import Group, Plan
+from flexsp.runtime.config import TrainConfig
+from flexsp.runtime.failures import FailureChannel, RankFailure, agree
+from flexsp.runtime.fsdp import is_sharded, runtime_sharding
+from flexsp.runtime.pool import GroupPool
+from flexsp.runtime.shard import MicroBatchShard, group_inputs, loss_tokens
+from flexsp.runtime.sp.context import IGNORE_INDEX, PAD_TOKEN, AttentionContext, ShardingError, check_heads
+
+
+@dataclass(frozen=True)
+class Step:
+    """What this rank runs in one optimizer step, as ``flexsp.data.FlexSPLoader`` yields it and
+    ``StepExecutor.step`` consumes it. Same ``plan``, ``indices`` and token counts on every rank."""
+
+    epoch: int
+    index: int                                  # global batch within the epoch
+    step: int                                   # steps taken by this loader's run, resumes included
+    plan: Plan                                  # seq id i of the plan is dataset item ``indices[i]``
+    indices: tuple[int, ...]
+    lengths: tuple[int, ...]
+    num_tokens: int                             # real tokens in the global batch
+    loss_tokens: int                            # tokens with a next-token label: divide summed losses by it
+    micro_batches: tuple[MicroBatchShard, ...]  # only those this rank takes part in, in plan order
+    last: bool                                  # the epoch's final batch
+    plan_wait: float                            # seconds this step waited for its plan (incl. broadcast)
+    load_seconds: float                         # seconds spent fetching and packing this rank's items
+    fallback: bool                              # planned by the greedy fallback after a slow solve
+    sharding: str = "full"                      # model-state sharding the cost model's capacity assumed
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float                       # mean next-token loss over the global batch (same on every rank)
+    loss_tokens: int                  # labelled tokens in the global batch: the loss's denominator
+    tokens_processed: int             # real (unpadded) tokens in this rank's shards, all micro-batches
+    seq_ids: tuple[int, ...]          # sequences run by this rank's groups, in plan order
+    degrees: tuple[int | None, ...]   # this rank's group degree per micro-batch; None where it idled
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One micro-batch of this rank, on the compute device; ``None`` in a work list means idle."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    ctx: AttentionContext
+    real_tokens: int
+    group: Group
+
+
+def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *, num_heads: int | None = None,
+                  num_kv_heads: int | None = None, cost: CostModel | None = None) -> None:
+    """Raise ``PlanError`` if ``plan`` cannot run on this world and batch. Local only: no collectives."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"expected a flexsp.Plan, got {type(plan).__name__}")
+    if plan.num_gpus != pool.world_size:
+        raise PlanError(f"plan is for {plan.num_gpus} GPUs but the process group has {pool.world_size} ranks")
+    unknown = sorted({s for mb in plan.micro_batches for g in mb.groups for s in g.seq_ids
+                      if not 0 <= s < len(lengths)})
+    if unknown:
+        raise PlanError(f"plan references sequence ids {unknown[:8]} but the batch has {len(lengths)} "
+                        f"sequences (ids 0..{len(lengths) - 1})")
+    plan.validate(lengths=lengths)
+    for m, mb in enumerate(plan.micro_batches):
+        for j, g in enumerate(mb.groups):
+            try:
+                pool.check(g.ranks, g.ring)
+                if num_heads is not None:   # a ring group splits heads over its Ulysses part only
+                    check_heads(num_heads, num_kv_heads or num_heads, g.ulysses)
+            except (PlanError, ShardingError) as exc:
+                raise PlanError(f"micro-batch {m} group {j}: {exc}") from None
+            if cost is not None:
+                tokens = sum(int(lengths[s]) for s in g.seq_ids)
+                if tokens > cost.group_capacity(g.degree):
+                    raise PlanError(f"micro-batch {m} group {j} holds {tokens} tokens on {g.degree} GPUs, more than "
+                                    f"the cost model's capacity {cost.group_capacity(g.degree):.0f} "
+                                    f"({cost.token_capacity:.0f} per GPU): it would run out of memory")
+    if loss_tokens(lengths) == 0:
+        raise PlanError("the batch has no token with a next-token label (every sequence has length 1)")
+
+
+class StepExecutor:
+    """Executes planned steps of ``model`` (an ``SPModel``) on this rank; build one per rank, in the same order.
+
+    ``cost``: the cost model the plans came from; its capacity is checked per group and its recorded
+    sharding must not exceed what ``model`` runs (``flexsp.plan.memory.check_runtime``).
+    ``config`` (a ``TrainConfig``; keyword ``settings`` such as ``backend="sdpa"`` override it) gives the
+    attention kernel. ``failure_name`` keys this executor's failure record in the job's store (unique
+    per executor).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, pool: GroupPool, *,
+                 cost: CostModel | None = None, config: TrainConfig | None = None, failure_name: str = "executor",
+                 **settings: Any) -> None:
+        if not callable(getattr(model, "shard_loss", None)) or not callable(getattr(model, "sp_heads", None)):
+            raise FlexSPError(f"{type(model).__name__} is not an SPModel (flexsp.runtime.models.protocol): it needs "
+                              f"sp_heads(), fsdp_units() and shard_loss()")
+        self.config = (config or TrainConfig()).replace(**settings) if settings else (config or TrainConfig())
+        self.model, self.optimizer, self.pool, self.backend, self.cost = model, optimizer, pool, self.config.backend, cost
+        self.num_heads, self.num_kv_heads = model.sp_heads()
+        self.sharding = runtime_sharding(model)
+        if cost is not None:
+            sharding_mod.check_runtime(sharding_mod.assumed(cost), self.sharding)
+        self.device = next(model.parameters()).device
+        self.sharded = is_sharded(model)
+        self.channel = FailureChannel(failure_name) if pool.world_size > 1 else None
+        self.steps = 0
+        self._dummy: _Work | None = None
+
+    def close(self) -> None:
+        """Stop the failure watcher thread; call at the end of training (or use ``with``)."""
+        if self.channel is not None:
+            self.channel.close()
+
+    def __enter__(self) -> "StepExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- entry points ---------------------------------------------------------------------------
+    def step(self, step: Step) -> StepResult:
+        """One optimizer step on the loader's per-rank ``Step`` (every rank passes its own)."""
+        error, work = None, []
+        try:
+            work = self._check_loader_step(step)
+        except Exception as exc:
+            error = exc
+        self._agree(error)
+        return self._run(work, step.loss_tokens)
+
+    def run_plan(self, plan: Plan, batch: Sequence[torch.Tensor]) -> StepResult:
+        """One optimizer step on the global ``batch`` (1-D token tensors, indexed by the plan's seq ids).
+
+        Every rank passes the same plan and batch; each packs and runs only its groups' sequences.
+        """
+        error, work, denominator = None, [], 0
+        try:
+            lengths = _lengths(batch)
+            validate_step(plan, lengths, self.pool, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                          cost=self.cost)
+            denominator = loss_tokens(lengths)
+            work = [self._pack(batch, mb.group_of_rank(self.pool.rank)) for mb in plan.micro_batches]
+        except Exception as exc:
+            error = exc
+        self._agree(error)
+        return self._run(work, denominator)
+
+    # --- checks (local) -------------------------------------------------------------------------
+    def _check_loader_step(self, step: Step) -> list[_Work | None]:
+        plan, lengths, rank = step.plan, step.lengths, self.pool.rank
+        validate_step(plan, lengths, self.pool, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                      cost=self.cost)
+        assumed = getattr(step, "sharding", None)
+        if assumed is not None:
+            sharding_mod.check_runtime(assumed, self.sharding)
+        if step.loss_tokens != loss_tokens(lengths):
+            raise PlanError(f"step says {step.loss_tokens} labelled tokens but its lengths have {loss_tokens(lengths)}")
+        shards = list(step.micro_batches)
+        work: list[_Work | None] = []
+        for m, mb in enumerate(plan.micro_batches):
+            group = mb.group_of_rank(rank)
+            if group is None:
+                work.append(None)
+                continue
+            if not shards or shards[0].micro_batch != m:
+                got = shards[0].micro_batch if shards else "none"
+                raise PlanError(f"the step has no shard for micro-batch {m} of its plan (next shard is "
+                                f"for micro-batch {got}): the step's shards do not match its plan")
+            shard = shards.pop(0)
+            work.append(self._check_shard(m, group, shard, lengths))
+        if shards:
+            raise PlanError(f"the step has shards for micro-batches {[s.micro_batch for s in shards]} "
+                            f"where its plan gives this rank no group")
+        return work
+
+    def _check_shard(self, m: int, group: Group, shard: MicroBatchShard, lengths: Sequence[int]) -> _Work:
+        rank, where = self.pool.rank, f"micro-batch {m}"
+        if tuple(shard.ranks) != tuple(group.ranks) or shard.local_rank != group.ranks.index(rank):
+            raise PlanError(f"{where}: shard is for ranks {list(shard.ranks)} (position {shard.local_rank}) but the "
+                            f"plan puts this rank in {list(group.ranks)}")
+        ring = group.ring > 1
+        handle = self.pool.ring_groups(group.ranks, group.ring)[0] if ring else self.pool.get(group.ranks)
+        if shard.group is not handle or (ring and getattr(shard, "ring", None) is None):
+            raise PlanError(f"{where}: the shard's process group is not the pool's group for {list(group.ranks)}; "
+                            f"build the loader with the executor's pool")
+        total = sum(int(lengths[s]) for s in group.seq_ids)
+        # a ring group's zigzag shard pads each sequence to 2 x ring chunks: its length is the layout's
+        expect = shard.input_ids.numel() if ring else -(-total // group.degree)
+        for name in ("input_ids", "position_ids", "labels"):
+            t = getattr(shard, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != expect:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise PlanError(f"{where}: shard {name} must be 1-D with {expect} tokens ({total} tokens over "
+                                f"{group.degree} ranks), got {shape}")
+            if t.device != self.device:
+                raise PlanError(f"{where}: shard {name} is on {t.device} but the model is on {self.device}; "
+                                f"give the loader device={self.device}")
+        cu = shard.cu_seqlens
+        bounds = cu.numel() if ring else len(group.seq_ids) + 1   # a ring shard bounds its zigzag chunks
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != bounds or cu.device != self.device:
+            raise PlanError(f"{where}: cu_seqlens must be int32 [{bounds}] on {self.device}, got "
+                            f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+        ctx = AttentionContext(cu_seqlens=cu, max_seqlen=int(shard.max_seqlen), group=handle, backend=self.backend,
+                               ring=shard.ring if ring else None)
+        return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, int(shard.real_tokens), group)
+
+    def _pack(self, batch: Sequence[torch.Tensor], group: Group | None) -> _Work | None:
+        if group is None:
+            return None
+        shard, ctx = group_inputs(group, [batch[s] for s in group.seq_ids], self.pool.rank, self.device,
+                                  pool=self.pool, backend=self.backend)
+        return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, shard.real_tokens, group)
+
+    def _agree(self, error: BaseException | None) -> None:
+        if self.channel is not None and self.channel.record is not None:
+            raise RankFailure(self.channel.record)   # a previous step failed somewhere: the world is gone
+        agree(error)
+
+    # --- the step (collectives) -----------------------------------------------------------------
+    def _idle(self) -> _Work:
+        """A one-token, label-free shard at degree 1: runs every layer (so every FSDP collective) for nothing."""
+        if self._dummy is None:
+            one = lambda value: torch.full((1,), value, dtype=torch.long, device=self.device)   # noqa: E731
+            self._dummy = _Work(one(PAD_TOKEN), one(0), one(IGNORE_INDEX),
+                                AttentionContext.single(1, self.backend, device=self.device), 0, None)
+        return self._dummy
+
+    def _run(self, work: list[_Work | None], denominator: int) -> StepResult:
+        start = time.perf_counter()
+        try:
+            loss, processed, seq_ids, degrees = self._forward_backward(work, denominator)
+            self.optimizer.step()
+        except Exception as exc:
+            if self.channel is None:
+                raise
+            recorded = self.channel.failure(wait=1.0) or self.channel.post(exc, f"in step {self.steps}")
+            raise RankFailure(recorded) from exc
+        self.steps += 1
+        return StepResult(loss=loss, loss_tokens=denominator, tokens_processed=processed, seq_ids=tuple(seq_ids),
+                          degrees=tuple(degrees), seconds=time.perf_counter() - start)
+
+    def _forward_backward(self, work: list[_Work | None], denominator: int):
+        self.optimizer.zero_grad(set_to_none=True)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        processed, seq_ids, degrees = 0, [], []
+        for w in work:
+            if w is None:
+                d = self._idle()
+                loss = self.model.shard_loss(d.input_ids, d.position_ids, d.labels, d.ctx) * 0.0
+                degrees.append(None)
+            else:
+                loss = self.model.shard_loss(w.input_ids, w.position_ids, w.labels, w.ctx) / denominator
+                local += loss.detach().to(torch.float64)
+                processed += w.real_tokens
+                seq_ids.extend(w.group.seq_ids)
+                degrees.append(w.group.degree)
+            loss.backward()   # collectives: FSDP per layer over the world, all-to-all backward in the group
+        if self.pool.world_size > 1:
+            if not self.sharded:
+                _allreduce_grads(self.model)
+            dist.all_reduce(local)
+        return float(local), processed, seq_ids, degrees
+
+
+def _lengths(batch: Sequence[torch.Tensor]) -> list[int]:
+    lengths = []
+    for i, seq in enumerate(batch):
+        if not isinstance(seq, torch.Tensor) or seq.dim() != 1 or seq.numel() == 0:
+            shape = tuple(seq.shape) if isinstance(seq, torch.Tensor) else type(seq).__name__
+            raise PlanError(f"batch[{i}] must be a non-empty 1-D tensor of token ids, got {shape}")
+        lengths.append(int(seq.numel()))
+    if not lengths:
+        raise PlanError("the batch is empty")
+    return lengths
+
+
+def _allreduce_grads(model: nn.Module) -> None:
+    """Sum gradients of an unsharded model over the world, parameter by parameter (no flat copy), all in flight at once."""
+    handles = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:   # unused this step on this rank: still joins, with zeros
+            p.grad = torch.zeros_like(p)
+        handles.append(dist.all_reduce(p.grad, async_op=True))
+    for h in handles:
+        h.wait()
