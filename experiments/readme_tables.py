@@ -1,4 +1,4 @@
-"""Regenerate the README's generated blocks from the commands and result files that own them.
+"""Regenerate the generated blocks of README.md and docs/*.md from the commands and result files that own them.
 
 A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``. ``simulate``
 is the output of the README's default command (``flexsp simulate``); ``results:FILE`` copies the block
@@ -7,7 +7,7 @@ figures wrote it. ``--check`` exits 1 when the README differs (for ``simulate``,
 time-limited search's plan details, which vary from run to run, are ignored; its total time must agree
 within 1%: see ``simulation_differs``).
 
-    python experiments/readme_tables.py            # rewrite README.md in place
+    python experiments/readme_tables.py            # rewrite README.md and docs/*.md in place
     python experiments/readme_tables.py --check    # what CI's test does
 """
 from __future__ import annotations
@@ -21,6 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+
+
+def documents() -> list[Path]:
+    """Every page that may hold generated blocks."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w:.\-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)", re.S)
 
 
@@ -125,17 +130,22 @@ def update(text: str) -> tuple[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the README is out of date; write nothing")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page is out of date; write nothing")
     args = parser.parse_args(argv)
-    fresh, changed = update(README.read_text())
-    if args.check:
+    stale = {}
+    for page in documents():
+        fresh, changed = update(page.read_text())
+        name = page.relative_to(ROOT)
         if changed:
-            print(f"README.md is out of date in blocks {changed}: run python experiments/readme_tables.py")
+            stale[str(name)] = changed
+        if not args.check:
+            page.write_text(fresh)
+            print(f"{name}: regenerated; changed blocks: {changed or 'none'}")
+    if args.check:
+        if stale:
+            print(f"out of date: {stale}: run python experiments/readme_tables.py")
             return 1
-        print("README.md generated blocks are up to date")
-        return 0
-    README.write_text(fresh)
-    print(f"README.md: regenerated; changed blocks: {changed or 'none'}")
+        print("generated blocks are up to date")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The README's generated blocks equal what their owning commands print today."""
+"""The generated blocks of README.md and docs/*.md equal what their owning commands print today."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -14,10 +14,11 @@ def _readme_tables():
     return module
 
 
-def test_readme_generated_blocks_are_current():
+def test_generated_blocks_are_current():
     tables = _readme_tables()
-    _, changed = tables.update((ROOT / "README.md").read_text())
-    assert not changed, f"README blocks {changed} differ from their commands: run python experiments/readme_tables.py"
+    for page in tables.documents():
+        _, changed = tables.update(page.read_text())
+        assert not changed, f"{page.name} blocks {changed} differ from their commands: run python experiments/readme_tables.py"
 
 
 def test_check_catches_a_stale_table():
