@@ -21,6 +21,7 @@ wall-clock. Sorting and the bucketing rule are options of the search
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -80,6 +81,10 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=2.0)
     p.add_argument("--datasets", nargs="+", default=list(common.DATASETS))
     args = p.parse_args()
+    if args.replot:   # the figure from the CSV already written, without planning
+        rows = common.read_csv(args.out / f"{args.stem}.csv")
+        plot(rows, list(dict.fromkeys(r["dataset"] for r in rows)), args.out / f"{args.stem}.png")
+        return
     if args.quick:
         args.batches, args.batch_size, args.time_limit, args.datasets = 1, 64, 0.2, ["wikipedia"]
     started = time.time()
@@ -147,8 +152,7 @@ def plot(rows: list[dict], datasets: list[str], path) -> None:
     fig.suptitle(f"{MODEL}, {NUM_GPUS} GPUs, {CONTEXT // 1024}K: bucket count vs plan quality and solve time "
                  "(search only; github/commoncrawl are approximations)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ log-width variant is reported too (the paper does not define "naive" further).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -125,8 +126,7 @@ def plot(rows: list[dict], datasets: list[str], path) -> None:
         ax.set_title(f"{title}, 16 buckets", fontsize=9)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
 
 
 def main() -> None:
@@ -136,6 +136,10 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=1.0)
     p.add_argument("--datasets", nargs="+", default=list(common.DATASETS))
     args = p.parse_args()
+    if args.replot:   # the figure from the CSV already written, without planning
+        rows = common.read_csv(args.out / f"{args.stem}.csv")
+        plot(rows, list(dict.fromkeys(r["dataset"] for r in rows)), args.out / f"{args.stem}.png")
+        return
     if args.quick:
         args.batches, args.batch_size, args.time_limit = 2, 128, 0.1
     started = time.time()

@@ -21,6 +21,7 @@ critical group); each group's time splits into compute ``(alpha1 s^2 + alpha2 s)
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections import Counter
 
 import numpy as np
@@ -71,6 +72,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--time-limit", type=float, default=1.0)
     args = p.parse_args()
+    if args.replot:   # the figure from the CSV already written, without planning
+        rows = common.read_csv(args.out / f"{args.stem}.csv")
+        plot(rows, args.out / f"{args.stem}.png", args.batches)
+        return
     if args.quick:
         args.batches, args.batch_size, args.time_limit = 1, 128, 0.2
     started = time.time()
@@ -136,7 +141,7 @@ def main() -> None:
 
 def plot(rows: list[dict], path, batches: int) -> None:
     plt = common.pyplot()
-    ok = [r for r in rows if "a2a_share_critical" in r]
+    ok = [r for r in rows if r.get("a2a_share_critical") not in (None, "")]
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     names = [r["strategy"].replace(" (", "\n(") for r in ok]
     bottom = np.zeros(len(ok))
@@ -153,8 +158,7 @@ def plot(rows: list[dict], path, batches: int) -> None:
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ def parser(doc: str, default_stem: str) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the tqdm bar")
     p.add_argument("--workers", type=int, default=1,
                    help="plan this many batches at once in separate processes (flexsp.evaluation.simulate.plan_steps)")
+    p.add_argument("--replot", action="store_true",
+                   help="redraw the figure from the CSV already in --out (no planning)")
     p.set_defaults(stem=default_stem)
     return p
 
@@ -113,6 +115,28 @@ def write_markdown(path: Path, title: str, body: str, started: float, quick: boo
     head = f"{label}\n\n" if label else ""
     path.write_text(f"## {title}\n\n{head}{body}\n\n_{mode}; `{command}`; {time.time() - started:.0f} s on this machine._\n")
     return path
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV this package wrote, with numbers and booleans read back as such (for ``--replot``)."""
+    def value(text: str):
+        if text in ("True", "False"):
+            return text == "True"
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+    with path.open(newline="") as f:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def save_figure(fig, path: Path, data: Path) -> Path:
+    """Save ``fig`` with its provenance in the PNG: the script that drew it and the SHA-256 of the data
+    file it plotted (``tests/test_figures.py`` checks that every image the docs show is current)."""
+    from flexsp.evaluation.plots import save_with_provenance
+    return save_with_provenance(fig, path, source=f"experiments/{Path(sys.argv[0]).name}", data=data)
 
 
 def pyplot():

@@ -20,6 +20,7 @@ dynamic CP rule (``dynamic-cp``) and a Megatron-LM-style TP=8 + ring-attention C
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections import Counter
 
 import numpy as np
@@ -118,8 +119,7 @@ def plot(rows: list[dict], models: list[str], contexts: list[int], path) -> None
     fig.suptitle("Simulated iteration time, 64 GPUs, batch 512 (label: FlexSP speedup over Megatron; "
                  "* = approximated length distribution)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
 
 
 def summarize(rows: list[dict]) -> str:
@@ -155,6 +155,11 @@ def main() -> None:
     p.add_argument("--datasets", nargs="+", default=list(common.DATASETS))
     p.add_argument("--contexts", nargs="+", type=int, default=[192, 384], help="context limits in K tokens")
     args = p.parse_args()
+    if args.replot:   # the figure from the CSV already written, without planning
+        rows = common.read_csv(args.out / f"{args.stem}.csv")
+        plot(rows, list(dict.fromkeys(r["model"] for r in rows)),
+             list(dict.fromkeys(int(r["context"][:-1]) * 1024 for r in rows)), args.out / f"{args.stem}.png")
+        return
     if args.quick:
         args.iterations, args.batch_size, args.time_limit = 1, 64, 0.2
         args.models, args.contexts = ["gpt-7b"], [384]

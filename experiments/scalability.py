@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -50,6 +51,10 @@ def main() -> None:
     p.add_argument("--model", default="gpt-7b")
     p.add_argument("--dataset", default="wikipedia")
     args = p.parse_args()
+    if args.replot:   # the figure from the CSV already written, without planning
+        rows = common.read_csv(args.out / f"{args.stem}.csv")
+        plot(rows, args.out / f"{args.stem}.png", common.label(common.distribution(rows[0]["dataset"])), args.model)
+        return
     gpu_sweep, context_sweep, large = [16, 32, 64], [64, 128, 192, 256, 384], [256, 1024]
     batch = 512
     if args.quick:
@@ -115,8 +120,7 @@ def plot(rows: list[dict], path, dataset: str, model: str) -> None:
     axes[2].legend(fontsize=7)
     fig.suptitle(f"{model}, {dataset}: speedup and solver time (>64 GPUs: bandwidth extrapolated)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
 
 
 if __name__ == "__main__":

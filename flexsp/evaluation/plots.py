@@ -1,6 +1,13 @@
-"""Pictures of simulations and plans (matplotlib, headless)."""
+"""Pictures of simulations and plans (matplotlib, headless), each saved with its provenance.
+
+Every PNG records in its text chunks the program that drew it (``Source``) and a SHA-256 of what it
+plotted: a data file (``Data``, ``Data-SHA256``) or, for a plan, the plan itself (``Plan-SHA256``). A
+test regenerates or re-reads that input and fails when an image in the docs is stale.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +22,34 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def plan_digest(plan: Plan, lengths) -> str:
+    """SHA-256 of what a Gantt chart shows: the groups, sequence lengths and predicted time (not the
+    solve time, which varies run to run)."""
+    data = {"micro_batches": plan.to_dict()["micro_batches"], "predicted_time": round(plan.predicted_time, 9),
+            "lengths": [int(n) for n in np.asarray(lengths)]}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def save_with_provenance(fig, path: str | Path, *, source: str, data: str | Path | None = None,
+                         extra: dict[str, str] | None = None) -> Path:
+    """``fig.savefig`` with ``Source`` (the script or command) and, for a data file, its path and SHA-256."""
+    meta = {"Software": "flexsp", "Source": source, **(extra or {})}
+    if data is not None:
+        data = Path(data)
+        meta["Data"] = data.name
+        meta["Data-SHA256"] = hashlib.sha256(data.read_bytes()).hexdigest()
+    fig.savefig(path, dpi=120, metadata=meta)
+    _pyplot().close(fig)
+    return Path(path)
+
+
+def png_provenance(path: str | Path) -> dict[str, str]:
+    """The text chunks of a PNG written by ``save_with_provenance``."""
+    from PIL import Image
+    with Image.open(path) as image:
+        return dict(image.text)
 
 
 def plot_step_times(sim: Simulation, path: str | Path) -> Path:
@@ -32,12 +67,11 @@ def plot_step_times(sim: Simulation, path: str | Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_with_provenance(fig, path, source="flexsp simulate --plot")
 
 
-def plot_gantt(plan: Plan, lengths, cost: CostModel, path: str | Path, title: str | None = None) -> Path:
+def plot_gantt(plan: Plan, lengths, cost: CostModel, path: str | Path, title: str | None = None,
+               source: str = "flexsp simulate --gantt") -> Path:
     """One step's layout: ranks on the y axis, time on the x axis, a box per SP group."""
     plt = _pyplot()
     lengths = np.asarray(lengths)
@@ -58,6 +92,4 @@ def plot_gantt(plan: Plan, lengths, cost: CostModel, path: str | Path, title: st
     ax.set(xlim=(0, start * 1.02), ylim=(plan.num_gpus, 0), xlabel="time (s)", ylabel="rank",
            title=title or f"{plan.strategy}: {len(plan.micro_batches)} micro-batches, {plan.predicted_time:.2f} s")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_with_provenance(fig, path, source=source, extra={"Plan-SHA256": plan_digest(plan, lengths)})
