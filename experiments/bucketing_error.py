@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--time-limit", type=float, default=1.0)
     p.add_argument("--datasets", nargs="+", default=list(common.DATASETS))
-    args = p.parse_args()
+    args = common.parse(p)
     if args.replot:   # the figure from the CSV already written, without planning
         rows = common.read_csv(args.out / f"{args.stem}.csv")
         plot(rows, list(dict.fromkeys(r["dataset"] for r in rows)), args.out / f"{args.stem}.png")

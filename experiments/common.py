@@ -20,7 +20,7 @@ from flexsp.errors import PlanError
 from flexsp.evaluation.simulate import parse_strategy
 from flexsp.plan.lengths import LengthDistribution, get_distribution, preprocess
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from outputs import RESULTS, resolve_out
 DATASETS = ("github", "commoncrawl", "wikipedia")
 MODELS = ("gpt-7b", "gpt-13b", "gpt-30b")
 
@@ -33,7 +33,9 @@ PAPER_A2A_SHARE = {"deepspeed": "up to 40%", "batchada": "~31%", "flexsp": "~10%
 def parser(doc: str, default_stem: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI mode: few small batches (seconds)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the .md/.csv/.png outputs")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for the .md/.csv/.png outputs (default: experiments/results/, a temporary "
+                        "folder with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="hide the tqdm bar")
     p.add_argument("--workers", type=int, default=1,
@@ -42,6 +44,13 @@ def parser(doc: str, default_stem: str) -> argparse.ArgumentParser:
                    help="redraw the figure from the CSV already in --out (no planning)")
     p.set_defaults(stem=default_stem)
     return p
+
+
+def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, then place the outputs: experiments/results/ for a full run, a temporary folder for --quick."""
+    args = p.parse_args()
+    args.out = resolve_out(args.out, args.quick, RESULTS)
+    return args
 
 
 def distribution(name: str) -> LengthDistribution:

@@ -31,6 +31,7 @@ from flexsp.evaluation.simulate import plan_steps
 from flexsp.plan.lengths import get_distribution, preprocess
 from solver.dynamic_cp import dynamic_cp
 from solver.types import DegreeCosts, GroupAssignment, Schedule
+from outputs import resolve_out  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "megatron_dynamic_cp"
@@ -294,9 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the first batch (batch i uses seed + i)")
     p.add_argument("--time-limit", type=float, default=2.0, help="FlexSP search time limit per batch (s)")
     p.add_argument("--workers", type=int, default=1, help="plan this many batches at once in separate processes")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown output file")
+    p.add_argument("--out", type=Path, default=None, help="Markdown output file (default: results/dynamic_cp.md; a temporary file with --quick)")
     p.add_argument("--no-progress", action="store_true", help="(kept for compatibility; no bar is drawn)")
     args = p.parse_args(argv)
+    args.out = resolve_out(args.out, args.quick, DEFAULT_OUT)
     if args.quick:
         args.batches, args.batch_size = 2, 64
     if args.batches < 1 or args.batch_size < 1:

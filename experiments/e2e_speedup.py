@@ -154,7 +154,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(common.MODELS))
     p.add_argument("--datasets", nargs="+", default=list(common.DATASETS))
     p.add_argument("--contexts", nargs="+", type=int, default=[192, 384], help="context limits in K tokens")
-    args = p.parse_args()
+    args = common.parse(p)
     if args.replot:   # the figure from the CSV already written, without planning
         rows = common.read_csv(args.out / f"{args.stem}.csv")
         plot(rows, list(dict.fromkeys(r["model"] for r in rows)),

@@ -30,6 +30,7 @@ import flexsp
 from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig, PlanBatch
 from flexsp.plan.lengths import get_distribution
+from outputs import resolve_out  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONTEXT, NUM_GPUS, BATCH = 384 * 1024, 64, 512
@@ -140,8 +141,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=None, help="planner seconds per batch (default 2.0)")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds, best kept (default 3, quick 1)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "loader_benchmark.md")
+    ap.add_argument("--out", type=Path, default=None, help="Markdown report (default: results/; a temporary file with --quick)")
     args = ap.parse_args()
+    args.out = resolve_out(args.out, args.quick, RESULTS / "loader_benchmark.md")
     steps = args.steps or (3 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 3)
     time_limit = args.time_limit or (0.3 if args.quick else 2.0)

@@ -30,6 +30,7 @@ import numpy as np
 import flexsp
 from flexsp.plan.planner import plan_batch
 from flexsp.plan.specs import ModelSpec
+from outputs import resolve_out  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 4
@@ -149,8 +150,9 @@ def describe(plan: flexsp.Plan) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI: tiny model and batch, one timed step")
-    parser.add_argument("--out", type=Path, default=RESULTS / "runtime_benchmark.md")
+    parser.add_argument("--out", type=Path, default=None, help="Markdown report (default: results/; a temporary file with --quick)")
     args = parser.parse_args()
+    args.out = resolve_out(args.out, args.quick, RESULTS / "runtime_benchmark.md")
     if args.quick:
         cfg = dict(vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tie_embeddings=True)
         num_seqs, max_len, capacity, steps = 12, 200, 64, 1

@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=1.0)
     p.add_argument("--model", default="gpt-7b")
     p.add_argument("--dataset", default="wikipedia")
-    args = p.parse_args()
+    args = common.parse(p)
     if args.replot:   # the figure from the CSV already written, without planning
         rows = common.read_csv(args.out / f"{args.stem}.csv")
         plot(rows, args.out / f"{args.stem}.png", common.label(common.distribution(rows[0]["dataset"])), args.model)

@@ -28,6 +28,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from outputs import resolve_out  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD, RSS_BOUND_MIB, WARMUP_FRACTION = 4, 16.0, 0.2
@@ -197,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="30 steps (CI)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the run counts as hung")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: results/; a temporary folder with --quick)")
     args = parser.parse_args(argv)
+    args.out = resolve_out(args.out, args.quick, RESULTS)
     steps = args.steps or (30 if args.quick else 300)
     every = 10 if args.quick else 50
     summary = summarise(run(steps, every, args.timeout or (120 if args.quick else 1800)))

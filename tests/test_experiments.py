@@ -1,5 +1,6 @@
 """Every paper-reproduction script runs in --quick mode and writes its table (Markdown + CSV) and figure."""
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,11 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_quick_mode_outputs(script, tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--quick", "--no-progress",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+def test_quick_mode_outputs(script, tmp_path, tree_unchanged):
+    """Without --out, a quick run writes to a temporary folder ($FLEXSP_QUICK_OUT here), never results/."""
+    env = dict(os.environ, FLEXSP_QUICK_OUT=str(tmp_path))
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--quick", "--no-progress"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     markdown = (tmp_path / f"{script}.md").read_text()
     assert "quick mode" in markdown
