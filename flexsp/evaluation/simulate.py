@@ -245,29 +245,32 @@ def format_communicator_memory(sim: Simulation) -> str:
 
 
 def format_table(sim: Simulation, reference: str = "flexsp", replayed: dict | None = None) -> str:
-    """Markdown table: one row per strategy. ``replayed`` (strategy -> seconds, from
+    """Markdown table: one row per strategy. The speedup column appears only when ``reference`` ran
+    (a run of one other strategy has nothing to compare with). ``replayed`` (strategy -> seconds, from
     ``flexsp.replay.cli.replay_simulation``) adds the measured-compute total and speedup."""
     lb_total, coupled_total = sum(sim.lower_bounds), sum(sim.coupled_bounds) or float("nan")
-    head = ("| strategy | total time (s) | mean step (s) | / lower bound | / coupled bound | "
-            f"{reference} speedup | mean micro-batches | SP degrees used (groups) | communicators per rank | "
-            "solve mean / max (s) |")
+    compare = reference in sim.runs and not sim.runs[reference].error
+    columns = ["strategy", "total time (s)", "mean step (s)", "/ lower bound", "/ coupled bound",
+               *([f"{reference} speedup"] if compare else []), "mean micro-batches", "SP degrees used (groups)",
+               "communicators per rank (degrees > 1 used)", "solve mean / max (s)"]
     if replayed:
-        head += f" replayed total (s) | {reference} speedup (replayed) |"
-    lines = [head, "|" + "---|" * (12 if replayed else 10)]
+        columns += ["replayed total (s)", *([f"{reference} speedup (replayed)"] if compare else [])]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for name, run in sim.runs.items():
         if run.error:
-            lines.append(f"| {name} | infeasible: {run.error} | | | | | | | | |" + (" | |" if replayed else ""))
+            lines.append(f"| {name} | infeasible: {run.error} |" + " |" * (len(columns) - 2))
             continue
         hist = " ".join(f"{d}x{c}" for d, c in sorted(run.degrees.items()))
-        speed = sim.speedup(reference, name) if reference in sim.runs and not sim.runs[reference].error else float("nan")
-        lines.append(f"| {name} | {run.total:.2f} | {run.total / len(run.step_times):.3f} | {run.total / lb_total:.3f} | "
-                     f"{run.total / coupled_total:.3f} | "
-                     f"{speed:.2f}x | {np.mean(run.micro_batches):.2f} | {hist} | {communicators(run.degrees)} | "
-                     f"{np.mean(run.solve_times):.3f} / {np.max(run.solve_times):.3f} |")
+        cells = [name, f"{run.total:.2f}", f"{run.total / len(run.step_times):.3f}", f"{run.total / lb_total:.3f}",
+                 f"{run.total / coupled_total:.3f}", *([f"{sim.speedup(reference, name):.2f}x"] if compare else []),
+                 f"{np.mean(run.micro_batches):.2f}", hist, str(communicators(run.degrees)),
+                 f"{np.mean(run.solve_times):.3f} / {np.max(run.solve_times):.3f}"]
         if replayed:
             mine, ref = replayed.get(name), replayed.get(reference)
-            lines[-1] += (" not replayed | |" if mine is None else
-                          f" {mine:.3f} | {mine / ref:.2f}x |" if ref else f" {mine:.3f} | |")
+            cells.append("not replayed" if mine is None else f"{mine:.3f}")
+            if compare:
+                cells.append(f"{mine / ref:.2f}x" if mine is not None and ref else "")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
