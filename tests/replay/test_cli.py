@@ -101,7 +101,7 @@ def test_simulate_replay_skips_strategies_the_model_cannot_run(files, capsys):
     assert rc == 0, captured.err
     assert "static:8 not replayed: micro-batch 0 group 0: Ulysses SP degree 8 does not divide the 4" in captured.err
     static = next(line for line in captured.out.splitlines() if line.startswith("| static:8 |"))
-    assert [c.strip() for c in static.strip().strip("|").split("|")][-2:] == ["not replayed", ""]
+    assert static.rstrip().endswith("| not replayed |")   # no flexsp run, so no speedup column after it
 
 
 def test_benchmark_quick_mode(tmp_path):
