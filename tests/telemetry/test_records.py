@@ -120,3 +120,22 @@ def test_measured_times_positive_and_consistent_with_the_step(recorded):
         assert tokens == rec["tokens"] == sum(LENGTHS)
         assert rec["planned_seconds"] == pytest.approx(sum(mb["planned"] for mb in rec["micro_batches"]))
         assert rec["plan_predicted"] == 0.5 and rec["token_capacity"] == 64
+
+
+def test_report_command_on_the_recorded_run(recorded, tmp_path, capsys):
+    from matplotlib.image import imread
+
+    from flexsp.cli import main
+    from flexsp.telemetry.report import PLOTS
+    run_dir, _ = recorded
+    assert main(["report", str(run_dir), "--step", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for row in ("steps", "4 (world 4, strategy test)", "tokens/s", "MFU", "idle in collectives", "waiting for the loader",
+                "fallback plans", "0 of 4", "cost-model refits", "median |group error|", "peak memory", "token capacity"):
+        assert row in out
+    for name in PLOTS:
+        assert f"wrote {tmp_path / name}" in out
+        image = imread(tmp_path / name)
+        assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0   # a drawn picture, not blank
+    assert main(["report", str(run_dir), "--step", "99"]) == 2
+    assert "--step 99 is not in" in capsys.readouterr().err
