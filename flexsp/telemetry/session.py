@@ -64,6 +64,7 @@ class Telemetry:
         self.on_refit = on_refit
         self.error: str | None = None   # why recording stopped on this rank, if it did
         self.dropped = 0                 # step records rank 0 could not write
+        self.thread_seconds = 0.0        # CPU time the telemetry thread spent (gathers, records, refits)
         self.records = 0
         self._fallbacks = 0   # since the last log line
         self._pending_cost: CostModel | None = None
@@ -127,6 +128,7 @@ class Telemetry:
     def _work(self) -> None:
         while True:
             item = self._queue.get()
+            started = time.thread_time()
             try:
                 if item is None:
                     return
@@ -135,6 +137,7 @@ class Telemetry:
                     if ranks is not None:
                         self._write(item, ranks)
             finally:
+                self.thread_seconds += time.thread_time() - started
                 self._queue.task_done()
 
     def _gather(self, item: PendingStep) -> list[dict[str, Any]] | None:
