@@ -12,7 +12,8 @@ line of ``RECORDS`` in the run directory. Definitions, so that a reader knows wh
   with one intra-op thread: blocked collectives cost no CPU), else the shortest member's wall time
   (on a GPU under FSDP's per-layer collectives this bounds the group's time from above).
 * ``idle_seconds`` per rank: wall time of micro-batches it sat out (a dummy shard) plus, where busy
-  time is known, the wall time of its own micro-batches it spent waiting in collectives.
+  time is known, the wall time of its own micro-batches it spent waiting in collectives (on a shared,
+  oversubscribed CPU, time the process waited for a core counts here too).
 * ``model_flops``: ``6 P_linear s + 6 layers (heads x head_dim) s^2`` per sequence of ``s`` tokens
   (forward + backward = 3x forward; causal attention 2 s^2 width per layer forward), the
   convention of ``flexsp.plan.analytic``. ``mfu = model_flops / (loop_seconds x world x peak_flops)``.

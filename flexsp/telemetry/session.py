@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import queue
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -59,7 +60,7 @@ class Telemetry:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak_flops = device_peak(name, peak_flops)
-        self._log = log or (lambda line: print(line, flush=True))
+        self._log = log or _print
         self.refitter = Refitter(cost, refit if isinstance(refit, RefitConfig) else None) if refit else None
         self.on_refit = on_refit
         self.error: str | None = None   # why recording stopped on this rank, if it did
@@ -209,6 +210,11 @@ def log_line(record: dict[str, Any], fallbacks: int, steps: int) -> str:
     return (f"step {record['step']} | {record['tokens_per_s']:,.0f} tok/s | MFU {mfu} | planned/measured "
             f"{ratio:.2f} | idle {record['idle_fraction']:.0%} | loader {record['loader_fraction']:.0%} | "
             f"fallbacks {fallbacks}/{steps} | cost v{record['cost_version']}")
+
+
+def _print(line: str) -> None:
+    sys.stdout.write(line + "\n")   # one write: the line is not split by the training thread's own prints
+    sys.stdout.flush()
 
 
 def _summary_writer(run_dir: Path, required: bool):
