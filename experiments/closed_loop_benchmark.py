@@ -12,7 +12,7 @@ without the online refit, and the cost of recording every step.
    recorder's hooks spend on the training thread (measured by the recorder itself). Target: <= 1%.
 
     python experiments/closed_loop_benchmark.py           # writes experiments/results/closed_loop_benchmark.md
-    python experiments/closed_loop_benchmark.py --quick   # CI: small, writes only under --out's folder (a temp dir)
+    python experiments/closed_loop_benchmark.py --quick   # CI: small, writes to a temporary folder (or --out)
 """
 from __future__ import annotations
 
@@ -111,10 +111,13 @@ def _worker(rank: int, port: int, cfg: dict, settings: dict, run_root: str, out)
                                   refit=RefitConfig(min_points=4) if refit else False, on_refit=loader.set_cost)
             executor = StepExecutor(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pool, cost=made_up,
                                     backend="sdpa", probe=telemetry.probe, failure_name=f"bench-{name}")
-            for n, step in enumerate(loader):
-                executor.step(step)
-                if n + 1 == settings["steps"]:
-                    break
+            done = 0
+            while done < settings["steps"]:
+                for step in loader:   # one epoch at a time
+                    executor.step(step)
+                    done += 1
+                    if done == settings["steps"]:
+                        break
             telemetry.close()
             executor.close()
             loader.close()
@@ -185,8 +188,14 @@ def _fmt(values, spec=".3f") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI: few steps, tiny model")
-    parser.add_argument("--out", type=Path, default=RESULTS / "closed_loop_benchmark.md")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Markdown output (default: experiments/results/closed_loop_benchmark.md; with --quick a "
+                             "temporary folder, $FLEXSP_QUICK_OUT if set)")
     args = parser.parse_args()
+    if args.out is None:   # a quick run never overwrites the tracked results of a full one
+        base = Path(os.environ.get("FLEXSP_QUICK_OUT") or tempfile.mkdtemp(prefix="flexsp-quick-")) if args.quick \
+            else RESULTS
+        args.out = base / "closed_loop_benchmark.md"
     if args.quick:
         cfg = dict(vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tie_embeddings=True)
         settings = dict(capacity=96, batch=12, steps=5, pairs=3)
@@ -240,7 +249,9 @@ def main() -> None:
         stay = np.median(np.abs(np.concatenate([group_errors(r) for r in runs["no-refit"][-3:]])))
         print(f"[CPU] median group error: refit {first:.1%} -> {last:.1%} (last 3 steps); no refit {stay:.1%}; load {load:.1f}")
         lines += ["", f"Median group error over the last 3 steps: {last:.1%} with the refit (first step {first:.1%}), "
-                  f"{stay:.1%} without.", ""]
+                  f"{stay:.1%} without. The two runs ran one after the other on a shared machine whose load moved "
+                  f"while they ran: their step times differ by more than noise can explain only if a plan changed "
+                  f"(greedy plans of a tiny model on a CPU change little with the cost model).", ""]
 
         on = [max(r["overhead"]["on"][i] for r in ranks) for i in range(len(ranks[0]["overhead"]["on"]))]
         off = [max(r["overhead"]["off"][i] for r in ranks) for i in range(len(ranks[0]["overhead"]["off"]))]
@@ -271,7 +282,7 @@ def main() -> None:
                   f"the noise ({spread:.1%} interquartile range of the pairs){'' if ok_ab else ' **MISSED**'} |", ""]
         if not args.quick:   # the report of the refit run, for people to look at
             from flexsp.telemetry.report import write_report
-            table, paths = write_report(tmp / "refit", out=RESULTS / "closed_loop")
+            table, paths = write_report(tmp / "refit", out=args.out.parent / "closed_loop")
             lines += ["## `flexsp report` of the measured refit run", "", "```", table, "```", ""]
             lines += [f"![{p.stem}](closed_loop/{p.name})" for p in paths] + [""]
     finally:
