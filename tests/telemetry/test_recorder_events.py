@@ -35,3 +35,21 @@ def test_events_become_seconds_idle_and_tail():
     assert out["seconds"] == pytest.approx(0.25 + 0.8) and out["tail_seconds"] == pytest.approx(0.1)
     assert out["idle_seconds"] == pytest.approx(0.3)     # the micro-batch it sat out
     assert rank["seconds"] is None                        # the pending record itself is not modified
+
+
+def test_tensorboard_asked_for_but_missing_is_a_named_error(tmp_path, monkeypatch):
+    import builtins
+
+    from flexsp.telemetry.records import TelemetryError
+    from flexsp.telemetry.session import _summary_writer
+    real = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name == "tensorboard":
+            raise ImportError("no tensorboard")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    assert _summary_writer(tmp_path, required=False) is None          # optional: quietly off
+    with pytest.raises(TelemetryError, match="pip install tensorboard"):
+        _summary_writer(tmp_path, required=True)
