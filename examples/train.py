@@ -29,6 +29,7 @@ from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig
 from flexsp.plan.specs import ModelSpec
 from flexsp.runtime import GroupPool, StepExecutor, TinyLM, TrainConfig, init_distributed, shard_model
+from flexsp.telemetry import Telemetry
 
 # -----------------------------------------------------------------------------------------------
 # config
@@ -46,6 +47,12 @@ parser.add_argument("--sharding", default="full", choices=("full", "grad_optim",
                     help="model-state sharding (the cost model's capacity assumes the same)")
 parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                     help="compute dtype (auto: bf16 on GPUs, fp32 on CPUs); master weights stay fp32")
+parser.add_argument("--run-dir", type=Path, default=None,
+                    help="record every step there (flexsp.telemetry: JSON lines, a log line every --log-every steps); "
+                         "read it with `flexsp report DIR`")
+parser.add_argument("--log-every", type=int, default=5, help="telemetry log line every N steps (with --run-dir)")
+parser.add_argument("--refit", action="store_true", help="refit the cost model from measured group times (with --run-dir)")
+parser.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s for MFU (default: known GPUs)")
 args = parser.parse_args()
 model_config = ModelSpec(vocab=256, hidden=64, layers=2, heads=8, kv_heads=2, ffn=128, tie_embeddings=True)
 # every planning setting in one object, every runtime setting in another: the sharding the planner's
@@ -125,7 +132,12 @@ loader = FlexSPLoader(dataset, cost, cluster, pool=pool, device=device, lengths=
                                           plan=plan_config))
 
 
-executor = StepExecutor(model, optimizer, pool, cost=cost, config=train_config)   # refuses a cost model that assumed more sharding
+# per-step records measured against the plan (optional); with --refit the loader's planner gets refitted cost models
+telemetry = None if args.run_dir is None else Telemetry(
+    args.run_dir, cost, spec=model_config, device=device, peak_flops=args.peak_flops, log_every=args.log_every,
+    refit=args.refit, on_refit=loader.set_cost)
+executor = StepExecutor(model, optimizer, pool, cost=cost, config=train_config,   # refuses a cost model that assumed more sharding
+                        probe=None if telemetry is None else telemetry.probe)
 
 
 def describe(plan):
@@ -148,6 +160,9 @@ while step < args.steps:
 
 state = loader.state_dict()   # save it with the model to resume at the next unseen global batch
 loader.close()
+if telemetry is not None:
+    telemetry.close()
+    log(f"telemetry: {telemetry.records} step records in {args.run_dir}; `flexsp report {args.run_dir}` summarises them")
 log(f"loader: {loader.stats.steps} steps, next batch {state['index']} of epoch {state['epoch']}, "
     f"{loader.stats.plan_wait_seconds:.2f}s waiting for plans in total")
 dist.destroy_process_group()

@@ -37,6 +37,8 @@ import flexsp.runtime as runtime
 from flexsp import PlanConfig
 from flexsp.data import FlexSPLoader, LoaderConfig
 from flexsp.hf import from_config, load_config
+from flexsp.plan.specs import spec_from_hf_config
+from flexsp.telemetry import Telemetry
 
 # -----------------------------------------------------------------------------------------------
 # config
@@ -58,6 +60,10 @@ parser.add_argument("--log-every", type=int, default=0, help="also print a line 
 parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: never)")
 parser.add_argument("--out", type=Path, default=Path("checkpoints/train_hf"))
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--run-dir", type=Path, default=None,
+                    help="record every step there (flexsp.telemetry); read it with `flexsp report DIR`")
+parser.add_argument("--refit", action="store_true", help="refit the cost model from measured group times (with --run-dir)")
+parser.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s for MFU (default: known GPUs)")
 args = parser.parse_args()
 
 # -----------------------------------------------------------------------------------------------
@@ -147,7 +153,12 @@ loader = FlexSPLoader(dataset, cost, cluster, pool=pool, device=device, lengths=
                       config=LoaderConfig(batch_size=args.batch_size, seed=args.seed,
                                           plan=PlanConfig(strategy=args.strategy, time_limit=args.time_limit,
                                                           max_degree=heads & -heads)))
-executor = runtime.StepExecutor(model, optimizer, pool, cost=cost)   # the one planned step path
+# per-step records measured against the plan (optional); with --refit the loader's planner gets refitted cost models
+telemetry = None if args.run_dir is None else Telemetry(
+    args.run_dir, cost, spec=spec_from_hf_config(config), device=device, peak_flops=args.peak_flops,
+    log_every=args.log_every or 10, refit=args.refit, on_refit=loader.set_cost, log=log)
+executor = runtime.StepExecutor(model, optimizer, pool, cost=cost,   # the one planned step path
+                                probe=None if telemetry is None else telemetry.probe)
 
 
 def checkpoint(step: int) -> None:
@@ -194,4 +205,7 @@ elapsed = time.perf_counter() - start
 log(f"done: {step} steps, {tokens_seen:,} tokens in {elapsed:.1f}s ({tokens_seen / elapsed:,.0f} tok/s overall), "
     f"final loss {loss:.4f}")
 loader.close()
+if telemetry is not None:
+    telemetry.close()
+    log(f"telemetry: {telemetry.records} step records in {args.run_dir}; `flexsp report {args.run_dir}` summarises them")
 dist.destroy_process_group()

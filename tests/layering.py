@@ -33,14 +33,17 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "flexsp.replay": ("replay a plan on one device against its prediction",
                       ("flexsp.errors", "flexsp.inputs", "flexsp.plan", "flexsp.runtime", "flexsp.hf",
                        "flexsp.profile")),
+    "flexsp.telemetry": ("per-step records measured against the plan, online cost-model refit, run reports",
+                         ("flexsp.errors", "flexsp.inputs", "flexsp.plan", "flexsp.runtime")),
     "flexsp.cli": ("the command line", ("flexsp.errors", "flexsp.inputs", "flexsp.plan",
-                                         "flexsp.evaluation", "flexsp.profile", "flexsp.replay")),
+                                         "flexsp.evaluation", "flexsp.profile", "flexsp.replay", "flexsp.telemetry")),
     "flexsp.__main__": ("python -m flexsp", ("flexsp.cli",)),
     "flexsp": ("the public front door: Cluster, CostModel, plan_batch, Plan, PlanConfig",
                ("flexsp.errors", "flexsp.plan")),
 }
 TORCH_FREE = ("solver", "flexsp.errors", "flexsp.inputs", "flexsp.plan", "flexsp.evaluation", "flexsp")
-TORCH_ON_USE = ("flexsp.checkpoint", "flexsp.profile", "flexsp.replay", "flexsp.cli", "flexsp.__main__")   # lazily
+TORCH_ON_USE = ("flexsp.checkpoint", "flexsp.profile", "flexsp.replay", "flexsp.telemetry", "flexsp.cli",
+                "flexsp.__main__")   # lazily
 
 
 def modules() -> dict[str, Path]:

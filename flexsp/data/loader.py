@@ -98,6 +98,7 @@ class FlexSPLoader:
         # plan broadcast and load outcomes go over a gloo side group with config.failure_timeout
         self._control = ControlGroup(config.failure_timeout) if self._communicate else None
         self._lengths_arg = lengths
+        self._custom_planner = planner is not None
         self._solve = planner if planner is not None else self._plan_with(config.plan.strategy)
         self._fallback = self._plan_with("greedy") if config.fallback_after is not None else None
         self._lengths: np.ndarray | None = None
@@ -113,6 +114,23 @@ class FlexSPLoader:
         plan = self.config.plan
         return PlanBatch(self.cost, self.cluster, plan.replace(strategy=strategy, degrees=self._degrees,
                                                                sp_degree=plan.sp_degree if strategy == plan.strategy else None))
+
+    def set_cost(self, cost: CostModel) -> None:
+        """Plan the batches submitted from now on with ``cost`` (e.g. ``flexsp.telemetry``'s refit); the up to
+        ``lookahead`` batches already with the planner keep theirs. Only the times may change: the token
+        capacity and sharding batching and the executor rely on must be the same."""
+        if not isinstance(cost, CostModel):
+            raise LoaderError(f"set_cost takes a flexsp.CostModel, got {type(cost).__name__}")
+        if cost.token_capacity != self.cost.token_capacity or assumed_sharding(cost) != self.sharding:
+            raise LoaderError(f"the new cost model changes the token capacity ({self.cost.token_capacity:.0f} -> "
+                              f"{cost.token_capacity:.0f}) or sharding; only its times may change during a run")
+        if self._custom_planner:
+            raise LoaderError("this loader plans with a custom planner=; give that planner the new cost model")
+        self.cost = cost
+        self._solve = self._plan_with(self.config.plan.strategy)
+        self._fallback = self._plan_with("greedy") if self.config.fallback_after is not None else None
+        if self._planner is not None:
+            self._planner.set_solver(self._solve, self._fallback)
 
     @property
     def _degrees(self) -> tuple[int, ...] | None:

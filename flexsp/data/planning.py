@@ -157,6 +157,9 @@ def _serve(tasks, results, solve: Solver) -> None:
     threading.Thread(target=read, name="flexsp-planner-inbox", daemon=True).start()
     while (item := inbox.get()) is not None:
         key, lengths = item
+        if key is None:   # a new solver (``AsyncPlanner.set_solver``) for the batches after this point
+            solve = lengths
+            continue
         plan, error, exc, seconds = _solve(solve, lengths)
         try:
             pickle.dumps(exc)
@@ -228,6 +231,17 @@ class AsyncPlanner:
             self._inflight.append(batch)
             self._started += 1
             self.stats.max_ahead = max(self.stats.max_ahead, self._started - self._taken)
+
+    def set_solver(self, solve: Solver, fallback: Solver | None = None) -> None:
+        """Solve the batches submitted from now on with ``solve`` (and ``fallback``), e.g. with a refitted
+        cost model; the up to ``lookahead`` batches already submitted keep the solver they were sent to."""
+        if self.mode == "process" and not picklable(solve):
+            raise LoaderError(f"mode='process' needs a picklable solver, got {solve!r}")
+        self._solve = solve
+        if fallback is not None:
+            self._fallback = fallback
+        if self._backend is not None:
+            self._backend.submit(None, solve)
 
     # --- the training loop's side ----------------------------------------------------------------
     def next(self) -> PlannedBatch:
@@ -334,9 +348,10 @@ class _ProcessBackend:
         self._tasks.send(list(sys.path))
         self._tasks.send(solve)
 
-    def submit(self, key: tuple[int, int], lengths: np.ndarray) -> None:
+    def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver) -> None:
+        """Send a batch's lengths, or (key None) a new solver."""
         try:
-            self._tasks.send((key, np.asarray(lengths, dtype=np.int64)))
+            self._tasks.send((key, lengths if key is None else np.asarray(lengths, dtype=np.int64)))
         except (BrokenPipeError, OSError):
             pass   # the worker is gone: dead() reports it
 
@@ -376,10 +391,13 @@ class _ThreadBackend:
     def _work(self, solve: Solver) -> None:
         while (item := self._tasks.get()) is not None:
             key, lengths = item
+            if key is None:
+                solve = lengths
+                continue
             plan, error, exc, seconds = _solve(solve, lengths)
             self._results.put((key, None if plan is None else pack_plan(plan), error, exc, seconds))
 
-    def submit(self, key: tuple[int, int], lengths: np.ndarray) -> None:
+    def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver) -> None:
         self._tasks.put((key, lengths))
 
     def receive(self, timeout: float):

@@ -33,6 +33,7 @@ from flexsp.runtime.config import TrainConfig
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
 from flexsp.runtime.fsdp import is_sharded, runtime_sharding
 from flexsp.runtime.pool import GroupPool
+from flexsp.runtime.probe import NO_PROBE, StepProbe
 from flexsp.runtime.shard import MicroBatchShard, group_inputs, loss_tokens
 from flexsp.runtime.sp.context import IGNORE_INDEX, PAD_TOKEN, AttentionContext, ShardingError, check_heads
 
@@ -118,12 +119,13 @@ class StepExecutor:
     sharding must not exceed what ``model`` runs (``flexsp.plan.memory.check_runtime``).
     ``config`` (a ``TrainConfig``; keyword ``settings`` such as ``backend="sdpa"`` override it) gives the
     attention kernel. ``failure_name`` keys this executor's failure record in the job's store (unique
-    per executor).
+    per executor). ``probe`` (a ``flexsp.runtime.probe.StepProbe``, e.g. ``flexsp.telemetry.StepRecorder``)
+    is called at the step's begin, agreement, micro-batch boundaries and end to measure it.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, pool: GroupPool, *,
                  cost: CostModel | None = None, config: TrainConfig | None = None, failure_name: str = "executor",
-                 **settings: Any) -> None:
+                 probe: StepProbe | None = None, **settings: Any) -> None:
         if not callable(getattr(model, "shard_loss", None)) or not callable(getattr(model, "sp_heads", None)):
             raise FlexSPError(f"{type(model).__name__} is not an SPModel (flexsp.runtime.models.protocol): it needs "
                               f"sp_heads(), fsdp_units() and shard_loss()")
@@ -138,6 +140,7 @@ class StepExecutor:
         self.channel = FailureChannel(failure_name) if pool.world_size > 1 else None
         self.steps = 0
         self._dummy: _Work | None = None
+        self.probe = probe if probe is not None else NO_PROBE
 
     def close(self) -> None:
         """Stop the failure watcher thread; call at the end of training (or use ``with``)."""
@@ -154,6 +157,7 @@ class StepExecutor:
     def step(self, step: Step) -> StepResult:
         """One optimizer step on the loader's per-rank ``Step`` (every rank passes its own)."""
         error, work = None, []
+        self.probe.step_begin(step.plan, step)
         try:
             work = self._check_loader_step(step)
         except Exception as exc:
@@ -167,6 +171,7 @@ class StepExecutor:
         Every rank passes the same plan and batch; each packs and runs only its groups' sequences.
         """
         error, work, denominator = None, [], 0
+        self.probe.step_begin(plan, batch)
         try:
             lengths = _lengths(batch)
             validate_step(plan, lengths, self.pool, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -260,6 +265,7 @@ class StepExecutor:
 
     def _run(self, work: list[_Work | None], denominator: int) -> StepResult:
         start = time.perf_counter()
+        self.probe.checked()
         try:
             loss, processed, seq_ids, degrees = self._forward_backward(work, denominator)
             self.optimizer.step()
@@ -269,14 +275,17 @@ class StepExecutor:
             recorded = self.channel.failure(wait=1.0) or self.channel.post(exc, f"in step {self.steps}")
             raise RankFailure(recorded) from exc
         self.steps += 1
-        return StepResult(loss=loss, loss_tokens=denominator, tokens_processed=processed, seq_ids=tuple(seq_ids),
-                          degrees=tuple(degrees), seconds=time.perf_counter() - start)
+        result = StepResult(loss=loss, loss_tokens=denominator, tokens_processed=processed, seq_ids=tuple(seq_ids),
+                            degrees=tuple(degrees), seconds=time.perf_counter() - start)
+        self.probe.step_end(result)
+        return result
 
     def _forward_backward(self, work: list[_Work | None], denominator: int):
         self.optimizer.zero_grad(set_to_none=True)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         processed, seq_ids, degrees = 0, [], []
-        for w in work:
+        for m, w in enumerate(work):
+            self.probe.micro_batch_begin(m, None if w is None else w.group, 0 if w is None else w.real_tokens)
             if w is None:
                 d = self._idle()
                 loss = self.model.shard_loss(d.input_ids, d.position_ids, d.labels, d.ctx) * 0.0
@@ -287,7 +296,9 @@ class StepExecutor:
                 processed += w.real_tokens
                 seq_ids.extend(w.group.seq_ids)
                 degrees.append(w.group.degree)
+            self.probe.forward_end(m)
             loss.backward()   # collectives: FSDP per layer over the world, all-to-all backward in the group
+            self.probe.micro_batch_end(m)
         if self.pool.world_size > 1:
             if not self.sharded:
                 _allreduce_grads(self.model)

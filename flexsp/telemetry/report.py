@@ -1,0 +1,166 @@
+"""``flexsp report RUN_DIR``: what a run's step records say, as a table and four plots. Torch-free.
+
+Plots (matplotlib, Agg): planned vs measured time per step; the Gantt of one step as it really ran
+(per rank: each micro-batch's forward and backward, micro-batches it sat out in grey); idle and
+loader-wait fractions and MFU over steps; the cost model's group-time error per step, with the refits.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from flexsp.telemetry.records import RUN, TelemetryError, group_errors, read_jsonl, read_records, REFITS
+
+PLOTS = ("step_times.png", "gantt.png", "fractions.png", "cost_error.png")
+
+
+def summarize(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, Any]] = ()) -> list[tuple[str, str]]:
+    """(figure, value) rows of the summary table."""
+    col = lambda key: np.asarray([r[key] for r in records if r[key] is not None], dtype=np.float64)  # noqa: E731
+    measured = np.asarray([sum(mb["measured"] for mb in r["micro_batches"]) for r in records])
+    planned = col("planned_seconds")
+    errors = [np.median(np.abs(group_errors(r))) for r in records]
+    versions = [r["cost_version"] for r in records]
+    first_refit = next((i for i, v in enumerate(versions) if v > versions[0]), None)
+    mfu = col("mfu")
+    memory = col("peak_memory_bytes")
+    rows = [
+        ("steps", f"{len(records)} (world {records[0]['world']}, strategy {records[0]['strategy']})"),
+        ("step time, measured (mean / median)", f"{col('seconds').mean():.4g} s / {np.median(col('seconds')):.4g} s"),
+        ("micro-batches: planned / measured (median per step)", f"{np.median(planned / measured):.3f}"),
+        ("tokens/s (loader wait included)", f"{col('tokens_per_s').mean():,.0f}"),
+        ("MFU", "n/a (no peak FLOP/s: give peak_flops)" if not len(mfu) else
+         f"{mfu.mean():.2%} of {records[0]['peak_flops']:.3g} FLOP/s per device"),
+        ("idle in collectives / sat out (mean fraction of step)", f"{col('idle_fraction').mean():.1%}"),
+        ("waiting for the loader (mean fraction of loop)", f"{col('loader_fraction').mean():.1%}"),
+        ("fallback plans", f"{sum(bool(r['fallback']) for r in records)} of {len(records)}"),
+        ("cost-model refits", f"{len(refits)} (model version {versions[0]} -> {versions[-1]})"),
+        ("median |group error|, first step", f"{errors[0]:.1%}"),
+    ]
+    if first_refit is not None:
+        rows += [("median |group error|, before first refit", f"{np.median(errors[:first_refit]):.1%}"),
+                 ("median |group error|, after first refit", f"{np.median(errors[first_refit:]):.1%}")]
+    else:
+        rows.append(("median |group error|, all steps", f"{np.median(errors):.1%}"))
+    rows += [("peak memory", "n/a" if not len(memory) else
+              f"{memory.max() / 2**20:,.0f} MiB ({records[0]['memory_kind']})"),
+             ("most tokens per GPU / token capacity",
+              f"{max(r['max_tokens_per_gpu'] for r in records):.0f} / {records[0]['token_capacity']:.0f}"),
+             ("telemetry time on the training thread (max rank, mean per step)",
+              f"{col('probe_seconds').mean() * 1e3:.3f} ms ({(col('probe_seconds') / col('seconds')).mean():.3%})")]
+    return rows
+
+
+def format_table(rows: Sequence[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def write_report(run_dir: str | Path, *, step: int | None = None, out: str | Path | None = None) -> tuple[str, list[Path]]:
+    """The summary table and the plot files (in ``out``, default ``RUN_DIR/report``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_records(run_dir)
+    refits = read_jsonl(run_dir / REFITS)
+    steps = [r["step"] for r in records]
+    if step is None:
+        chosen = records[-1]
+    elif step in steps:
+        chosen = records[steps.index(step)]
+    else:
+        raise TelemetryError(f"--step {step} is not in {run_dir} (steps {steps[0]}..{steps[-1]})")
+    out = Path(out) if out is not None else run_dir / "report"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TelemetryError(f"cannot write the report to {out}: {exc.strerror or exc}") from None
+    paths = [out / name for name in PLOTS]
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, [r["planned_seconds"] for r in records], "o-", label="planned (micro-batches, cost model)")
+    ax.plot(steps, [sum(mb["measured"] for mb in r["micro_batches"]) for r in records], "s-",
+            label="measured (micro-batches)")
+    ax.plot(steps, [r["seconds"] for r in records], "--", label="measured step (checks + optimizer included)")
+    ax.set(xlabel="step", ylabel="seconds", title="planned vs measured time per step")
+    ax.legend()
+    _save(fig, paths[0])
+
+    fig, ax = plt.subplots(figsize=(9, 0.6 * chosen["world"] + 1.6))
+    colors = plt.get_cmap("tab10")
+    for rank in chosen["ranks"]:
+        y = rank["rank"]
+        for m, mb in enumerate(rank["micro_batches"]):
+            if mb["group"] is None:
+                ax.barh(y, mb["end"] - mb["start"], left=mb["start"], color="lightgrey", edgecolor="grey")
+                continue
+            ax.barh(y, mb["forward"] - mb["start"], left=mb["start"], color=colors(m % 10), alpha=0.9)
+            ax.barh(y, mb["end"] - mb["forward"], left=mb["forward"], color=colors(m % 10), alpha=0.5, hatch="//")
+            degree = chosen["micro_batches"][m]["groups"][mb["group"]]["degree"]
+            ax.text((mb["start"] + mb["end"]) / 2, y, f"mb{m} d{degree}", ha="center", va="center", fontsize=7)
+    ax.set(xlabel="seconds since the step's agreement", ylabel="rank", yticks=range(chosen["world"]),
+           title=f"step {chosen['step']} as it ran (solid: forward, hatched: backward, grey: sat out); "
+                 f"planned {chosen['planned_seconds']:.3g} s")
+    ax.invert_yaxis()
+    _save(fig, paths[1])
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, [r["idle_fraction"] for r in records], label="idle (collectives, sat out)")
+    ax.plot(steps, [r["loader_fraction"] for r in records], label="waiting for the loader")
+    if any(r["mfu"] is not None for r in records):
+        ax.plot(steps, [r["mfu"] if r["mfu"] is not None else np.nan for r in records], label="MFU")
+    ax.set(xlabel="step", ylabel="fraction", title="idle, loader wait and MFU per step", ylim=(0, 1))
+    ax.legend()
+    _save(fig, paths[2])
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.semilogy(steps, [max(np.median(np.abs(group_errors(r))), 1e-4) for r in records], "o-",
+                label="median |planned - measured| / measured, groups")
+    for f in refits:
+        ax.axvline(f["step"] + 0.5, color="grey", alpha=0.4)
+    ax.set(xlabel="step", ylabel="relative error", title="cost-model error per step (grey: refits)")
+    ax.legend()
+    _save(fig, paths[3])
+    return format_table(summarize(records, refits)), paths
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise TelemetryError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
+# --- command line ------------------------------------------------------------------------------------
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("report", help="summarise a training run's step records and plot them")
+    parser.add_argument("run_dir", type=Path, help="the run directory flexsp.telemetry.Telemetry wrote")
+    parser.add_argument("--step", type=int, default=None, help="the step drawn as a Gantt chart (default: the last)")
+    parser.add_argument("--out", type=Path, default=None, help="where the plots go (default RUN_DIR/report)")
+
+
+def run(args: argparse.Namespace) -> int:
+    table, paths = write_report(args.run_dir, step=args.step, out=args.out)
+    described = read_jsonl_safe(args.run_dir / RUN)
+    print(f"run {args.run_dir}: device {described.get('device', '?')}")
+    print(table)
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def read_jsonl_safe(path: Path) -> dict[str, Any]:
+    import json
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
