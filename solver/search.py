@@ -30,10 +30,10 @@ from . import blaster
 from .bucketing import RULES, Buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
-from .materialize import to_groups
+from .materialize import as_groups, to_groups, to_members
 from .milp import solve_milp
-from .tighten import tighten
-from .types import DegreeCosts, Infeasible, Schedule, group_times
+from .tighten import tighten_members
+from .types import DegreeCosts, Infeasible, Schedule, group_loads
 
 # Share of the time left after the greedy plan that the split search may use; the rest turns its
 # splits into real groups.
@@ -352,9 +352,12 @@ class BatchSearch:
         makespan holds for groups of one or two long sequences). Keeps a micro-batch's new groups only when faster,
         then ``tighten``s its slowest groups (larger degree, merge, or move a sequence)."""
         micro_batches = list(schedule.micro_batches)
+        index = {d: k for k, d in enumerate(self.costs.degrees)}
         for m, groups in enumerate(micro_batches):
-            ids = np.concatenate([g.seq_ids for g in groups])
-            current = group_times(groups, self.lengths, self.costs).max()
+            members = [g.seq_ids for g in groups]
+            deg = np.array([index[g.degree] for g in groups], dtype=np.int64)
+            ids = np.concatenate(members)
+            loads = group_loads(members, deg, self.lengths, self.costs)
             for num_buckets, estimate in REFINE_VARIANTS:
                 if self.out_of_time():
                     return Schedule(tuple(micro_batches))
@@ -367,11 +370,12 @@ class BatchSearch:
                     continue
                 bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
                 bucket_of[ids] = local.index
-                new = tuple(to_groups(packing, ids, bucket_of, self.lengths, self.costs))
-                new_time = group_times(new, self.lengths, self.costs).max()
-                if new_time < current:
-                    micro_batches[m], current = new, new_time
-            micro_batches[m] = tighten(micro_batches[m], self.lengths, self.costs, self.num_gpus, self.deadline)
+                new_members, new_deg = to_members(packing, ids, bucket_of, self.lengths, self.costs)
+                new_loads = group_loads(new_members, new_deg, self.lengths, self.costs)
+                if new_loads.max() < loads.max():
+                    members, deg, loads = new_members, new_deg, new_loads
+            members, deg = tighten_members(members, deg, self.lengths, self.costs, self.num_gpus, self.deadline, loads)
+            micro_batches[m] = as_groups(members, deg, self.costs)
         return Schedule(tuple(micro_batches))
 
     def remaining(self) -> float:

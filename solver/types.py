@@ -17,6 +17,7 @@ sequence does not fit one group of the degree a baseline insists on).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,8 +74,11 @@ class DegreeCosts:
 
 
 # --- schedules ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GroupAssignment:
+class GroupAssignment(NamedTuple):
+    """One group of a micro-batch. Immutable like the frozen dataclasses elsewhere, but a named
+    tuple: a 16,384-GPU plan builds millions of these while searching, and a tuple is built ~4x
+    faster than a frozen dataclass."""
+
     degree: int
     seq_ids: np.ndarray  # int64 indices into the batch's lengths
 
