@@ -13,9 +13,14 @@
    plans (``fallbacks``), scored on real lengths, wins, so FlexSP is never slower than a plan it
    could have chosen.
 
-Micro-batch counts are searched (``counting``), never stepped one at a time. Results depend only on
-the inputs and options; a wall-clock ``deadline`` stops the search early (keeping the best
-valid plan so far) only when it binds: a one-pass plan exists before anything else runs.
+Micro-batch counts are searched (``counting``), never stepped one at a time. Every budget is
+counted in work, never in seconds: sweep points (``arranged_candidates``), the window of counts
+(``extra_micro_batches``), local-search trials (``max_moves``), re-packing variants
+(``REFINE_VARIANTS``), ``tighten`` steps, and which fallbacks run (``MAX_FALLBACK_SEQUENCES``). So the
+plan depends only on the inputs and options, on an idle or a loaded machine. The wall-clock
+``deadline`` is a safety net: it stops the search early (keeping the best valid plan so far; a
+one-pass plan exists before anything else runs) only when it binds, and ``plan_batch`` says so
+(``Plan.meta["time_limit_hit"]`` and a ``TimeLimitWarning``).
 """
 from __future__ import annotations
 
@@ -35,9 +40,12 @@ from .milp import solve_milp
 from .tighten import tighten_members
 from .types import DegreeCosts, Infeasible, Schedule, group_loads
 
-# Share of the time left after the greedy plan that the split search may use; the rest turns its
-# splits into real groups.
-SEARCH_SHARE = 0.5
+# Other strategies' plans (``fallbacks``) are tried on batches up to this many sequences. Above it
+# the search has the most room and their plans never won in experiments/scale_benchmark.py (FlexSP
+# >= 1.12x faster than each from 8,192 sequences up), while planning them costs about as much
+# as FlexSP's own search (~1 s of CPU at 131,072 sequences). A size rule, not a time rule: the
+# plan must not depend on how loaded the machine is.
+MAX_FALLBACK_SEQUENCES = 16384
 # Per-micro-batch re-packing in ``refine``: (buckets at the default num_buckets=16, estimate).
 # Measured on the scale settings: 48 buckets with upper times fix most long-sequence groups.
 REFINE_VARIANTS = ((16, "mean"), (48, "upper"))
@@ -407,29 +415,19 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     ``fallbacks`` (other strategies), all scored on real lengths.
 
     The greedy split is turned into real groups and refined first, so a good plan exists early
-    (bucketed estimates can rank splits wrongly by a few percent; real lengths decide). The search
-    then runs on part of the remaining time, keeping the rest to materialise what it found; every
-    step after the greedy split runs only while time remains, so a binding ``time_limit`` returns
-    the best plan so far.
+    (bucketed estimates can rank splits wrongly by a few percent; real lengths decide). Every later
+    step is bounded in work; the ``deadline`` only cuts it short (safety net), returning the best
+    plan so far. ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``.
     """
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
-    started = time.perf_counter()
     first = search.first_split()
     best = search.refine(search.schedule(first))
     best_time = score(best)
-    # what one whole plan cost: a fallback (another strategy's full plan) is started only when
-    # at least that much time is left, so it cannot run far past the deadline
-    plan_cost = time.perf_counter() - started
     if not search.out_of_time():
-        spent = time.perf_counter()
-        # the search gets half of what is left: materialising and refining its result costs
-        # about as much as it took to do the same for the greedy split
-        search.deadline, final = spent + SEARCH_SHARE * search.remaining(), search.deadline
         splits = [search.best_split(first)]
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(splits[-1]))
-        search.deadline = final
         for split in sorted(splits, key=lambda split: split.makespan):
             if search.out_of_time():
                 break
@@ -438,8 +436,10 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
             candidate = search.refine(search.schedule(split))
             if score(candidate) < best_time:
                 best, best_time = candidate, score(candidate)
-    for fallback in fallbacks:
-        if search.remaining() > plan_cost:
+    if len(lengths) <= MAX_FALLBACK_SEQUENCES:
+        for fallback in fallbacks:
+            if search.out_of_time():
+                break
             candidate = fallback()
             if score(candidate) < best_time:
                 best, best_time = candidate, score(candidate)
