@@ -359,18 +359,23 @@ class BatchSearch:
         many sequences), and 48 with upper times (never below the real time, so the bisected
         makespan holds for groups of one or two long sequences). Keeps a micro-batch's new groups only when faster,
         then ``tighten``s its slowest groups (larger degree, merge, or move a sequence)."""
-        micro_batches = list(schedule.micro_batches)
         index = {d: k for k, d in enumerate(self.costs.degrees)}
-        for m, groups in enumerate(micro_batches):
-            members = [g.seq_ids for g in groups]
-            deg = np.array([index[g.degree] for g in groups], dtype=np.int64)
+        return self.refine_members([([g.seq_ids for g in groups], np.array([index[g.degree] for g in groups]))
+                                    for groups in schedule.micro_batches])
+
+    def refine_members(self, raw: list[tuple[list[np.ndarray], np.ndarray]]) -> Schedule:
+        """``refine`` on micro-batches given as (each group's ids, degree indices): group objects are
+        built once per micro-batch, for the version kept."""
+        micro_batches: list = list(raw)
+        for m, (members, deg) in enumerate(raw):
             ids = np.concatenate(members)
             loads = group_loads(members, deg, self.lengths, self.costs)
             for num_buckets, estimate in REFINE_VARIANTS:
                 if self.out_of_time():
-                    return Schedule(tuple(micro_batches))
+                    return Schedule(tuple(mb if m2 < m else as_groups(*mb, self.costs)
+                                          for m2, mb in enumerate(micro_batches)))
                 local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
-                if len(local.upper) == 1 and len(groups) == 1:
+                if len(local.upper) == 1 and len(members) == 1:
                     break
                 times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
                 packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
@@ -393,14 +398,18 @@ class BatchSearch:
     def schedule(self, split: Split) -> Schedule:
         """Real-length groups for every micro-batch (without the per-sequence rebalancing once the
         deadline has passed)."""
-        micro_batches = []
+        return Schedule(tuple(as_groups(*mb, self.costs) for mb in self.members(split)))
+
+    def members(self, split: Split) -> list[tuple[list[np.ndarray], np.ndarray]]:
+        """``schedule`` as (each group's ids, degree indices) per micro-batch, for ``refine_members``."""
+        out = []
         by_mb = np.argsort(split.assignment, kind="stable")
         bounds = np.searchsorted(split.assignment[by_mb], np.arange(len(split.packings) + 1))
         for m, packing in enumerate(split.packings):
             seq_ids = by_mb[bounds[m]:bounds[m + 1]]
-            micro_batches.append(tuple(to_groups(packing, seq_ids, self.buckets.index, self.lengths, self.costs,
-                                                 rebalanced=not self.out_of_time())))
-        return Schedule(tuple(micro_batches))
+            out.append(to_members(packing, seq_ids, self.buckets.index, self.lengths, self.costs,
+                                  rebalanced=not self.out_of_time()))
+        return out
 
 
 def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
@@ -422,7 +431,7 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
     first = search.first_split()
-    best = search.refine(search.schedule(first))
+    best = search.refine_members(search.members(first))
     best_time = score(best)
     if not search.out_of_time():
         splits = [search.best_split(first)]
@@ -433,7 +442,7 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
                 break
             if split is first:
                 continue
-            candidate = search.refine(search.schedule(split))
+            candidate = search.refine_members(search.members(split))
             if score(candidate) < best_time:
                 best, best_time = candidate, score(candidate)
     if len(lengths) <= MAX_FALLBACK_SEQUENCES:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -72,10 +73,7 @@ class Plan:
 
     def degree_histogram(self) -> dict[int, int]:
         """How many groups of each degree the plan uses, over all micro-batches."""
-        hist: dict[int, int] = {}
-        for mb in self.micro_batches:
-            for g in mb.groups:
-                hist[g.degree] = hist.get(g.degree, 0) + 1
+        hist = Counter(len(g.ranks) for mb in self.micro_batches for g in mb.groups)
         return dict(sorted(hist.items()))
 
     def group_times(self, lengths: Sequence[int], cost: "CostModel") -> list[list[float]]:
