@@ -277,6 +277,7 @@ class BatchSearch:
         counts = self.counts(split.assignment, num_mb)
         packings = list(split.packings)
         trials = 0
+        moved = False
         improved = True
         while improved and len(packings) > 1 and trials < self.options.max_moves and not self.out_of_time():
             improved = False
@@ -301,9 +302,10 @@ class BatchSearch:
                     if p_src is None:          # the source micro-batch is now empty
                         counts = np.delete(counts, src, axis=0)
                         del packings[src]
-                    improved = True
+                    improved = moved = True
                     break
-        return Split(self.assign_from_counts(counts), packings)
+        # no move kept: the same split (so it is not materialised and refined a second time)
+        return Split(self.assign_from_counts(counts), packings) if moved else split
 
     def _moves(self, packings: list[BinPacking], counts: np.ndarray):
         """Candidate moves (source, bucket, destination, count): the most wasteful micro-batch's
@@ -437,11 +439,13 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         splits = [search.best_split(first)]
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(splits[-1]))
+        done: list[Split] = []
         for split in sorted(splits, key=lambda split: split.makespan):
             if search.out_of_time():
                 break
-            if split is first:
+            if split is first or any(split is other for other in done):
                 continue
+            done.append(split)
             candidate = search.refine_members(search.members(split))
             if score(candidate) < best_time:
                 best, best_time = candidate, score(candidate)
