@@ -19,6 +19,7 @@ over every count.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -64,7 +65,10 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     fewest = max(1, math.ceil(lengths.sum() / (cost.token_capacity * n) - 1e-12))
     floor = max(float(area.sum()) / n, float(times.min(axis=1).max()))   # valid for every count
     shortest, tokens = _buckets(lengths)
-    per_token = costs.times(shortest) * np.asarray(costs.degrees)[None, :] / shortest[:, None]   # [B, D]
+    # per-token rates without the ring's per-sequence hop latency: with it, time / tokens would fall
+    # with length and the shortest sequence's rate would overstate a bucket's longer ones
+    bare = dataclasses.replace(costs, hops=()) if any(costs.hops) else costs
+    per_token = bare.times(shortest) * np.asarray(costs.degrees)[None, :] / shortest[:, None]   # [B, D]
     seq_time = costs.times(shortest)                                 # [B, D]
     last = min(fewest + EXTRA_COUNTS, len(lengths))
     best = math.inf

@@ -79,14 +79,14 @@ class Plan:
     def group_times(self, lengths: Sequence[int], cost: "CostModel") -> list[list[float]]:
         """Seconds of every group (beta1 included), per micro-batch; vectorised over sequences."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        coefficients = {d: cost.coefficients(d) for d in self.degree_histogram()}
+        coefficients = {d: (*cost.coefficients(d), cost.ring_hops(d)) for d in self.degree_histogram()}
         out = []
         for mb in self.micro_batches:
             sizes = [len(g.seq_ids) for g in mb.groups]
             owner = np.repeat(np.arange(len(mb.groups)), sizes)
             s = lengths[np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64, count=sum(sizes))]
-            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 3)[owner]
-            per_seq = seconds(s, coeffs[:, 0], coeffs[:, 1], coeffs[:, 2])
+            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 4)[owner]
+            per_seq = seconds(s, coeffs[:, 0], coeffs[:, 1], coeffs[:, 2], coeffs[:, 3])
             out.append((np.bincount(owner, weights=per_seq, minlength=len(mb.groups)) + cost.beta1).tolist())
         return out
 
