@@ -13,7 +13,7 @@ from flexsp.plan.analytic import cost_from_hardware
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, reserve_communicators
 from flexsp.plan.config import PlanConfig
-from flexsp.plan.cost import CostModel
+from flexsp.plan.cost import CostModel, describe_sources
 from flexsp.plan.lengths import OVER_CONTEXT, bound_context, get_distribution, load_lengths
 from flexsp.plan.memory import SHARDINGS
 from flexsp.plan.presets import cost_from_preset
@@ -173,6 +173,7 @@ def run_simulate(args) -> int:
     print(describe(sim))
     print(f"cost model: {cost.meta.get('preset') or cost.meta.get('source') or 'custom'}, "
           f"token capacity {cost.token_capacity:.0f} per GPU")
+    print(describe_sources(cost))
     label = replayed.pop("_label") if replayed else None
     if replayed:
         print(f"replayed: {label}")

@@ -289,3 +289,31 @@ class CostModel:
             return cls.from_dict(data)
         except CostModelError as exc:
             raise CostModelError(f"{path}: {exc}") from None
+
+
+def describe_sources(cost: CostModel) -> str:
+    """One line: which parts of ``cost`` were measured on this hardware and which are assumed or
+    estimated, from its ``meta`` (``flexsp profile`` records both; presets and analytic models say
+    where their constants come from). ``flexsp simulate`` prints it under the cost model's name."""
+    meta = cost.meta
+    source = meta.get("source")
+    if source == "flexsp profile":
+        estimates = list(meta.get("estimates", []))
+        measured = ["compute (alpha1, alpha2, beta1)"]
+        if not any(e.startswith(("activation memory", "device memory")) for e in estimates):
+            measured.append("memory")
+        fits = sorted(int(d) for d in (meta.get("comm") or {}).get("fits", {}))
+        if fits:
+            measured.append(f"all-to-all at degrees {fits}")
+        assumed = meta.get("assumed") or {}
+        if assumed:
+            estimates = [e for e in estimates if not e.startswith("interconnect")]
+            estimates.append(f"all-to-all at degrees {assumed['degrees'][0]}..{assumed['degrees'][-1]}, ring bandwidth "
+                             f"and hop latency from the {assumed['interconnect']} preset")
+        return f"cost model parts: measured {', '.join(measured)}; assumed {'; '.join(estimates) or 'nothing'}"
+    if source == "analytic":
+        return "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"
+    if meta.get("preset"):
+        return (f"cost model parts: the published constants of preset {meta['preset']} (measured by the FlexSP paper on "
+                "its A100 cluster, not on this hardware)")
+    return "cost model parts: custom, provenance not recorded"
