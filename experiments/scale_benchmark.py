@@ -173,7 +173,8 @@ def main() -> None:
         from planner_benchmark import append_history
         for _, result in results:
             if result["gpus"] == sizes[-1]:
-                append_history(f"{result['mix']}, {sizes[-1]:,} GPUs, batch {8 * sizes[-1]:,}", "scale_benchmark",
+                append_history(f"{result['mix']}, {sizes[-1]:,} GPUs, batch {8 * sizes[-1]:,}, time_limit {limit}",
+                               "scale_benchmark",
                                result["median_solve"], result["median_cpu"], load)
 
 
