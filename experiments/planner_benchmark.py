@@ -1,11 +1,13 @@
-"""Planner benchmark (issue 2): solve time and plan quality in the paper's setting, and scaling.
+"""Planner benchmark (issues 2, 27): solve time and plan quality in the paper's setting, and scaling.
 
 Paper setting: bundled Wikipedia lengths, gpt-7b preset, 64 GPUs, 384K context, global batch 512.
 Prints (and writes as Markdown) the median / max solve time, each strategy's simulated iteration
 time, the plan / lower-bound ratio, and the speedup over static SP 64; then solve time against the
 GPU count (16..1024, batch 8 x N, at most 4096) and the batch size (128..4096); then (full mode)
 how far each strategy runs past a 0.5 s ``time_limit`` on issue 21's batches that need thousands
-of micro-batches.
+of micro-batches. Solve times are medians of the repeats, both wall clock (``Plan.solve_time``) and
+the process's CPU time (what the planner itself costs, about the same on a loaded machine); a full
+run appends both medians to ``experiments/results/solve_time_history.md``.
 
     python experiments/planner_benchmark.py            # full: 20 batches + scaling
     python experiments/planner_benchmark.py --quick    # CI: 2 small batches, tiny scaling
@@ -21,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 import flexsp
-from flexsp.plan.bounds import coupled_lower_bound, lower_bound
+from flexsp.plan.bounds import coupled_lower_bound, gap_breakdown, lower_bound
 from flexsp.plan.lengths import get_distribution, preprocess
 
 STRATEGY_NAMES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
@@ -37,7 +39,26 @@ def batches(num: int, size: int, num_gpus: int, context: int, seed: int):
         yield preprocess(pool[rng.integers(0, pool.size, size=size)], context, num_gpus)[0]
 
 
-TARGET_MEDIAN_SOLVE, TARGET_MAX_SOLVE, TARGET_RATIO, TARGET_SPEEDUP = 1.0, 3.0, 1.08, 1.6
+# issue 27: median solve <= 0.2 s, plan / coupled bound <= 1.05 (the aim 1.03); the simple bound's 1.08
+# of issue 2 is still printed
+TARGET_MEDIAN_SOLVE, TARGET_MAX_SOLVE, TARGET_COUPLED, TARGET_RATIO, TARGET_SPEEDUP = 0.2, 3.0, 1.05, 1.08, 1.6
+AIM_COUPLED = 1.03
+HISTORY = Path(__file__).parent / "results" / "solve_time_history.md"
+HISTORY_HEADER = ("| date (UTC) | commit | benchmark | setting | solve median wall (s) | solve median CPU (s) | load |\n"
+                  "|---|---|---|---|---|---|---|\n")
+
+
+def append_history(setting: str, benchmark: str, wall: float, cpu: float, load: float, path: Path = HISTORY) -> None:
+    """One row per full run: how the solve time moved, commit by commit (never written by --quick)."""
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or "?"
+    if not path.exists():
+        path.write_text("Solve-time history of the planner benchmarks (wall and CPU medians, this project's 2-core "
+                        "shared machine; the load average says how shared).\n\n" + HISTORY_HEADER)
+    with path.open("a") as f:
+        f.write(f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} | {commit} | {benchmark} | {setting} | "
+                f"{wall:.3f} | {cpu:.3f} | {load:.1f} |\n")
 LABEL = ("Plan and iteration times are **simulated** with the paper's gpt-7b cost model (`CostModel.from_preset`, "
          "64 x A100-40GB constants); solve times are **measured** on this project's 2-core shared CPU.")
 
@@ -50,15 +71,20 @@ def readme_block(summary: dict, load: float) -> str:
     solve = "met" if not solve_missed else f"**{' and '.join(solve_missed)} missed**"
     over = (summary["mean_ratio"] / TARGET_RATIO - 1) * 100
     ratio = "met" if summary["mean_ratio"] <= TARGET_RATIO else f"**missed by {over:.1f}%**"
+    over = (summary["mean_coupled"] / TARGET_COUPLED - 1) * 100
+    coupled = "met" if summary["mean_coupled"] <= TARGET_COUPLED else f"**missed by {over:.1f}%**"
+    aim = (summary["mean_coupled"] / AIM_COUPLED - 1) * 100
     speed = "met" if summary["speedup_static64"] >= TARGET_SPEEDUP else "**missed**"
     return "\n".join([
         f"{LABEL} Load average {load:.1f} at the start of the run.", "",
         "| | value | target |", "|---|---|---|",
         f"| FlexSP solve time per global batch (measured) | median {summary['median_solve']:.2f} s, "
-        f"max {summary['max_solve']:.2f} s | median <= {TARGET_MEDIAN_SOLVE:g} s, max <= {TARGET_MAX_SOLVE:g} s: {solve} |",
+        f"max {summary['max_solve']:.2f} s; CPU median {summary.get('median_cpu', float('nan')):.2f} s "
+        f"| median <= {TARGET_MEDIAN_SOLVE:g} s, max <= {TARGET_MAX_SOLVE:g} s: {solve} |",
         f"| plan time / lower bound (simulated) | mean {summary['mean_ratio']:.3f}, max {summary['max_ratio']:.3f} "
         f"| mean <= {TARGET_RATIO}: {ratio} |",
-        f"| plan time / coupled bound (simulated) | mean {summary['mean_coupled']:.3f}, max {summary['max_coupled']:.3f} | |",
+        f"| plan time / coupled bound (simulated) | mean {summary['mean_coupled']:.3f}, max {summary['max_coupled']:.3f} "
+        f"| mean <= {TARGET_COUPLED}: {coupled} (aim {AIM_COUPLED}: {max(aim, 0.0):.1f}% away) |",
         f"| speedup over static SP 64 (simulated) | {summary['speedup_static64']:.2f}x | >= {TARGET_SPEEDUP}x: {speed} |",
         f"| speedup over batchada (simulated) | {summary['speedup_batchada']:.2f}x | |", ""])
 
@@ -68,14 +94,18 @@ def paper_setting(num_batches: int, batch_size: int, time_limit: float) -> tuple
     cost = flexsp.cost_from_preset("gpt-7b", context=context, num_gpus=num_gpus)
     cluster = flexsp.Cluster(num_gpus, 8)
     times = {name: [] for name in STRATEGIES}
-    solve, ratios, coupled = [], [], []
+    solve, cpu, ratios, coupled, gaps, bounds = [], [], [], [], [], []
     for lengths in tqdm(list(batches(num_batches, batch_size, num_gpus, context, seed=0)), desc="paper setting"):
         bound = lower_bound(lengths, cost, cluster)
         tight = coupled_lower_bound(lengths, cost, cluster)
         for name, (strategy, degree) in STRATEGIES.items():
+            cpu_started = time.process_time()
             plan = flexsp.plan_batch(lengths, cost, cluster, strategy, sp_degree=degree, time_limit=time_limit)
             times[name].append(plan.predicted_time)
             if name == "flexsp":
+                cpu.append(time.process_time() - cpu_started)
+                gaps.append(gap_breakdown(plan, lengths, cost, cluster))
+                bounds.append(tight)
                 solve.append(plan.solve_time)
                 ratios.append(plan.predicted_time / bound)
                 coupled.append(plan.predicted_time / tight)
@@ -85,19 +115,37 @@ def paper_setting(num_batches: int, batch_size: int, time_limit: float) -> tuple
     for name, values in times.items():
         lines.append(f"| {name} | {np.mean(values):.3f} | {np.mean(np.array(values) / fx):.2f}x |")
     summary = {"median_solve": float(np.median(solve)), "max_solve": float(np.max(solve)),
+               "median_cpu": float(np.median(cpu)),
                "mean_ratio": float(np.mean(ratios)), "max_ratio": float(np.max(ratios)),
                "mean_coupled": float(np.mean(coupled)), "max_coupled": float(np.max(coupled)),
                "speedup_static64": float(np.mean(np.array(times["static64"]) / fx)),
                "speedup_batchada": float(np.mean(np.array(times["batchada"]) / fx))}
-    lines += ["", f"- FlexSP solve time: median {summary['median_solve']:.3f} s, max {summary['max_solve']:.3f} s "
-                  "(target median <= 1 s, max <= 3 s)",
+    solve_ok = summary["median_solve"] <= TARGET_MEDIAN_SOLVE and summary["max_solve"] <= TARGET_MAX_SOLVE
+    lines += ["", f"- FlexSP solve time (wall): median {summary['median_solve']:.3f} s, max {summary['max_solve']:.3f} s "
+                  f"(target median <= {TARGET_MEDIAN_SOLVE:g} s, max <= {TARGET_MAX_SOLVE:g} s: "
+                  f"{'met' if solve_ok else 'MISSED'}); CPU median {summary['median_cpu']:.3f} s",
               f"- FlexSP plan / lower bound: mean {summary['mean_ratio']:.4f}, max {summary['max_ratio']:.4f} "
-              f"(target mean <= 1.08: {'met' if summary['mean_ratio'] <= 1.08 else 'MISSED'})",
+              f"(issue-2 target mean <= {TARGET_RATIO}: {'met' if summary['mean_ratio'] <= TARGET_RATIO else 'MISSED'})",
               f"- FlexSP plan / coupled bound: mean {summary['mean_coupled']:.4f}, max {summary['max_coupled']:.4f} "
-              "(flexsp.plan.bounds.coupled_lower_bound, the tighter bound: what stays above it is the plan's)",
+              f"(target mean <= {TARGET_COUPLED}: {'met' if summary['mean_coupled'] <= TARGET_COUPLED else 'MISSED'}; "
+              f"aim {AIM_COUPLED}; flexsp.plan.bounds.coupled_lower_bound, the tighter bound: what stays above it is "
+              "the plan's)",
+              gap_line(gaps, times["flexsp"], bounds),
               f"- speedup over static SP 64: {summary['speedup_static64']:.2f}x (target >= 1.6x); "
               f"over batchada: {summary['speedup_batchada']:.2f}x"]
     return "\n".join(lines), summary
+
+
+def gap_line(gaps: list[dict], plan_times: list[float], bounds: list[float]) -> str:
+    """What FlexSP's plan time is made of (``flexsp.plan.bounds.gap_breakdown``), as shares of the plan
+    time summed over the batches, and where the coupled bound sits."""
+    total = float(np.sum(plan_times))
+    parts = {k: sum(g[k] for g in gaps) / total for k in ("area", "degree", "idle", "beta1")}
+    return (f"- what the plan time is made of (share of the plan time): perfect spread of the cheapest compute "
+            f"{parts['area']:.1%}, higher degrees than the cheapest {parts['degree']:.1%}, GPUs idle in a "
+            f"micro-batch {parts['idle']:.1%}, beta1 per micro-batch {parts['beta1']:.1%}; the coupled bound is "
+            f"{float(np.sum(bounds)) / total:.1%} of it, so the gap to it is made of idle time and degree "
+            f"inflation that the bound does not prove necessary")
 
 
 def scaling(gpu_counts: list[int], batch_sizes: list[int], reps: int, time_limit: float) -> str:
@@ -158,12 +206,16 @@ def main() -> None:
         scale = scaling([16, 32, 64, 128, 256, 512, 1024], [128, 256, 512, 1024, 2048, 4096], reps=3,
                         time_limit=args.time_limit)
     limits = "(time-limit table: full mode only)" if args.quick else past_the_limit()
-    text = (f"{LABEL}\n\n{table}\n\n{scale}\n\n{limits}\n\n(measured on this 2-core machine in {time.time() - started:.0f} s; load average "
+    text = (f"{LABEL} time_limit {args.time_limit:g} s (the wall-clock safety net; searches are bounded in work).\n\n{table}\n\n{scale}\n\n{limits}\n\n(measured on this 2-core machine in {time.time() - started:.0f} s; load average "
             f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: solve times scale with it)\n\n"
             f"<!-- generated: readme -->\n{readme_block(summary, load)}<!-- end: readme -->\n")
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+    if not args.quick:
+        append_history(f"gpt-7b, 64 GPUs, batch 512, time_limit {args.time_limit:g} s", "planner_benchmark",
+                       summary["median_solve"],
+                       summary["median_cpu"], load)
 
 
 if __name__ == "__main__":

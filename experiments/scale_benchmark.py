@@ -15,7 +15,8 @@ Three settings:
 median / max solve time of FlexSP, plan / lower bound for both bounds of ``flexsp.plan.bounds`` (the
 simple one and the coupled LP one), FlexSP's speedup over batchada, static (largest degree) and
 dynamic-cp, and whether the issue-16 targets hold (plan / simple bound <= 1.10 from 1,024 GPUs,
-median solve <= 10 s at 16,384); then how far each strategy runs past a 0.5 s ``time_limit`` at the
+median solve <= 1 s at 16,384, issue 27; wall and CPU medians, a full run appends
+them to results/solve_time_history.md); then how far each strategy runs past a 0.5 s ``time_limit`` at the
 largest size (the constant of issue 21); then, at one size, communicators per rank against plan
 time for restricted degree sets. ``--quick`` runs N = 64 and 256 only.
 """
@@ -37,7 +38,7 @@ from flexsp.plan.strategies import names as strategy_names
 
 CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
-TARGET_RATIO, TARGET_SOLVE = 1.10, 10.0
+TARGET_RATIO, TARGET_SOLVE = 1.10, 1.0     # issue 27: median solve <= 1 s at 16,384 GPUs (was 10 s)
 LABEL = ("Plan times are **simulated**: an analytic LLaMA-7B on H100-80GB nodes (`flexsp.plan.analytic`) for "
          "`wikipedia` and `long-mix`, the paper's gpt-7b constants (`CostModel.from_preset`) for `gpt-7b-constants`; "
          "solve times are **measured** on this project's 2-core shared CPU.")
@@ -78,17 +79,20 @@ def row(mix: str, num_gpus: int, reps: int, time_limit: float | None) -> tuple[s
     cost, cluster = setting(mix, num_gpus)
     limit = {} if time_limit is None else {"time_limit": time_limit}
     rng = np.random.default_rng(num_gpus)
-    solve, ratio, coupled, speed = [], [], [], {"batchada": [], "static": [], "dynamic-cp": []}
+    solve, cpu, ratio, coupled, speed = [], [], [], [], {"batchada": [], "static": [], "dynamic-cp": []}
     for _ in range(reps):
         lengths = draw(mix, 8 * num_gpus, cost, cluster, rng)
+        cpu_started = time.process_time()
         plan = flexsp.plan_batch(lengths, cost, cluster, "flexsp", **limit)
+        cpu.append(time.process_time() - cpu_started)
         solve.append(plan.solve_time)
         ratio.append(plan.predicted_time / lower_bound(lengths, cost, cluster))
         coupled.append(plan.predicted_time / coupled_lower_bound(lengths, cost, cluster))
         for name in speed:
             other = flexsp.plan_batch(lengths, cost, cluster, name, **limit)
             speed[name].append(other.predicted_time / plan.predicted_time)
-    result = {"mix": mix, "gpus": num_gpus, "median_solve": float(np.median(solve)), "ratio": float(np.mean(ratio)),
+    result = {"mix": mix, "gpus": num_gpus, "median_solve": float(np.median(solve)), "median_cpu": float(np.median(cpu)),
+              "ratio": float(np.mean(ratio)),
               "max_ratio": float(np.max(ratio)), "coupled": float(np.mean(coupled))}
     verdicts = []
     if num_gpus >= 1024:
@@ -96,6 +100,7 @@ def row(mix: str, num_gpus: int, reps: int, time_limit: float | None) -> tuple[s
     if num_gpus >= 16384:
         verdicts.append(f"solve {'met' if result['median_solve'] <= TARGET_SOLVE else '**missed**'}")
     line = (f"| {mix} | {num_gpus:,} | {8 * num_gpus:,} | {np.median(solve):.2f} / {np.max(solve):.2f} | "
+            f"{np.median(cpu):.2f} | "
             f"{np.mean(ratio):.3f} (max {np.max(ratio):.3f}) | {np.mean(coupled):.3f} | "
             + " | ".join(f"{np.mean(v):.2f}x" for v in speed.values()) + f" | {', '.join(verdicts) or '-'} |")
     return line, result
@@ -149,11 +154,13 @@ def main() -> None:
     started = time.time()
     load = os.getloadavg()[0]
     limit = "default 2 s" if args.time_limit is None else f"{args.time_limit:g} s"
-    header = ["| setting | GPUs | batch | solve median / max (s) | plan / lower bound | plan / coupled bound | "
-              "vs batchada | vs static | vs dynamic-cp | target (<= 1.10 from 1,024; solve <= 10 s at 16,384) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    header = ["| setting | GPUs | batch | solve median / max, wall (s) | solve median, CPU (s) | plan / lower bound | "
+              "plan / coupled bound | vs batchada | vs static | vs dynamic-cp | "
+              f"target (max <= {TARGET_RATIO} from 1,024; wall median <= {TARGET_SOLVE:g} s at 16,384) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     points = [(m, n) for m in MIXES for n in sizes]
-    rows = [row(mix, n, reps, args.time_limit)[0] for mix, n in tqdm(points, desc="scale")]
+    results = [row(mix, n, reps, args.time_limit) for mix, n in tqdm(points, desc="scale")]
+    rows = [line for line, _ in results]
     lines = [LABEL, "", f"### FlexSP at scale: batch 8 x N, context 2M, time_limit {limit}", "", *header, *rows]
     text = "\n".join(lines) + "\n\n" + overrun(sizes[-1]) + "\n\n" + restrictions(256 if args.quick else 4096, reps, args.time_limit)
     text += (f"\n\n(measured on this 2-core machine in {time.time() - started:.0f} s; load average "
@@ -162,6 +169,13 @@ def main() -> None:
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+    if not args.quick:
+        from planner_benchmark import append_history
+        for _, result in results:
+            if result["gpus"] == sizes[-1]:
+                append_history(f"{result['mix']}, {sizes[-1]:,} GPUs, batch {8 * sizes[-1]:,}, time_limit {limit}",
+                               "scale_benchmark",
+                               result["median_solve"], result["median_cpu"], load)
 
 
 if __name__ == "__main__":

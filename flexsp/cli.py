@@ -13,8 +13,8 @@ from flexsp.plan.analytic import cost_from_hardware
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, reserve_communicators
 from flexsp.plan.config import PlanConfig
-from flexsp.plan.cost import CostModel
-from flexsp.plan.lengths import get_distribution, load_lengths
+from flexsp.plan.cost import CostModel, describe_sources
+from flexsp.plan.lengths import OVER_CONTEXT, bound_context, get_distribution, load_lengths
 from flexsp.plan.memory import SHARDINGS
 from flexsp.plan.presets import cost_from_preset
 from flexsp.profile import cli as profile_cli
@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     _cost_args(plan)
     plan.add_argument("--strategy", default="flexsp", help="one of: " + _strategy_help())
     plan.add_argument("--sp-degree", type=_count(1), help="the SP degree, for a strategy that takes one (static)")
+    plan.add_argument("--over-context", choices=OVER_CONTEXT, default="error",
+                      help="a sequence longer than --context: refuse the batch (error, the default) or cut it to "
+                           "--context tokens (truncate)")
     plan.add_argument("-o", "--output", type=Path, default=Path("plan.json"))
     profile_cli.add_parser(sub)
     replay_cli.add_parser(sub)
@@ -172,6 +175,7 @@ def run_simulate(args) -> int:
     print(describe(sim))
     print(f"cost model: {cost.meta.get('preset') or cost.meta.get('source') or 'custom'}, "
           f"token capacity {cost.token_capacity:.0f} per GPU")
+    print(describe_sources(cost))
     label = replayed.pop("_label") if replayed else None
     if replayed:
         print(f"replayed: {label}")
@@ -195,7 +199,9 @@ def run_plan(args) -> int:
     from flexsp.plan.planner import plan_batch
     _outputs((args.output, "-o/--output"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
-    lengths = load_lengths(args.lengths)
+    lengths, cut = bound_context(load_lengths(args.lengths), args.context, args.over_context)
+    if cut:
+        print(f"cut {cut} sequence(s) to the context limit {args.context:,} tokens (--over-context truncate)")
     cost = _cost(args)
     if args.communicator_memory is not None:
         cost = reserve_communicators(cost, cluster.degrees, _communicator_bytes(args))

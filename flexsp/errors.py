@@ -23,6 +23,11 @@ class LengthsError(FlexSPError):
     """A batch of sequence lengths is empty or holds non-positive / non-integer lengths."""
 
 
+class ContextError(LengthsError):
+    """A sequence is longer than the context limit and no policy (``--over-context truncate``) says what
+    to do with it: it is refused, never planned silently."""
+
+
 class SizeError(FlexSPError, argparse.ArgumentTypeError):
     """A size written on the command line (``384K``, ``2M``) is not a whole number in range. Also an
     ``ArgumentTypeError`` so that argparse prints its message as is."""

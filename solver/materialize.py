@@ -71,16 +71,17 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
         owner[pos] = j
         load[j] = finish[j]
         tokens[j] += s
-    return [seq_ids[owner == j] for j in range(num_groups)]
+    order = np.argsort(owner, kind="stable")
+    return split_at(seq_ids[order], np.bincount(owner, minlength=num_groups))
 
 
-def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
-              costs: DegreeCosts, rebalanced: bool = True) -> list[GroupAssignment]:
-    """Real-length groups for one micro-batch: the better of the dealt and (``rebalanced``) the
-    rebalanced version."""
+def to_members(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
+               costs: DegreeCosts, rebalanced: bool = True) -> tuple[list[np.ndarray], np.ndarray]:
+    """``to_groups`` without building group objects: each non-empty group's ids and its degree index
+    (what a caller that compares several packings needs; objects only for the one it keeps)."""
     packing = packing.expanded()
     if len(packing.degree_idx) == 1:                    # one group: nothing to deal or balance
-        return [GroupAssignment(int(costs.degrees[packing.degree_idx[0]]), np.sort(seq_ids))]
+        return [np.sort(seq_ids)], packing.degree_idx[:1].copy()
     dealt = fill_groups(packing, seq_ids, bucket_of, lengths, costs)
     best = dealt
     lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs) if rebalanced else None
@@ -88,4 +89,17 @@ def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, l
         dealt_max = group_loads(dealt, packing.degree_idx, lengths, costs).max()
         if group_loads(lpt, packing.degree_idx, lengths, costs).max() < dealt_max:
             best = lpt
-    return [GroupAssignment(int(costs.degrees[k]), g) for g, k in zip(best, packing.degree_idx) if len(g)]
+    used = [j for j, g in enumerate(best) if len(g)]
+    return [best[j] for j in used], packing.degree_idx[used]
+
+
+def as_groups(members: list[np.ndarray], degree_idx: np.ndarray, costs: DegreeCosts) -> tuple[GroupAssignment, ...]:
+    degrees = costs.degrees
+    return tuple(GroupAssignment(degrees[k], g) for g, k in zip(members, np.asarray(degree_idx).tolist()))
+
+
+def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
+              costs: DegreeCosts, rebalanced: bool = True) -> list[GroupAssignment]:
+    """Real-length groups for one micro-batch: the better of the dealt and (``rebalanced``) the
+    rebalanced version."""
+    return list(as_groups(*to_members(packing, seq_ids, bucket_of, lengths, costs, rebalanced), costs))

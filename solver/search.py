@@ -13,9 +13,14 @@
    plans (``fallbacks``), scored on real lengths, wins, so FlexSP is never slower than a plan it
    could have chosen.
 
-Micro-batch counts are searched (``counting``), never stepped one at a time. Results depend only on
-the inputs and options; a wall-clock ``deadline`` stops the search early (keeping the best
-valid plan so far) only when it binds: a one-pass plan exists before anything else runs.
+Micro-batch counts are searched (``counting``), never stepped one at a time. Every budget is
+counted in work, never in seconds: sweep points (``arranged_candidates``), the window of counts
+(``extra_micro_batches``), local-search trials (``max_moves``), re-packing variants
+(``REFINE_VARIANTS``), ``tighten`` steps, and which fallbacks run (``MAX_FALLBACK_SEQUENCES``). So the
+plan depends only on the inputs and options, on an idle or a loaded machine. The wall-clock
+``deadline`` is a safety net: it stops the search early (keeping the best valid plan so far; a
+one-pass plan exists before anything else runs) only when it binds, and ``plan_batch`` says so
+(``Plan.meta["time_limit_hit"]`` and a ``TimeLimitWarning``).
 """
 from __future__ import annotations
 
@@ -30,14 +35,17 @@ from . import blaster
 from .bucketing import RULES, Buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
-from .materialize import to_groups
+from .materialize import as_groups, to_groups, to_members
 from .milp import solve_milp
-from .tighten import tighten
-from .types import DegreeCosts, Infeasible, Schedule, group_times
+from .tighten import tighten_members
+from .types import DegreeCosts, Infeasible, Schedule, group_loads
 
-# Share of the time left after the greedy plan that the split search may use; the rest turns its
-# splits into real groups.
-SEARCH_SHARE = 0.5
+# Other strategies' plans (``fallbacks``) are tried on batches up to this many sequences. Above it
+# the search has the most room and their plans never won in experiments/scale_benchmark.py (FlexSP
+# >= 1.12x faster than each from 8,192 sequences up), while planning them costs about as much
+# as FlexSP's own search (~1 s of CPU at 131,072 sequences). A size rule, not a time rule: the
+# plan must not depend on how loaded the machine is.
+MAX_FALLBACK_SEQUENCES = 16384
 # Per-micro-batch re-packing in ``refine``: (buckets at the default num_buckets=16, estimate).
 # Measured on the scale settings: 48 buckets with upper times fix most long-sequence groups.
 REFINE_VARIANTS = ((16, "mean"), (48, "upper"))
@@ -269,6 +277,7 @@ class BatchSearch:
         counts = self.counts(split.assignment, num_mb)
         packings = list(split.packings)
         trials = 0
+        moved = False
         improved = True
         while improved and len(packings) > 1 and trials < self.options.max_moves and not self.out_of_time():
             improved = False
@@ -293,9 +302,10 @@ class BatchSearch:
                     if p_src is None:          # the source micro-batch is now empty
                         counts = np.delete(counts, src, axis=0)
                         del packings[src]
-                    improved = True
+                    improved = moved = True
                     break
-        return Split(self.assign_from_counts(counts), packings)
+        # no move kept: the same split (so it is not materialised and refined a second time)
+        return Split(self.assign_from_counts(counts), packings) if moved else split
 
     def _moves(self, packings: list[BinPacking], counts: np.ndarray):
         """Candidate moves (source, bucket, destination, count): the most wasteful micro-batch's
@@ -351,15 +361,23 @@ class BatchSearch:
         many sequences), and 48 with upper times (never below the real time, so the bisected
         makespan holds for groups of one or two long sequences). Keeps a micro-batch's new groups only when faster,
         then ``tighten``s its slowest groups (larger degree, merge, or move a sequence)."""
-        micro_batches = list(schedule.micro_batches)
-        for m, groups in enumerate(micro_batches):
-            ids = np.concatenate([g.seq_ids for g in groups])
-            current = group_times(groups, self.lengths, self.costs).max()
+        index = {d: k for k, d in enumerate(self.costs.degrees)}
+        return self.refine_members([([g.seq_ids for g in groups], np.array([index[g.degree] for g in groups]))
+                                    for groups in schedule.micro_batches])
+
+    def refine_members(self, raw: list[tuple[list[np.ndarray], np.ndarray]]) -> Schedule:
+        """``refine`` on micro-batches given as (each group's ids, degree indices): group objects are
+        built once per micro-batch, for the version kept."""
+        micro_batches: list = list(raw)
+        for m, (members, deg) in enumerate(raw):
+            ids = np.concatenate(members)
+            loads = group_loads(members, deg, self.lengths, self.costs)
             for num_buckets, estimate in REFINE_VARIANTS:
                 if self.out_of_time():
-                    return Schedule(tuple(micro_batches))
+                    return Schedule(tuple(mb if m2 < m else as_groups(*mb, self.costs)
+                                          for m2, mb in enumerate(micro_batches)))
                 local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
-                if len(local.upper) == 1 and len(groups) == 1:
+                if len(local.upper) == 1 and len(members) == 1:
                     break
                 times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
                 packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
@@ -367,11 +385,12 @@ class BatchSearch:
                     continue
                 bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
                 bucket_of[ids] = local.index
-                new = tuple(to_groups(packing, ids, bucket_of, self.lengths, self.costs))
-                new_time = group_times(new, self.lengths, self.costs).max()
-                if new_time < current:
-                    micro_batches[m], current = new, new_time
-            micro_batches[m] = tighten(micro_batches[m], self.lengths, self.costs, self.num_gpus, self.deadline)
+                new_members, new_deg = to_members(packing, ids, bucket_of, self.lengths, self.costs)
+                new_loads = group_loads(new_members, new_deg, self.lengths, self.costs)
+                if new_loads.max() < loads.max():
+                    members, deg, loads = new_members, new_deg, new_loads
+            members, deg = tighten_members(members, deg, self.lengths, self.costs, self.num_gpus, self.deadline, loads)
+            micro_batches[m] = as_groups(members, deg, self.costs)
         return Schedule(tuple(micro_batches))
 
     def remaining(self) -> float:
@@ -381,14 +400,18 @@ class BatchSearch:
     def schedule(self, split: Split) -> Schedule:
         """Real-length groups for every micro-batch (without the per-sequence rebalancing once the
         deadline has passed)."""
-        micro_batches = []
+        return Schedule(tuple(as_groups(*mb, self.costs) for mb in self.members(split)))
+
+    def members(self, split: Split) -> list[tuple[list[np.ndarray], np.ndarray]]:
+        """``schedule`` as (each group's ids, degree indices) per micro-batch, for ``refine_members``."""
+        out = []
         by_mb = np.argsort(split.assignment, kind="stable")
         bounds = np.searchsorted(split.assignment[by_mb], np.arange(len(split.packings) + 1))
         for m, packing in enumerate(split.packings):
             seq_ids = by_mb[bounds[m]:bounds[m + 1]]
-            micro_batches.append(tuple(to_groups(packing, seq_ids, self.buckets.index, self.lengths, self.costs,
-                                                 rebalanced=not self.out_of_time())))
-        return Schedule(tuple(micro_batches))
+            out.append(to_members(packing, seq_ids, self.buckets.index, self.lengths, self.costs,
+                                  rebalanced=not self.out_of_time()))
+        return out
 
 
 def greedy(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
@@ -403,39 +426,33 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     ``fallbacks`` (other strategies), all scored on real lengths.
 
     The greedy split is turned into real groups and refined first, so a good plan exists early
-    (bucketed estimates can rank splits wrongly by a few percent; real lengths decide). The search
-    then runs on part of the remaining time, keeping the rest to materialise what it found; every
-    step after the greedy split runs only while time remains, so a binding ``time_limit`` returns
-    the best plan so far.
+    (bucketed estimates can rank splits wrongly by a few percent; real lengths decide). Every later
+    step is bounded in work; the ``deadline`` only cuts it short (safety net), returning the best
+    plan so far. ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``.
     """
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
-    started = time.perf_counter()
     first = search.first_split()
-    best = search.refine(search.schedule(first))
+    best = search.refine_members(search.members(first))
     best_time = score(best)
-    # what one whole plan cost: a fallback (another strategy's full plan) is started only when
-    # at least that much time is left, so it cannot run far past the deadline
-    plan_cost = time.perf_counter() - started
     if not search.out_of_time():
-        spent = time.perf_counter()
-        # the search gets half of what is left: materialising and refining its result costs
-        # about as much as it took to do the same for the greedy split
-        search.deadline, final = spent + SEARCH_SHARE * search.remaining(), search.deadline
         splits = [search.best_split(first)]
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(splits[-1]))
-        search.deadline = final
+        done: list[Split] = []
         for split in sorted(splits, key=lambda split: split.makespan):
             if search.out_of_time():
                 break
-            if split is first:
+            if split is first or any(split is other for other in done):
                 continue
-            candidate = search.refine(search.schedule(split))
+            done.append(split)
+            candidate = search.refine_members(search.members(split))
             if score(candidate) < best_time:
                 best, best_time = candidate, score(candidate)
-    for fallback in fallbacks:
-        if search.remaining() > plan_cost:
+    if len(lengths) <= MAX_FALLBACK_SEQUENCES:
+        for fallback in fallbacks:
+            if search.out_of_time():
+                break
             candidate = fallback()
             if score(candidate) < best_time:
                 best, best_time = candidate, score(candidate)

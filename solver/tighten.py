@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from .materialize import as_groups, split_at
 from .types import DegreeCosts, GroupAssignment, group_loads
 
 MAX_STEPS = 256             # steps per micro-batch (each O(groups x moved candidates))
@@ -30,9 +31,18 @@ def tighten(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: Deg
     index = {d: k for k, d in enumerate(costs.degrees)}
     members = [np.asarray(g.seq_ids) for g in groups]
     deg = np.array([index[g.degree] for g in groups], dtype=np.int64)
+    return as_groups(*tighten_members(members, deg, lengths, costs, num_gpus, deadline), costs)
+
+
+def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndarray, costs: DegreeCosts,
+                    num_gpus: int, deadline: float | None = None,
+                    loads: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """``tighten`` on each group's ids and degree index (``loads``: their seconds, if known);
+    returns the new ids (each sorted) and degree indices."""
+    members, deg = list(members), np.array(deg, dtype=np.int64)
     degrees = np.asarray(costs.degrees)
     capacity = np.asarray(costs.capacity)
-    loads = group_loads(members, deg, lengths, costs)
+    loads = group_loads(members, deg, lengths, costs) if loads is None else np.array(loads, dtype=np.float64)
     owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
     tokens = np.bincount(owner, weights=lengths[np.concatenate(members)].astype(np.float64), minlength=len(members))
     for _ in range(MAX_STEPS):
@@ -89,4 +99,9 @@ def tighten(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: Deg
             loads[j] += float(costs.seconds(length, deg[j]))
             tokens[s] -= length
             tokens[j] += length
-    return tuple(GroupAssignment(int(degrees[k]), np.sort(m)) for m, k in zip(members, deg) if len(m))
+    # every group's ids sorted in one vectorised pass (a sort per group costs more with thousands)
+    sizes = np.array([len(m) for m in members])
+    flat = np.concatenate(members)
+    flat = flat[np.lexsort((flat, np.repeat(np.arange(len(members)), sizes)))]
+    keep = sizes > 0
+    return [m for m, k in zip(split_at(flat, sizes), keep) if k], deg[keep]

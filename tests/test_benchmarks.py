@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # script -> text its Markdown must contain
 EXPECTED = {
-    "planner_benchmark": ["FlexSP solve time: median", "plan / lower bound: mean", "plan / coupled bound: mean",
+    "planner_benchmark": ["FlexSP solve time (wall): median", "plan / lower bound: mean", "plan / coupled bound: mean",
                           "speedup over static SP 64", "**simulated**", "<!-- generated: readme -->"],
     "scale_benchmark": ["| wikipedia | 64 |", "| long-mix | 256 |", "| gpt-7b-constants | 256 |", "plan / coupled bound",
                         "Past the time limit", "communicators per rank", "**simulated**",
@@ -54,13 +54,23 @@ def _script(name):
 
 def test_planner_readme_block_marks_missed_targets():
     bench = _script("planner_benchmark")
-    good = {"median_solve": 0.5, "max_solve": 2.0, "mean_ratio": 1.05, "max_ratio": 1.1, "mean_coupled": 1.04,
-            "max_coupled": 1.1, "speedup_static64": 1.8, "speedup_batchada": 1.2}
+    good = {"median_solve": 0.15, "max_solve": 2.0, "median_cpu": 0.1, "mean_ratio": 1.05, "max_ratio": 1.1,
+            "mean_coupled": 1.04, "max_coupled": 1.1, "speedup_static64": 1.8, "speedup_batchada": 1.2}
     text = bench.readme_block(good, 1.0)
-    assert "missed" not in text and text.count(": met") == 3
-    bad = dict(good, median_solve=1.363, mean_ratio=1.0862, speedup_static64=1.5)
+    assert "missed" not in text and text.count(": met") == 4
+    bad = dict(good, median_solve=0.363, mean_ratio=1.0862, mean_coupled=1.0737, speedup_static64=1.5)
     text = bench.readme_block(bad, 1.0)
     assert "**median missed**" in text and "**missed by 0.6%**" in text and ">= 1.6x: **missed**" in text
+    assert "<= 1.05: **missed by 2.3%**" in text
+
+
+def test_history_rows_append(tmp_path):
+    bench = _script("planner_benchmark")
+    path = tmp_path / "history.md"
+    bench.append_history("64 GPUs", "planner_benchmark", 0.16, 0.12, 1.0, path)
+    bench.append_history("16,384 GPUs", "scale_benchmark", 1.4, 1.1, 2.0, path)
+    rows = [line for line in path.read_text().splitlines() if line.startswith("| 20")]
+    assert [r.split(" | ")[3:6] for r in rows] == [["64 GPUs", "0.160", "0.120"], ["16,384 GPUs", "1.400", "1.100"]]
 
 
 def test_scale_readme_block_keeps_the_target_sizes():

@@ -60,3 +60,22 @@ def test_coupled_bound_equals_simple_when_nothing_couples():
     cluster = flexsp.Cluster(8, 8)
     lengths = [512] * 64
     assert coupled_lower_bound(lengths, cost, cluster) == pytest.approx(lower_bound(lengths, cost, cluster), rel=1e-4)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10_000))
+def test_gap_breakdown_sums_to_the_plan_time_with_nonnegative_waste(seed):
+    from flexsp.plan.bounds import gap_breakdown
+    rng = np.random.default_rng(seed)
+    num_gpus = int(rng.choice([8, 16]))
+    cost = make_cost(int(rng.integers(500, 4000)), num_gpus, seed % 100)
+    cluster = flexsp.Cluster(num_gpus, 8)
+    lengths = np.maximum(rng.lognormal(np.log(cost.token_capacity), 1.0, size=int(rng.integers(4, 40))), 1)
+    lengths = np.minimum(lengths, cost.token_capacity * num_gpus).astype(np.int64)
+    for strategy in ("flexsp", "static"):
+        plan = flexsp.plan_batch(lengths, cost, cluster, strategy, time_limit=5.0)
+        parts = gap_breakdown(plan, lengths, cost, cluster)
+        assert sum(parts.values()) == pytest.approx(plan.predicted_time, rel=1e-9)
+        assert parts["degree"] >= -1e-9 * plan.predicted_time and parts["idle"] >= -1e-9 * plan.predicted_time
+        # the simple bound is the same perfect spread plus beta1 for the fewest micro-batches memory allows
+        assert lower_bound(lengths, cost, cluster) <= (parts["area"] + parts["beta1"]) * (1 + 1e-9)

@@ -153,3 +153,41 @@ def test_analytic_model_knows_its_heads():
     assert cost.heads == 32 and cost.kv_heads == 8 and cost.ulysses_limit == 32
     assert max(cost.alltoall_bandwidth) == 16384
     assert cost.seq_time(2_000_000, 512) > 0 and cost.split(512) == (32, 16)
+
+
+def test_ring_hop_latency_adds_r_minus_1_hops_inside_the_overlap():
+    latency = 2e-3
+    cost = hybrid_model(ring_hop_latency=latency)
+    plain = hybrid_model()
+    ring_bytes = 3 * 32 * 2 * 1024 * 2
+    for s, d in [(200, 64), (100_000, 64), (2_000_000, 64), (300_000, 16)]:
+        u, r = cost.split(d)
+        compute = 5.128e-9 * s * s / d
+        ring = ring_bytes * s * (r - 1) / (r * min(u, 2)) / 5e9 + (r - 1) * latency
+        expected = 1.839576e-4 * s / d + CONTRACT["comm_bytes_per_token"] * s / d / CONTRACT["alltoall_bandwidth"][u] \
+            + max(compute, ring)
+        assert cost.seq_time(s, d) == pytest.approx(expected, rel=1e-12)
+        assert cost.seq_time(s, d) >= plain.seq_time(s, d)
+    assert cost.seq_time(50_000, 8) == plain.seq_time(50_000, 8)          # no ring axis, no hops
+    # a short sequence now pays the hops: 7 hops at 2 ms on a ring of 8
+    assert cost.seq_time(200, 64) - plain.seq_time(200, 64) == pytest.approx(7 * latency, rel=1e-6)
+    # the solver's per-degree view and Plan.time agree with seq_time
+    costs = cost.degree_costs((1, 2, 4, 8, 16, 32, 64))
+    assert float(costs.seconds(np.array([200.0]), costs.index(64))[0]) == pytest.approx(cost.seq_time(200, 64))
+    # JSON: written when set, absent (old files) means 0
+    assert flexsp.CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+    assert "ring_hop_latency" not in plain.to_dict()
+    with pytest.raises(flexsp.CostModelError, match="ring_hop_latency"):
+        hybrid_model(ring_hop_latency=-1.0)
+
+
+def test_plans_and_bounds_with_ring_hop_latency():
+    from flexsp.plan.bounds import coupled_lower_bound
+    cost = hybrid_model(token_capacity=4000, ring_hop_latency=5e-3)
+    cluster = flexsp.Cluster(64, 8)
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([[200_000, 120_000], rng.integers(100, 4000, size=60)])
+    plan = flexsp.plan_batch(lengths, cost, cluster, "flexsp", time_limit=30)
+    plan.validate(lengths, cost, cluster)               # predicted_time is recomputed with the hops
+    assert plan.predicted_time == pytest.approx(plan.time(lengths, cost))
+    assert coupled_lower_bound(lengths, cost, cluster) <= plan.predicted_time * (1 + 1e-9)

@@ -283,3 +283,37 @@ def test_a_byte_order_mark_is_not_data_and_overlong_numbers_are_named(tmp_path):
     path.write_bytes(b"9" * 5000 + b"\n")
     with pytest.raises(LengthsError, match="line 1: a 5000-digit number is not a valid sequence length"):
         load_lengths(path)
+
+
+# ------------------------------------------------------------------------------------- context bound
+
+
+def test_bound_context_refuses_a_longer_sequence_by_default():
+    from flexsp.errors import ContextError
+    from flexsp.plan.lengths import bound_context
+    with pytest.raises(ContextError, match="sequence 1 with 4,000"):
+        bound_context([1000, 4000, 800], 1024)
+    same, cut = bound_context([1000, 1024, 800], 1024)
+    assert same.tolist() == [1000, 1024, 800] and cut == 0
+
+
+def test_bound_context_truncates_on_request():
+    from flexsp.plan.lengths import bound_context
+    out, cut = bound_context([1000, 4000, 800, 2000], 1024, "truncate")
+    assert out.tolist() == [1000, 1024, 800, 1024] and cut == 2
+    with pytest.raises(LengthsError, match="policy"):
+        bound_context([1], 10, "drop")
+
+
+def test_plan_cli_refuses_or_cuts_over_context(tmp_path, capsys):
+    from flexsp.cli import main
+    path = tmp_path / "lengths.txt"
+    path.write_text("1000\n4000\n800\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--context", "1K", "--gpus", "8", "-o", str(out)]) == 2
+    assert "context limit" in capsys.readouterr().err and not out.exists()
+    assert main(["plan", str(path), "--context", "1K", "--gpus", "8", "-o", str(out),
+                 "--over-context", "truncate"]) == 0
+    from flexsp.plan.types import Plan
+    assert "cut 1 sequence" in capsys.readouterr().out
+    assert sorted(i for mb in Plan.from_json(out.read_text()).micro_batches for g in mb.groups for i in g.seq_ids) == [0, 1, 2]

@@ -41,7 +41,8 @@ def check_plan(plan_dict: dict, lengths, cost, num_gpus: int, gpus_per_node: int
                 attention = cost.alpha1 * s * s / d
                 if r > 1:
                     width = min(u, cost.kv_heads or u)
-                    attention = max(attention, cost.ring_bytes_per_token * s * (r - 1) / (r * width) / cost.ring_bandwidth)
+                    attention = max(attention, cost.ring_bytes_per_token * s * (r - 1) / (r * width) / cost.ring_bandwidth
+                                    + (r - 1) * cost.ring_hop_latency)
                 time += cost.alpha2 * s / d + comm + attention
             slowest = max(slowest, time)
             seen.extend(seqs)

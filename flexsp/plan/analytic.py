@@ -17,7 +17,9 @@ Formulas (bf16 training, fwd + bwd = 3x the forward FLOPs, FlashAttention so no 
   ``token_capacity = (memory * usable_fraction - model states) / activation bytes per token``.
 * Beyond the Ulysses limit (``heads``), groups are Ulysses x ring hybrids (``flexsp.plan.cost``): the
   ring passes K and V (``2 * kv_dim * 2`` bytes per token per layer) three times per step (forward,
-  and K/V plus their gradients backward) at the inter-node point-to-point bandwidth.
+  and K/V plus their gradients backward) at the inter-node point-to-point bandwidth; each hop also
+  costs ``inter_node_latency`` per layer and pass (``ring_hop_latency = 3 * layers * latency``; 5 us
+  assumed, ``GPUSpec.inter_node_latency``).
 * All-to-all bandwidth per degree ``d`` (bytes of a rank's payload per second): each rank keeps
   ``1/d`` of its payload and sends the rest. Inside a node all of it crosses NVLink:
   ``bw[d] = intra_bw * d / (d - 1)``. Across nodes (``d > g``, ``g`` GPUs per node), the share
@@ -84,6 +86,7 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
         kv_heads=model.kv_heads,
         ring_bytes_per_token=3 * model.layers * 2 * kv_dim * 2,
         ring_bandwidth=gpu.inter_node_bandwidth,
+        ring_hop_latency=3 * model.layers * gpu.inter_node_latency,
         meta={"source": "analytic", "model": model.shape(), "gpu": asdict(gpu), "num_gpus": num_gpus,
               "gpus_per_node": gpus_per_node, "sharding": sharding, "recompute": recompute,
               "activation_bytes_per_token": act_per_token},

@@ -19,6 +19,7 @@ over every count.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -64,7 +65,10 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     fewest = max(1, math.ceil(lengths.sum() / (cost.token_capacity * n) - 1e-12))
     floor = max(float(area.sum()) / n, float(times.min(axis=1).max()))   # valid for every count
     shortest, tokens = _buckets(lengths)
-    per_token = costs.times(shortest) * np.asarray(costs.degrees)[None, :] / shortest[:, None]   # [B, D]
+    # per-token rates without the ring's per-sequence hop latency: with it, time / tokens would fall
+    # with length and the shortest sequence's rate would overstate a bucket's longer ones
+    bare = dataclasses.replace(costs, hops=()) if any(costs.hops) else costs
+    per_token = bare.times(shortest) * np.asarray(costs.degrees)[None, :] / shortest[:, None]   # [B, D]
     seq_time = costs.times(shortest)                                 # [B, D]
     last = min(fewest + EXTRA_COUNTS, len(lengths))
     best = math.inf
@@ -165,3 +169,28 @@ def _solve(rate_at: float, upper: float, count: int, per_token: np.ndarray, seq_
     if res.status != 0:
         return None
     return float(res.x[-1])
+
+
+def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster) -> dict[str, float]:
+    """What a plan's time is made of, in seconds that sum to ``plan.time``:
+
+    * ``area``: every sequence at its cheapest degree, spread perfectly over all GPUs (the simple
+      bound's compute term; no plan does better);
+    * ``degree``: the extra GPU-seconds of running sequences at the degrees the plan chose rather than
+      their cheapest, spread over all GPUs (paid for memory or to shorten a critical path);
+    * ``idle``: GPUs waiting in a micro-batch for its slowest group (and GPUs left without a group);
+    * ``beta1``: the fixed cost of each micro-batch.
+
+    ``degree + idle + (beta1 - the bound's)`` is what separates a plan from a perfect spread; the
+    coupled bound sits above ``area + fewest micro-batches x beta1`` where long sequences force it."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    n = cluster.num_gpus
+    costs = cost.degree_costs(cluster.usable_degrees())
+    cheapest = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
+    area = float(cheapest.sum()) / n
+    used, idle = 0.0, 0.0
+    for times, mb in zip(plan.group_times(lengths, cost), plan.micro_batches):
+        busy = sum((t - cost.beta1) * g.degree for t, g in zip(times, mb.groups))
+        used += busy
+        idle += (max(times) - cost.beta1) * n - busy
+    return {"area": area, "degree": used / n - area, "idle": idle / n, "beta1": cost.beta1 * len(plan.micro_batches)}

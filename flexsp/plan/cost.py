@@ -11,11 +11,14 @@ all-to-all at ``bandwidth[u]`` on a ``s/d`` payload) times a ring of ``r = d/u``
 blocks point to point, overlapped with the attention compute:
 
     seq_time(s, d) = alpha2*s/d + comm_bytes_per_token*s/d / bandwidth[u]
-                     + max(alpha1*s^2/d,  ring_bytes_per_token*s*(r-1) / (r*min(u, kv_heads)) / ring_bandwidth)
+                     + max(alpha1*s^2/d,  ring_bytes_per_token*s*(r-1) / (r*min(u, kv_heads)) / ring_bandwidth
+                                          + (r-1) * ring_hop_latency)
 
 ``ring_bytes_per_token`` is the K+V bytes of one token over all layers, forward plus backward (the
 backward passes K/V and their gradients: 3 passes); each rank holds ``1/min(u, kv_heads)`` of the
 KV width after the Ulysses split (GQA kv heads are replicated, never split, below one per rank).
+``ring_hop_latency`` (default 0, so older JSON keeps its meaning) is the fixed cost of one hop of the
+ring, summed over a step's layers and its three passes; a ring of ``r`` ranks makes ``r - 1`` hops.
 
 Constructors for the paper's presets and for a model + hardware description live in
 ``flexsp.plan.presets.cost_from_preset`` and ``flexsp.plan.analytic.cost_from_hardware``; they all build
@@ -78,6 +81,7 @@ class CostModel:
     kv_heads: int | None = None         # KV heads (GQA); None: as many as heads
     ring_bytes_per_token: float = 0.0   # K+V bytes per token, all layers, fwd+bwd (ring axis)
     ring_bandwidth: float | None = None  # point-to-point bytes/s per GPU for the ring axis
+    ring_hop_latency: float = 0.0       # s of latency per ring hop, summed over a step's layers and passes
 
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
@@ -112,6 +116,8 @@ class CostModel:
             raise CostModelError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         object.__setattr__(self, "ring_bytes_per_token",
                            number(self.ring_bytes_per_token, "ring_bytes_per_token", CostModelError))
+        object.__setattr__(self, "ring_hop_latency",
+                           number(self.ring_hop_latency, "ring_hop_latency (seconds)", CostModelError))
         if self.ring_bandwidth is not None:
             object.__setattr__(self, "ring_bandwidth", number(self.ring_bandwidth, "ring_bandwidth (bytes/s, or None)",
                                                               CostModelError, positive=True))
@@ -133,7 +139,7 @@ class CostModel:
                     f"more than the planner counts exactly; lower token_capacity or the largest SP degree")
             quad, lin, ring = self.coefficients(degree)
             full = float(math.floor(tokens))
-            longest = lin * full + max(quad * full * full, ring * full) + self.beta1
+            longest = lin * full + max(quad * full * full, ring * full + self.ring_hops(degree)) + self.beta1
             if not longest <= MAX_SECONDS:
                 raise CostModelError(
                     f"a group of {degree} GPUs at its capacity of {full:.0f} tokens would take {longest:.3g} s, above "
@@ -186,9 +192,16 @@ class CostModel:
             ring_coefficient = self.ring_bytes_per_token * (ring - 1) / (ring * width) / self.ring_bandwidth
         return self.alpha1 / degree, (self.alpha2 + comm) / degree, ring_coefficient
 
+    def ring_hops(self, degree: int) -> float:
+        """Seconds of ring latency per sequence at ``degree``: ``(r - 1) * ring_hop_latency`` for a ring of
+        ``r`` ranks (a block passes ``r - 1`` hops per pass; ``ring_hop_latency`` already sums a step's
+        layers and passes), 0 without a ring axis. Overlapped with attention like the bandwidth term."""
+        ring = self.split(degree)[1]
+        return (ring - 1) * self.ring_hop_latency if ring > 1 else 0.0
+
     def seq_time(self, length, degree: int):
         """Seconds for sequence(s) of ``length`` tokens in a group of ``degree`` GPUs (no beta1)."""
-        out = seconds(length, *self.coefficients(degree))
+        out = seconds(length, *self.coefficients(degree), self.ring_hops(degree))
         return float(out) if out.ndim == 0 else out
 
     def group_time(self, lengths: Iterable[int], degree: int) -> float:
@@ -228,7 +241,7 @@ class CostModel:
         quad, lin, ring = zip(*(self.coefficients(d) for d in degrees))
         return DegreeCosts(degrees=degrees, quad=quad, lin=lin,
                            capacity=tuple(float(self.group_capacity(d)) for d in degrees),
-                           beta1=self.beta1, ring=ring)
+                           beta1=self.beta1, ring=ring, hops=tuple(self.ring_hops(d) for d in degrees))
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -236,7 +249,7 @@ class CostModel:
         out["alltoall_bandwidth"] = {str(d): bw for d, bw in self.alltoall_bandwidth.items()}
         out["meta"] = dict(self.meta)
         for name, default in (("heads", None), ("kv_heads", None), ("ring_bytes_per_token", 0.0),
-                              ("ring_bandwidth", None)):
+                              ("ring_bandwidth", None), ("ring_hop_latency", 0.0)):
             if getattr(self, name) != default:      # written when set, so every model round-trips exactly
                 out[name] = getattr(self, name)
         return out
@@ -276,3 +289,31 @@ class CostModel:
             return cls.from_dict(data)
         except CostModelError as exc:
             raise CostModelError(f"{path}: {exc}") from None
+
+
+def describe_sources(cost: CostModel) -> str:
+    """One line: which parts of ``cost`` were measured on this hardware and which are assumed or
+    estimated, from its ``meta`` (``flexsp profile`` records both; presets and analytic models say
+    where their constants come from). ``flexsp simulate`` prints it under the cost model's name."""
+    meta = cost.meta
+    source = meta.get("source")
+    if source == "flexsp profile":
+        estimates = list(meta.get("estimates", []))
+        measured = ["compute (alpha1, alpha2, beta1)"]
+        if not any(e.startswith(("activation memory", "device memory")) for e in estimates):
+            measured.append("memory")
+        fits = sorted(int(d) for d in (meta.get("comm") or {}).get("fits", {}))
+        if fits:
+            measured.append(f"all-to-all at degrees {fits}")
+        assumed = meta.get("assumed") or {}
+        if assumed:
+            estimates = [e for e in estimates if not e.startswith("interconnect")]
+            estimates.append(f"all-to-all at degrees {assumed['degrees'][0]}..{assumed['degrees'][-1]}, ring bandwidth "
+                             f"and hop latency from the {assumed['interconnect']} preset")
+        return f"cost model parts: measured {', '.join(measured)}; assumed {'; '.join(estimates) or 'nothing'}"
+    if source == "analytic":
+        return "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"
+    if meta.get("preset"):
+        return (f"cost model parts: the published constants of preset {meta['preset']} (measured by the FlexSP paper on "
+                "its A100 cluster, not on this hardware)")
+    return "cost model parts: custom, provenance not recorded"

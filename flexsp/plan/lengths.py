@@ -21,7 +21,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from flexsp.errors import LengthsError
+from flexsp.errors import ContextError, LengthsError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -356,3 +356,24 @@ def preprocess(lengths: Iterable[int] | np.ndarray, context_limit: int, num_gpus
     if round_to_multiple:
         kept = -(-kept // multiple) * multiple  # ceil to a multiple
     return kept, int(arr.size - kept.size)
+
+
+OVER_CONTEXT = ("error", "truncate")   # what bound_context does with a sequence above the context limit
+
+
+def bound_context(lengths: Iterable[int] | np.ndarray, context: int, policy: str = "error") -> tuple[np.ndarray, int]:
+    """Hold every length to ``context``. ``policy="error"`` (the default) refuses a longer sequence
+    with a ``ContextError`` naming it; ``"truncate"`` cuts it to ``context`` tokens (what a loader
+    that drops the tail does). Dropping is not offered: plans index sequences by position, so a
+    dropped sequence would silently shift every id after it. Returns ``(lengths, cut_count)``."""
+    arr = as_lengths(lengths)
+    limit = _positive_int(context, "context")
+    if policy not in OVER_CONTEXT:
+        raise LengthsError(f"over-context policy must be one of {', '.join(OVER_CONTEXT)}; got {policy!r}")
+    over = np.flatnonzero(arr > limit)
+    if over.size and policy == "error":
+        first = int(over[0])
+        raise ContextError(f"{over.size} sequence(s) longer than the context limit {limit:,} tokens, the first is "
+                           f"sequence {first} with {int(arr[first]):,}; raise --context, or cut them with "
+                           f"--over-context truncate")
+    return np.minimum(arr, limit), int(over.size)

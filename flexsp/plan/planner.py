@@ -8,6 +8,7 @@ keeps every group of at most a node's size inside one node.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Iterable
 
 import numpy as np
@@ -38,6 +39,12 @@ def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch
     return tuple(micro_batches)
 
 
+class TimeLimitWarning(UserWarning):
+    """A strategy was still planning when ``time_limit`` passed: the wall-clock safety net cut its
+    search, so the plan may differ on a faster or less loaded machine (searches are otherwise
+    bounded in work and deterministic). Raise ``time_limit`` for a reproducible plan."""
+
+
 _FROM_CONFIG: Any = object()   # plan_batch's strategy default: the config's (None is a bad name, not "unset")
 
 
@@ -54,7 +61,9 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     (wall-clock seconds) bounds every strategy: a first valid plan is built in one pass, everything
     after it runs only while time remains, and the best plan by then is returned; turning it into ranks
     and validating it comes on top (the constant past the limit, measured in
-    ``experiments/scale_benchmark.py``). ``degrees`` restricts every strategy to those SP degrees, which
+    ``experiments/scale_benchmark.py``). Searches are bounded in work, so a plan depends only on the
+    inputs; ``time_limit`` is a safety net, and when it fires the plan says so (``meta["time_limit_hit"]``
+    and a ``TimeLimitWarning``). ``degrees`` restricts every strategy to those SP degrees, which
     bounds the communicators each rank must hold (``flexsp.runtime.GroupPool(degrees=...)``). A degree
     above the cost model's Ulysses limit (its ``heads``) is a Ulysses x ring hybrid, recorded as
     ``Group.ring``; ``ulysses_only=True`` keeps every group within the limit.
@@ -81,13 +90,21 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
                                                                         started + config.time_limit, config.sp_degree))
     except (InfeasibleDegree, Infeasible) as exc:
         raise PlanError(f"{strategy}: {exc}") from None
+    searched = time.perf_counter() - started
+    hit = searched > config.time_limit
+    if hit:
+        warnings.warn(TimeLimitWarning(
+            f"{strategy}: the time limit of {config.time_limit:g} s passed while planning ({searched:.2f} s); the "
+            f"search was cut short and the plan may depend on machine load (raise time_limit to reproduce it)"),
+            stacklevel=2)
     micro_batches = place(schedule, cost)
     plan = Plan(num_gpus=cluster.num_gpus, micro_batches=micro_batches,
                 predicted_time=schedule.time(lengths, costs), strategy=strategy,
-                gpus_per_node=cluster.gpus_per_node, solve_time=time.perf_counter() - started)
+                gpus_per_node=cluster.gpus_per_node, solve_time=time.perf_counter() - started,
+                meta={"time_limit_hit": True} if hit else {})
     if config.validate:
         plan.validate(lengths, cost, cluster)
     return plan
 
 
-__all__ = ["plan_batch", "place"]
+__all__ = ["plan_batch", "place", "TimeLimitWarning"]

@@ -103,6 +103,9 @@ class GPUSpec:
     efficiency: float = 0.5      # achieved / peak FLOP/s
     usable_memory: float = 0.9   # fraction left after the framework and fragmentation
     name: str = "custom"
+    # seconds of one point-to-point message across nodes (the ring's per-hop latency): an assumption,
+    # NCCL send/recv over InfiniBand with GPUDirect RDMA runs at a few microseconds (nccl-tests p2p)
+    inter_node_latency: float = 5e-6
 
 
 MODELS: dict[str, ModelSpec] = {}   # name -> spec, in registration order; add with register_model

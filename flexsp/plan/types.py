@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -72,23 +73,20 @@ class Plan:
 
     def degree_histogram(self) -> dict[int, int]:
         """How many groups of each degree the plan uses, over all micro-batches."""
-        hist: dict[int, int] = {}
-        for mb in self.micro_batches:
-            for g in mb.groups:
-                hist[g.degree] = hist.get(g.degree, 0) + 1
+        hist = Counter(len(g.ranks) for mb in self.micro_batches for g in mb.groups)
         return dict(sorted(hist.items()))
 
     def group_times(self, lengths: Sequence[int], cost: "CostModel") -> list[list[float]]:
         """Seconds of every group (beta1 included), per micro-batch; vectorised over sequences."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        coefficients = {d: cost.coefficients(d) for d in self.degree_histogram()}
+        coefficients = {d: (*cost.coefficients(d), cost.ring_hops(d)) for d in self.degree_histogram()}
         out = []
         for mb in self.micro_batches:
             sizes = [len(g.seq_ids) for g in mb.groups]
             owner = np.repeat(np.arange(len(mb.groups)), sizes)
             s = lengths[np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64, count=sum(sizes))]
-            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 3)[owner]
-            per_seq = seconds(s, coeffs[:, 0], coeffs[:, 1], coeffs[:, 2])
+            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 4)[owner]
+            per_seq = seconds(s, coeffs[:, 0], coeffs[:, 1], coeffs[:, 2], coeffs[:, 3])
             out.append((np.bincount(owner, weights=per_seq, minlength=len(mb.groups)) + cost.beta1).tolist())
         return out
 
@@ -135,7 +133,16 @@ class Plan:
             if missing.size:
                 raise PlanError(f"sequences {_short(missing.tolist())} are not planned ({missing.size} of {len(lengths)})")
             if cost is not None:
-                for m, mb in enumerate(self.micro_batches):
+                # int64 sums, vectorised, where no sum can wrap; else exact Python sums per group
+                wide = int(lengths.max()) > INT64_MAX // max(1, len(lengths))
+                capacity = {d: cost.group_capacity(d) for d in self.degree_histogram()}
+                for m, (mb, ids) in enumerate(zip(self.micro_batches, ids_per_mb)):
+                    if not wide:
+                        sizes = np.array([len(g.seq_ids) for g in mb.groups])
+                        sums = np.add.reduceat(lengths[ids], np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+                        caps = np.array([min(capacity[g.degree], INT64_MAX) for g in mb.groups], dtype=np.int64)
+                        if not (sums > caps).any():
+                            continue
                     for j, g in enumerate(mb.groups):
                         tokens = exact_sum(lengths[list(g.seq_ids)])     # exact: int64 sums can wrap
                         if tokens > cost.group_capacity(g.degree):
@@ -151,7 +158,12 @@ class Plan:
     def _check_split(m: int, mb: MicroBatch, cost: "CostModel | None") -> None:
         """Ulysses x ring = group size; the Ulysses degree divides the model's heads and the split is
         the one the cost model costs (when it knows the heads)."""
+        seen: set[tuple[str, str, int]] = set()
         for j, g in enumerate(mb.groups):
+            key = (type(g.ring).__name__, repr(g.ring), len(g.ranks))
+            if key in seen:                                # same split as a group already checked
+                continue
+            seen.add(key)
             ring = integer(g.ring, f"micro-batch {m} group {j}: ring", PlanError)
             if g.degree % ring:
                 raise PlanError(f"micro-batch {m} group {j}: ring degree {ring} must be a power of two dividing "
@@ -295,12 +307,19 @@ def _int(value: Any, what: str) -> int:
 def _int_array(m: int, mb: MicroBatch, what: str) -> np.ndarray:
     """All groups' ``ranks`` or ``seq_ids`` of a micro-batch as one int64 array; a value that is not
     an integer in int64's range is a ``PlanError`` naming its group."""
+    values = [v for g in mb.groups for v in getattr(g, what)]
+    kinds = set(map(type, values))                  # C-speed type scan; the per-value loop only on a bad value
+    if all(k is not bool and issubclass(k, (int, np.integer)) and not issubclass(k, np.bool_) for k in kinds):
+        try:
+            return np.array(values, dtype=np.int64).reshape(len(values))
+        except OverflowError:
+            pass
     for j, g in enumerate(mb.groups):
         for value in getattr(g, what):
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
                     or not -INT64_MAX <= value <= INT64_MAX:
                 raise PlanError(f"micro-batch {m} group {j}: {what} must hold integers in int64's range, got {value!r}")
-    return np.fromiter((v for g in mb.groups for v in getattr(g, what)), dtype=np.int64)
+    return np.fromiter(values, dtype=np.int64)
 
 
 def _short(items: Sequence[int], limit: int = 8) -> str:

@@ -5,6 +5,7 @@
 | ``fit`` | least-squares fits (compute, all-to-all bandwidth) | no |
 | ``shape`` | model shapes to profile (from the registry, ``flexsp.plan.specs``), ``check_model_shape`` | no |
 | ``assemble`` | fitted pieces + provenance -> ``flexsp.CostModel`` | no |
+| ``interconnect`` | documented interconnect presets for the degrees a run could not measure, marked assumed | no |
 | ``compute`` | forward + backward timings of the runtime model over sequence lengths | yes |
 | ``memory`` | activation bytes per token (GPU measured / CPU estimate), model states by sharding | yes |
 | ``bandwidth`` | ``all_to_all_single`` timings on every pooled SP group size | yes |

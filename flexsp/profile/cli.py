@@ -58,6 +58,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                    help="wall (default), or cpu: this process's CPU time, for a shared CPU box with --threads 1")
     s.add_argument("--skip-comm", action="store_true", help="no all-to-all sweep even under torchrun")
+    s.add_argument("--interconnect", default="auto",
+                   help="fill the SP degrees this run could not measure (all-to-all bandwidth, ring axis) from a "
+                        "documented preset, marked as assumed in the JSON: nvlink-ib, a100-nvlink-ib, pcie (see "
+                        "flexsp/profile/interconnect.py for figures and sources), none; default auto: nvlink-ib on "
+                        "one process, none under torchrun")
     c = p.add_argument_group("memory model")
     c.add_argument("--memory-gb", type=float, default=None, help="memory per GPU in GiB (default: the device's)")
     c.add_argument("--usable", type=float, default=0.9, help="usable fraction of it (default 0.9)")
@@ -116,6 +121,9 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.cost is not None and args.check is None:
         raise CostModelError("--cost only makes sense with --check (validate a saved profile)")
+    if args.interconnect not in ("auto", "none"):
+        from flexsp.profile.interconnect import get_interconnect
+        get_interconnect(args.interconnect)          # a bad name fails before any measuring
     for name in ("repeats", "warmup"):
         if getattr(args, name) < (1 if name == "repeats" else 0):
             raise CostModelError(f"--{name} must be >= {1 if name == 'repeats' else 0}, got {getattr(args, name)}")
@@ -239,6 +247,15 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
         environment=environment, estimates=estimates)
     report.update(compute=compute.to_dict(), memory=mem.to_dict(), capacity=cap.to_dict(),
                   comm=[b.to_dict() for b in bandwidths])
+    chosen = args.interconnect if args.interconnect != "auto" else ("nvlink-ib" if pool.world_size == 1 else "none")
+    if chosen != "none":
+        from flexsp.profile.interconnect import with_interconnect
+        cost = with_interconnect(cost, spec, chosen, setup.bytes_per_element,
+                                 gpus_per_node=args.gpus_per_node)
+        assumed = cost.meta["assumed"]
+        say(f"interconnect: ASSUMED from the {chosen} preset for degrees {assumed['degrees'][0]}.."
+            f"{assumed['degrees'][-1]} ({assumed['source']}); measured degrees kept: "
+            f"{sorted(b.degree for b in bandwidths) or 'none'}")
     return cost
 
 

@@ -54,7 +54,20 @@ def with_bandwidth(cost: CostModel, table: Mapping[int, float], source: str) -> 
 
 
 def comm_time(cost: CostModel, tokens: int, degree: int) -> float:
-    """Seconds of all-to-all one rank of a ``degree`` group spends on ``tokens`` tokens (0 for degree 1)."""
-    if degree == 1:
+    """Seconds of all-to-all one rank of a ``degree`` group spends on ``tokens`` tokens (0 for degree 1).
+    In a Ulysses x ring group the all-to-all runs over the Ulysses ranks, at their bandwidth."""
+    ulysses = cost.split(degree)[0]
+    if ulysses == 1:
         return 0.0
-    return cost.comm_bytes_per_token * tokens / degree / cost.bandwidth(degree)
+    return cost.comm_bytes_per_token * tokens / degree / cost.bandwidth(ulysses)
+
+
+def exposed_ring_time(cost: CostModel, lengths, degree: int) -> float:
+    """Seconds of a Ulysses x ring group's K/V passing that attention does not hide, summed over its
+    sequences: the cost model's ring term (bandwidth and per-hop latency) minus its attention estimate,
+    where positive (the same overlap ``CostModel.seq_time`` models). 0 without a ring axis."""
+    if cost.split(degree)[1] == 1:
+        return 0.0
+    quad, _, ring = cost.coefficients(degree)
+    hops = cost.ring_hops(degree)
+    return float(sum(max(0.0, ring * s + hops - quad * s * s) for s in (float(n) for n in lengths)))

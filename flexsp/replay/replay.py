@@ -1,5 +1,10 @@
 """Replay a plan on one device: measured compute per group, modelled communication, both makespans.
 
+A Ulysses x ring group (``Group.ring > 1``) is replayed as its Ulysses group of ``degree / ring``
+ranks, measured, with the work split evenly over the ring; its communication is the all-to-all at the
+Ulysses bandwidth plus the ring's K/V passing that attention does not hide (``exposed_ring_time``:
+the cost model's ring bandwidth and per-hop latency), modelled, not measured.
+
 ``Replayer(model, setup).replay(plan, lengths, cost)`` checks the plan against the batch, the model
 and the cost model before running anything, then for every group of every micro-batch runs the
 representative rank(s) of that group (``runner.representative_ranks``) and reports a
@@ -20,7 +25,7 @@ from flexsp.plan.cost import CostModel
 from flexsp.plan.types import Plan
 from flexsp.profile.compute import DeviceSetup
 from flexsp.profile.shape import ShapeWarning, check_model_shape
-from flexsp.replay.comm_time import comm_time
+from flexsp.replay.comm_time import comm_time, exposed_ring_time
 from flexsp.replay.report import GroupReplay, ReplayReport
 from flexsp.replay.runner import RankRunner, ReplayModel, representative_ranks
 from flexsp.runtime.sp.context import ShardingError, check_heads
@@ -49,16 +54,13 @@ def check_replayable(plan: Plan, lengths: Sequence[int], cost: CostModel, model:
     for m, mb in enumerate(plan.micro_batches):
         for j, g in enumerate(mb.groups):
             where = f"micro-batch {m} group {j}"
-            if g.ring > 1:
-                raise PlanError(f"{where}: a Ulysses x ring group ({g.ulysses} x {g.ring}) cannot be replayed: the "
-                                f"replay has no local stand-in for the ring's K/V passing yet (training runs such groups); "
-                                f"replay plans made with plan_batch(..., ulysses_only=True)")
             try:
-                check_heads(model.heads, model.kv_heads, g.degree)
+                check_heads(model.heads, model.kv_heads, g.ulysses)     # a ring group runs Ulysses over g.ulysses
             except ShardingError as exc:
                 raise PlanError(f"{where}: {exc}; this plan is for a model with more heads") from None
             try:
-                cost.bandwidth(g.degree)
+                cost.bandwidth(g.ulysses)
+                cost.coefficients(g.degree)                # a ring group needs the ring's bandwidth
             except CostModelError as exc:
                 raise CostModelError(f"{where}: {exc} (or pass a measured table: --bandwidth FILE)") from None
     # Memory is checked (a group over capacity was planned for another model or GPU); the recorded
@@ -104,10 +106,14 @@ class Replayer:
         for m, mb in enumerate(plan.micro_batches):
             for j, g in enumerate(mb.groups):
                 seqs = [lengths[s] for s in g.seq_ids]
-                ranks, samples, peak = self.measure_group(seqs, g.degree)
+                # a Ulysses x ring group: the Ulysses group of g.ulysses ranks is measured and its work
+                # split evenly over the ring (zigzag chunks balance causal attention); the ring's K/V
+                # passing is modelled, only what attention does not hide is added
+                ranks, samples, peak = self.measure_group(seqs, g.ulysses)
+                samples = tuple(t / g.ring for t in samples)
+                comm = comm_time(cost, sum(seqs), g.degree) + exposed_ring_time(cost, seqs, g.degree)
                 replay = GroupReplay(m, j, g.degree, g.ranks[0], len(seqs), sum(seqs), ranks, samples,
-                                     float(stat(samples)), comm_time(cost, sum(seqs), g.degree),
-                                     cost.group_time(seqs, g.degree), peak)
+                                     float(stat(samples)), comm, cost.group_time(seqs, g.degree), peak)
                 groups.append(replay)
                 if progress is not None:
                     progress(f"replay: micro-batch {m} group {j} degree {g.degree} {sum(seqs):>7} tokens: compute "

@@ -43,7 +43,11 @@ def test_profile_writes_a_loadable_cost_model_with_provenance(profiled):
     assert "activation memory (CPU saved-tensor estimate)" in meta["estimates"]
     assert meta["label"].startswith("CPU profile")
     assert meta["check"]["groups"] >= 6 and meta["check"]["mean_abs_rel_error"] >= 0
-    assert cost.alltoall_bandwidth == {}                 # one process: no all-to-all to measure
+    # one process: no all-to-all to measure, so every degree is filled from the default preset, marked
+    assumed = meta["assumed"]
+    assert assumed["interconnect"] == "nvlink-ib" and assumed["degrees"] == sorted(cost.alltoall_bandwidth)
+    assert "interconnect (assumed: --interconnect nvlink-ib preset)" in meta["estimates"]
+    assert cost.heads == 4 and cost.ring_bandwidth == 40e9 and cost.ring_hop_latency == 3 * 2 * 5e-6
     assert cost.comm_bytes_per_token == 2 * 2 * (2 * 32 + 2 * 16) * 4   # fp32 on CPU
     report = json.loads((profiled / "report.json").read_text())
     assert len(report["compute"]["points"]) == 5 and report["check"]["groups"]
@@ -65,3 +69,23 @@ def test_bad_options_fail_with_a_message(tmp_path, capsys):
     assert "--cost only makes sense with --check" in capsys.readouterr().err
     assert _run([*TINY, "--check", "plan.json", "--lengths", "32,64,96,128", "-o", str(tmp_path / "c.json")]) == 2
     assert "needs --check-lengths" in capsys.readouterr().err
+
+
+def test_one_device_profile_is_usable_by_simulate(profiled, capsys):
+    """The issue-27 symptom: a one-device profile used to fail simulate with "no all-to-all bandwidth
+    for SP degree 2"; now it plans on 64 GPUs and says which parts are assumed."""
+    from flexsp.cli import main
+    code = main(["simulate", "--cost", str(profiled / "cost.json"), "--gpus", "64", "--steps", "1",
+                 "--batch-size", "32", "--context", "256", "--quiet", "--strategies", "flexsp,batchada"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "cost model parts: measured compute (alpha1, alpha2, beta1)" in out
+    assert "ring bandwidth and hop latency from the nvlink-ib preset" in out
+
+
+def test_interconnect_none_keeps_the_old_profile_and_a_bad_name_fails(tmp_path, capsys):
+    rc = _run([*TINY, "--lengths", "32,64,128,192", "--memory-lengths", "64,128", "--memory-gb", "1",
+               "--interconnect", "none", "-o", str(tmp_path / "c.json")])
+    assert rc == 0 and CostModel.load(tmp_path / "c.json").alltoall_bandwidth == {}
+    assert _run([*TINY, "--interconnect", "infiniband", "-o", str(tmp_path / "d.json")]) == 2
+    assert "unknown interconnect 'infiniband'" in capsys.readouterr().err

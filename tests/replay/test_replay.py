@@ -24,6 +24,7 @@ from flexsp.replay import (
     representative_ranks,
     with_bandwidth,
 )
+from flexsp.replay.comm_time import exposed_ring_time  # noqa: E402
 from flexsp.replay.runner import shard_work  # noqa: E402
 from flexsp.runtime.shard import pack
 from flexsp.runtime.sp.context import IGNORE_INDEX
@@ -173,7 +174,9 @@ def _replayer(spec=MICRO):
     (_plan([[((0, 1, 2, 3, 4, 5, 6, 7), (0,))]], num_gpus=8), [64], _cost(MICRO), PlanError,
      "degree 8 does not divide the 4 attention heads"),
     (Plan(4, (MicroBatch((Group((0, 1, 2, 3), (0,), ring=2),)),), 0.0), [64], _cost(MICRO), PlanError,
-     "ring group"),
+     "runs Ulysses 2 x ring 2, but the cost model costs 4 GPUs as Ulysses 4 x ring 1"),
+    (Plan(4, (MicroBatch((Group((0, 1, 2, 3), (0,), ring=2),)),), 0.0), [64], _cost(MICRO, heads=2, kv_heads=2),
+     CostModelError, "needs a ring axis: give ring_bandwidth"),
     (_plan([[((0, 1), (0, 3))]]), [10, 20], _cost(MICRO), PlanError, r"sequence ids \[3\].*another batch"),
     (_plan([[((0, 1), (0,))]]), [10, 20], _cost(MICRO), PlanError, r"sequences \[1\] are not planned"),
     (_plan([[((0, 1), (0,))]]), [10], _cost(TINY), CostModelError, "measured for model 'tiny'.*hidden"),
@@ -212,3 +215,23 @@ def test_replay_of_a_real_plan_is_quick():
     assert len(report.groups) == sum(len(mb.groups) for mb in plan.micro_batches)
     assert report.predicted_time == pytest.approx(plan.predicted_time)
     assert time.perf_counter() - start < 30
+
+
+def test_ring_groups_replay_the_ulysses_part_and_model_the_ring():
+    """A Ulysses 2 x ring 2 group: compute is the measured Ulysses-2 group's split over the ring, comm the
+    all-to-all at the Ulysses bandwidth plus the K/V passing attention does not hide (per-hop latency in)."""
+    setup = _setup()
+    cost = _cost(MICRO, heads=2, kv_heads=2, ring_bytes_per_token=4096.0, ring_bandwidth=1e8, ring_hop_latency=2e-3)
+    lengths = [40, 24]
+    plan = Plan(4, (MicroBatch((Group((0, 1, 2, 3), (0, 1), ring=2),)),), 0.0)
+    plan = Plan(4, plan.micro_batches, plan.time(lengths, cost), "test")
+    replayer = Replayer(ReplayModel.from_spec(MICRO, setup), setup, repeats=2, warmup=1)
+    group = replayer.replay(plan, lengths, cost).groups[0]
+    _, ulysses_samples, _ = replayer.measure_group(lengths, 2)            # cached: the same measurement
+    assert group.samples == tuple(t / 2 for t in ulysses_samples)
+    ring = 4096.0 * (2 - 1) / (2 * 2) / 1e8                              # per token, each rank 1/2 of the KV width
+    exposed = sum(max(0.0, ring * s + 2e-3 - 2e-7 / 4 * s * s) for s in lengths)
+    assert exposed > 0 and exposed_ring_time(cost, lengths, 4) == pytest.approx(exposed)
+    assert group.comm == pytest.approx(6144.0 * 64 / 4 / 2e8 + exposed)
+    assert group.predicted == pytest.approx(cost.group_time(lengths, 4))
+    assert exposed_ring_time(cost, lengths, 2) == 0.0                    # no ring axis at degree 2

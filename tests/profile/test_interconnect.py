@@ -1,0 +1,36 @@
+"""Interconnect presets fill what a profile could not measure, keep what it did, and say so."""
+import pytest
+
+from flexsp import CostModel, CostModelError
+from flexsp.plan.analytic import alltoall_bandwidth
+from flexsp.plan.cost import describe_sources
+from flexsp.plan.specs import get_model
+from flexsp.profile.interconnect import INTERCONNECTS, with_interconnect
+
+
+def measured(bandwidths):
+    return CostModel(alpha1=1e-10, alpha2=1e-5, beta1=0.01, comm_bytes_per_token=1e4, alltoall_bandwidth=bandwidths,
+                     token_capacity=5000, meta={"source": "flexsp profile", "estimates": [],
+                                                "comm": {"fits": {str(d): {} for d in bandwidths}}})
+
+
+@pytest.mark.parametrize("name", sorted(INTERCONNECTS))
+def test_fills_unmeasured_degrees_from_the_preset_and_keeps_measured_ones(name):
+    spec = get_model("llama-7b")
+    preset = INTERCONNECTS[name]
+    cost = with_interconnect(measured({2: 1.5e9, 4: 1.0e9}), spec, name, 2, up_to=1024)
+    assert sorted(cost.alltoall_bandwidth) == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert cost.alltoall_bandwidth[2] == 1.5e9 and cost.alltoall_bandwidth[4] == 1.0e9      # measured wins
+    assert cost.alltoall_bandwidth[64] == alltoall_bandwidth(64, 8, preset.intra_node_bandwidth,
+                                                             preset.inter_node_bandwidth)
+    assert cost.meta["assumed"]["degrees"] == [8, 16, 32, 64, 128, 256, 512, 1024]
+    assert cost.heads == spec.heads and cost.ring_hop_latency == 3 * spec.layers * preset.latency
+    assert cost.seq_time(100_000, 1024) > 0                                  # ring hybrid beyond 32 heads
+    line = describe_sources(cost)
+    assert "measured compute" in line and "all-to-all at degrees [2, 4]" in line and name in line
+    assert CostModel.from_dict(cost.to_dict()) == cost
+
+
+def test_unknown_preset_is_named():
+    with pytest.raises(CostModelError, match="unknown interconnect 'ib'; choose one of nvlink-ib"):
+        with_interconnect(measured({}), get_model("llama-7b"), "ib", 2)
