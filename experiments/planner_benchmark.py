@@ -25,6 +25,7 @@ from tqdm import tqdm
 import flexsp
 from flexsp.plan.bounds import coupled_lower_bound, gap_breakdown, lower_bound
 from flexsp.plan.lengths import get_distribution, preprocess
+from outputs import resolve_out  # noqa: E402
 
 STRATEGY_NAMES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
 STRATEGIES = {"flexsp": ("flexsp", None), "greedy": ("greedy", None), "batchada": ("batchada", None),
@@ -194,8 +195,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--time-limit", type=float, default=2.0)
     parser.add_argument("--quick", action="store_true", help="CI mode: 2 batches of 128, tiny scaling")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "planner_benchmark.md")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Markdown report (default: results/; a temporary file with --quick)")
     args = parser.parse_args()
+    args.out = resolve_out(args.out, args.quick, Path(__file__).parent / "results" / "planner_benchmark.md")
     started = time.time()
     load = os.getloadavg()[0]
     if args.quick:

@@ -35,6 +35,7 @@ from flexsp.plan.analytic import analytic_cost_model
 from flexsp.plan.bounds import coupled_lower_bound, lower_bound
 from flexsp.plan.lengths import get_distribution, preprocess
 from flexsp.plan.strategies import names as strategy_names
+from outputs import resolve_out  # noqa: E402
 
 CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
@@ -147,8 +148,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=None, help="default: plan_batch's own (2 s)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scale_benchmark.md")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Markdown report (default: results/; a temporary file with --quick)")
     args = parser.parse_args()
+    args.out = resolve_out(args.out, args.quick, Path(__file__).parent / "results" / "scale_benchmark.md")
     sizes = [64, 256] if args.quick else [64, 256, 1024, 4096, 16384]
     reps = 1 if args.quick else args.reps
     started = time.time()

@@ -19,16 +19,15 @@ EXPECTED = {
 }
 
 
-# scripts whose --quick run finds its own temporary output (the others get --out)
-OWN_QUICK_OUT = {"dynamic_cp_benchmark": "dynamic_cp.md"}
+# the report each script writes; without --out a quick run puts it in $FLEXSP_QUICK_OUT
+REPORT = {"dynamic_cp_benchmark": "dynamic_cp.md", "planner_benchmark": "planner_benchmark.md",
+          "scale_benchmark": "scale_benchmark.md"}
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_benchmark_quick_mode(script, tmp_path, tree_unchanged):
     args = [sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--quick"]
-    out = tmp_path / OWN_QUICK_OUT.get(script, f"{script}.md")
-    if script not in OWN_QUICK_OUT:
-        args += ["--out", str(out)]
+    out = tmp_path / REPORT[script]
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                             env=dict(os.environ, FLEXSP_QUICK_OUT=str(tmp_path)))
     assert result.returncode == 0, result.stderr[-2000:]
