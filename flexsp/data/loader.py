@@ -13,6 +13,7 @@ process can stand in for one rank of a large cluster.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -25,7 +26,7 @@ from flexsp.data.batching import EpochBatches
 from flexsp.data.collate import shard_group, to_tokens
 from flexsp.data.config import LoaderConfig
 from flexsp.data.errors import LoaderError
-from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver
+from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, planner_deadline
 from flexsp.data.source import resolve_lengths
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.cost import CostModel
@@ -99,7 +100,8 @@ class FlexSPLoader:
         self._control = ControlGroup(config.failure_timeout) if self._communicate else None
         self._lengths_arg = lengths
         self._solve = planner if planner is not None else self._plan_with(config.plan.strategy)
-        self._fallback = self._plan_with("greedy") if config.fallback_after is not None else None
+        self._fallback = self._plan_with("greedy")   # the safe plan when the planner misses its deadline
+        self._fallbacks = 0                           # steps planned by the fallback, in the steps' plan meta
         self._lengths: np.ndarray | None = None
         self._batches: EpochBatches | None = None
         self._planner: AsyncPlanner | None = None
@@ -154,7 +156,9 @@ class FlexSPLoader:
             self.batches.check_too_long()
             self._planner = AsyncPlanner(self.batches.iterate(*cursor), self.lengths, self._solve,
                                          lookahead=self.config.lookahead, fallback=self._fallback,
-                                         fallback_after=self.config.fallback_after)
+                                         fallback_after=self.config.fallback_after
+                                         if self.config.fallback_after is not None
+                                         else planner_deadline(self.config.plan.time_limit))
             self._planner_next = cursor
         return self._planner
 
@@ -188,9 +192,11 @@ class FlexSPLoader:
         if result.error is not None:
             return {**where, "error": result.error}
         b = result.batch
+        plan = result.plan.to_dict()
+        self._fallbacks += bool(result.fallback)   # every rank learns the count with the plan
         return {"epoch": b.epoch, "index": b.index, "last": b.last, "skipped": b.skipped,
                 "indices": list(b.indices), "lengths": [int(n) for n in self.lengths[list(b.indices)]],
-                "plan": result.plan.to_dict(), "fallback": result.fallback}
+                "plan": plan, "fallback": result.fallback, "planner_fallbacks": self._fallbacks}
 
     def _broadcast(self, payload: dict[str, Any] | None) -> dict[str, Any]:
         if self._control is None:
@@ -225,6 +231,7 @@ class FlexSPLoader:
                               f"sent batch {payload['index']} of epoch {payload['epoch']}: were all ranks resumed "
                               f"from the same state?")
         plan = Plan.from_dict(payload["plan"])
+        plan = dataclasses.replace(plan, meta={**plan.meta, "planner_fallbacks": payload["planner_fallbacks"]})
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
         loaded = time.perf_counter()
         shards, failure = [], None
