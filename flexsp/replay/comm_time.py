@@ -7,24 +7,19 @@ replayed group differs from its prediction only in compute.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from flexsp.errors import CostModelError
+from flexsp.inputs import read_json
 from flexsp.plan.cost import CostModel
 
 
 def load_bandwidth_table(path: str | Path) -> dict[int, float]:
     """Degree -> bytes/s from a JSON file: a cost model (its ``alltoall_bandwidth``, e.g. a
     ``flexsp profile`` run under torchrun), ``{"alltoall_bandwidth": {...}}``, or ``{"2": 1.2e9, ...}``."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise CostModelError(f"bandwidth table {path} is not valid JSON: {exc}") from None
-    except OSError as exc:
-        raise CostModelError(f"cannot read bandwidth table {path}: {exc}") from None
+    data = read_json(path, "bandwidth table", CostModelError)   # the one capped reader of every JSON input
     return parse_bandwidth_table(data, str(path))
 
 
@@ -37,7 +32,7 @@ def parse_bandwidth_table(data: Any, where: str = "bandwidth table") -> dict[int
     for key, value in data.items():
         try:
             degree, bandwidth = int(key), float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise CostModelError(f"{where}: entry {key!r}: {value!r} is not degree: bytes/s") from None
         if degree < 2 or degree & (degree - 1) or not (math.isfinite(bandwidth) and bandwidth > 0):
             raise CostModelError(f"{where}: entry {key!r}: {value!r} needs a power-of-two degree >= 2 and bytes/s > 0")
