@@ -243,6 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     except FlexSPError as exc:
         print(f"flexsp {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"flexsp {args.command}: error: this command needs {exc.name.partition('.')[0]}, which is not "
+              f"installed: pip install 'flexsp[{extra}]' (a planner-only install has no runtime)", file=sys.stderr)
+        return 2
+
+
+# the optional dependency a command may need -> the pyproject extra that installs it
+_EXTRAS = {"torch": "train", "flash_attn": "gpu", "transformers": "hf", "datasets": "hf"}
 
 
 if __name__ == "__main__":
