@@ -237,11 +237,12 @@ class Checkpointer:
         if self.loader is not None:
             if record.loader is None:
                 raise CheckpointError(f"{path / layout.META}: saved without a loader state, but a loader was given")
-            try:
-                self.loader.load_state_dict(record.loader)
+            failure = None
+            try:   # checked on every rank (the dataset's digest on the planning rank): agreed below
+                self.loader.load_state_dict(record.loader, world_size_change=True)
             except Exception as exc:
-                raise CheckpointError(f"{path / layout.META}: the saved loader state does not fit this loader: "
-                                      f"{exc}") from None
+                failure = f"the saved loader state does not fit this loader: {exc}"
+            self.control.check(failure, what=f"restoring the loader from {path / layout.META}", error=CheckpointError)
         if record.world_size == self.world_size:
             try:
                 states = torch.load(path / layout.RNG, weights_only=True)

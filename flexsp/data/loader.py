@@ -14,6 +14,7 @@ process can stand in for one rank of a large cluster.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -278,14 +279,34 @@ class FlexSPLoader:
     # --- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: the next unseen batch. JSON-safe; identical on every rank."""
-        return {"version": STATE_VERSION, "epoch": self._epoch, "index": self._index, "step": self._step,
-                "num_sequences": len(self.dataset), "batching": self.config.batching_key()}
+        state = {"version": STATE_VERSION, "epoch": self._epoch, "index": self._index, "step": self._step,
+                 "num_sequences": len(self.dataset), "batching": self.config.batching_key(),
+                 "world_size": self.cluster.num_gpus}
+        if self.plans_here:   # the planning rank knows the lengths (the state a checkpoint saves is its)
+            state["fingerprint"] = self._fingerprint()
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; the dataset size and batching settings must match the saved run."""
+    def _fingerprint(self) -> str:
+        """The dataset as the batches see it: a digest of every item's length."""
+        return hashlib.sha256(np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+    def load_state_dict(self, state: dict[str, Any], *, world_size_change: bool = False) -> None:
+        """Continue from ``state``, after checking it: position (non-negative integers, a batch index
+        within its epoch), the dataset (size, and a digest of its lengths on the planning rank), the
+        batching settings (seed included) and the world size must match the saved run. A mismatch is a
+        ``LoaderError``. ``world_size_change=True`` accepts another world (the ``Checkpointer`` checks
+        that the epoch's batches do not depend on it)."""
+        if not isinstance(state, dict):
+            raise LoaderError(f"loader state must be a dict, got {type(state).__name__}")
         for key in ("epoch", "index", "step", "num_sequences", "batching"):
             if key not in state:
                 raise LoaderError(f"loader state is missing {key!r} (has {sorted(state)})")
+        for key in ("epoch", "index", "step", "num_sequences"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LoaderError(f"loader state {key!r} must be an integer >= 0, got {value!r}")
+        if not isinstance(state["batching"], dict):
+            raise LoaderError(f"loader state 'batching' must be a dict, got {type(state['batching']).__name__}")
         if state["num_sequences"] != len(self.dataset):
             raise LoaderError(f"the saved state is for a dataset of {state['num_sequences']} sequences, "
                               f"this one has {len(self.dataset)}")
@@ -294,6 +315,19 @@ class FlexSPLoader:
         if diff:
             raise LoaderError(f"batching settings differ from the saved run (saved, now): {diff}; "
                               f"resuming would repeat or lose sequences")
+        saved_world = state.get("world_size")
+        if saved_world is not None and saved_world != self.cluster.num_gpus and not world_size_change:
+            raise LoaderError(f"the saved state is for a world of {saved_world} ranks, this loader plans for "
+                              f"{self.cluster.num_gpus}; resume through the Checkpointer (which checks that "
+                              f"the batches do not change) or pass world_size_change=True")
+        if self.plans_here:
+            if state.get("fingerprint") is not None and state["fingerprint"] != self._fingerprint():
+                raise LoaderError("the saved state is for another dataset (its lengths differ from this one's, "
+                                  "same size); resuming would train on other sequences")
+            count = self.batches.count(state["epoch"])
+            if state["index"] > count:
+                raise LoaderError(f"loader state index {state['index']} is past epoch {state['epoch']}'s "
+                                  f"{count} batches")
         self._close_planner()
         self._epoch, self._index, self._step = int(state["epoch"]), int(state["index"]), int(state["step"])
 
