@@ -216,6 +216,10 @@ def _bounded(args) -> None:
     if getattr(args, "batch_size", None) is not None and args.batch_size > cap:
         raise FlexSPError(f"--batch-size {args.batch_size} is over the cap of {cap} sequences; raise it with "
                           f"--max-input sequences=N or ${LIMITS['sequences'][0]}")
+    for flag in ("gpus", "gpus_per_node"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) > limit("gpus"):
+            raise FlexSPError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is over the cap of {limit('gpus')} "
+                              f"GPUs; raise it with --max-input gpus=N or ${LIMITS['gpus'][0]}")
     if getattr(args, "workers", None) is not None and args.workers > 4 * (os.cpu_count() or 1):
         raise FlexSPError(f"--workers {args.workers}: more than 4x this machine's {os.cpu_count()} CPUs")
 

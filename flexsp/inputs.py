@@ -11,7 +11,8 @@ Every file FlexSP reads has a documented cap, checked before the memory is spent
 documents (plans, cost models, bandwidth tables; ``read_json``) at most ``FLEXSP_MAX_JSON_BYTES``
 bytes (default 64 MiB) and ``MAX_JSON_DEPTH`` levels; lengths files at most ``FLEXSP_MAX_SEQUENCES``
 sequences (default 10^7) and, as text (gzip decompressed), ``FLEXSP_MAX_TEXT_BYTES`` bytes (default
-2 GiB); plans at most ``FLEXSP_MAX_GROUPS`` groups (default 10^6); command-line counts such as ``--batch-size`` at most ``FLEXSP_MAX_SEQUENCES``. Raise a cap with
+2 GiB); plans at most ``FLEXSP_MAX_GROUPS`` groups (default 10^6); ``--gpus`` at most ``FLEXSP_MAX_GPUS``
+(default 2^20); command-line counts such as ``--batch-size`` at most ``FLEXSP_MAX_SEQUENCES``. Raise a cap with
 the environment variable or the CLI's ``--max-input`` flag (``flexsp --max-input NAME=VALUE``).
 """
 from __future__ import annotations
@@ -85,6 +86,7 @@ LIMITS = {   # name -> (environment variable, default, what it bounds)
     "sequences": ("FLEXSP_MAX_SEQUENCES", 10 ** 7, "sequences in a lengths file or a batch"),
     "text_bytes": ("FLEXSP_MAX_TEXT_BYTES", 2 << 30, "bytes of a lengths text file (after gzip)"),
     "groups": ("FLEXSP_MAX_GROUPS", 10 ** 6, "groups of a plan"),
+    "gpus": ("FLEXSP_MAX_GPUS", 1 << 20, "GPUs of a cluster given on the command line"),
 }
 MAX_JSON_DEPTH = 64      # FlexSP's documents nest 5 deep; a deeper one is not ours
 

@@ -144,6 +144,8 @@ def test_cli_counts_are_bounded_before_allocating(capsys):
     assert main(["simulate", "--batch-size", "100000000", "--steps", "1"]) == 2
     assert "--batch-size 100000000 is over the cap" in capsys.readouterr().err
     assert main(["--max-input", "nonsense=1", "simulate"]) == 2
+    assert main(["plan", "lengths.txt", "--gpus", "1000000000"]) == 2        # was a MemoryError traceback
+    assert "--gpus 1000000000 is over the cap" in capsys.readouterr().err
 
 
 READERS = {
