@@ -103,6 +103,7 @@ class FlexSPLoader:
         self._solve = planner if planner is not None else self._plan_with(config.plan.strategy)
         self._fallback = self._plan_with("greedy")   # the safe plan when the planner misses its deadline
         self._fallbacks = 0                           # steps planned by the fallback, in the steps' plan meta
+        self._digest = self._own_digest = None        # the dataset's digest in the saved state (see state_dict)
         self._lengths: np.ndarray | None = None
         self._batches: EpochBatches | None = None
         self._planner: AsyncPlanner | None = None
@@ -197,7 +198,8 @@ class FlexSPLoader:
         self._fallbacks += bool(result.fallback)   # every rank learns the count with the plan
         return {"epoch": b.epoch, "index": b.index, "last": b.last, "skipped": b.skipped,
                 "indices": list(b.indices), "lengths": [int(n) for n in self.lengths[list(b.indices)]],
-                "plan": plan, "fallback": result.fallback, "planner_fallbacks": self._fallbacks}
+                "plan": plan, "fallback": result.fallback, "planner_fallbacks": self._fallbacks,
+                "fingerprint": self._fingerprint()}
 
     def _broadcast(self, payload: dict[str, Any] | None) -> dict[str, Any]:
         if self._control is None:
@@ -231,6 +233,7 @@ class FlexSPLoader:
             raise LoaderError(f"rank {self.rank} expected batch {self._index} of epoch {self._epoch} but rank 0 "
                               f"sent batch {payload['index']} of epoch {payload['epoch']}: were all ranks resumed "
                               f"from the same state?")
+        self._digest = payload["fingerprint"]
         plan = Plan.from_dict(payload["plan"])
         plan = dataclasses.replace(plan, meta={**plan.meta, "planner_fallbacks": payload["planner_fallbacks"]})
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
@@ -282,13 +285,15 @@ class FlexSPLoader:
         state = {"version": STATE_VERSION, "epoch": self._epoch, "index": self._index, "step": self._step,
                  "num_sequences": len(self.dataset), "batching": self.config.batching_key(),
                  "world_size": self.cluster.num_gpus}
-        if self.plans_here:   # the planning rank knows the lengths (the state a checkpoint saves is its)
-            state["fingerprint"] = self._fingerprint()
+        if self._digest is not None:   # rank 0's digest of the lengths, sent with every plan: same on every rank
+            state["fingerprint"] = self._digest
         return state
 
     def _fingerprint(self) -> str:
-        """The dataset as the batches see it: a digest of every item's length."""
-        return hashlib.sha256(np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes()).hexdigest()[:32]
+        """The dataset as the batches see it: a digest of every item's length (planning rank only)."""
+        if self._own_digest is None:
+            self._own_digest = hashlib.sha256(np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes()).hexdigest()[:32]
+        return self._own_digest
 
     def load_state_dict(self, state: dict[str, Any], *, world_size_change: bool = False) -> None:
         """Continue from ``state``, after checking it: position (non-negative integers, a batch index
