@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         markdown_table(memory, ["reader", "input MiB", "peak growth MiB", "MiB per MiB", "target", "result"]),
     ])
     out = args.out if args.out.suffix == ".md" else args.out / "robustness.md"
-    print(f"wrote {write_markdown(out, 'Robustness: deadlines and bounded parsers', body, started, args.quick, label='')}")
+    written = write_markdown(out, "Robustness: deadlines and bounded parsers", body, started, args.quick, label="")
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

@@ -165,7 +165,8 @@ def parse_json(text: str, what: str, error: type[FlexSPError]) -> Any:
         raise error(too_large(what, len(text), "json_bytes"))
     depth = json_depth(text)
     if depth > MAX_JSON_DEPTH:
-        raise error(f"{what} is nested too deeply ({depth} levels; a FlexSP JSON document has at most {MAX_JSON_DEPTH})")
+        raise error(f"{what} is nested too deeply ({depth} levels; a FlexSP JSON document has at most "
+                    f"{MAX_JSON_DEPTH})")
     try:
         return json.loads(text)
     except RecursionError:

@@ -20,7 +20,8 @@ from flexsp.data.source import resolve_lengths
 _TORCH_NAMES = {"FlexSPLoader": "loader", "Step": "loader", "LoaderStats": "loader",
                 "MicroBatchShard": "collate", "to_tokens": "collate"}
 
-__all__ = ["LoaderConfig", "LoaderError", "PlannerError", "EpochBatches", "GlobalBatch", "AsyncPlanner", "PlanBatch", "PlannedBatch",
+__all__ = ["LoaderConfig", "LoaderError", "PlannerError",
+           "EpochBatches", "GlobalBatch", "AsyncPlanner", "PlanBatch", "PlannedBatch",
            "PlannerStats", "resolve_lengths", *_TORCH_NAMES]
 
 

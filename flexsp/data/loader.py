@@ -292,7 +292,8 @@ class FlexSPLoader:
     def _fingerprint(self) -> str:
         """The dataset as the batches see it: a digest of every item's length (planning rank only)."""
         if self._own_digest is None:
-            self._own_digest = hashlib.sha256(np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes()).hexdigest()[:32]
+            raw = np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes()
+            self._own_digest = hashlib.sha256(raw).hexdigest()[:32]
         return self._own_digest
 
     def load_state_dict(self, state: dict[str, Any], *, world_size_change: bool = False) -> None:
