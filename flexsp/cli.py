@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 from flexsp.errors import FlexSPError, PlanError
-from flexsp.inputs import parse_tokens, writable_file
+from flexsp.inputs import LIMITS, limit, parse_tokens, set_limit, writable_file
 from flexsp.plan.analytic import cost_from_hardware
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, reserve_communicators
@@ -95,6 +96,10 @@ def _cost(args) -> CostModel:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexsp", description="Plan heterogeneous sequence parallelism.")
+    parser.add_argument("--max-input", action="append", default=[], metavar="NAME=VALUE",
+                        help="raise a cap on what an input may make FlexSP allocate: " + ", ".join(
+                            f"{name} ({text}, default {default}, or ${var})"
+                            for name, (var, default, text) in LIMITS.items()))
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser("simulate", help="simulate many steps and compare strategies")
@@ -213,6 +218,20 @@ def run_plan(args) -> int:
     return 0
 
 
+def _bounded(args) -> None:
+    """Counts that size an allocation, checked against their caps before anything is allocated."""
+    cap = limit("sequences")
+    if getattr(args, "batch_size", None) is not None and args.batch_size > cap:
+        raise FlexSPError(f"--batch-size {args.batch_size} is over the cap of {cap} sequences; raise it with "
+                          f"--max-input sequences=N or ${LIMITS['sequences'][0]}")
+    for flag in ("gpus", "gpus_per_node"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) > limit("gpus"):
+            raise FlexSPError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is over the cap of {limit('gpus')} "
+                              f"GPUs; raise it with --max-input gpus=N or ${LIMITS['gpus'][0]}")
+    if getattr(args, "workers", None) is not None and args.workers > 4 * (os.cpu_count() or 1):
+        raise FlexSPError(f"--workers {args.workers}: more than 4x this machine's {os.cpu_count()} CPUs")
+
+
 def _communicator_bytes(args) -> float | None:
     return None if args.communicator_memory is None else args.communicator_memory * 2**20
 
@@ -228,11 +247,25 @@ def _write(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        for assignment in args.max_input:
+            set_limit(assignment)
+        _bounded(args)
         return {"simulate": run_simulate, "plan": run_plan, "profile": profile_cli.run,
                 "replay": replay_cli.run, "report": report_cli.run}[args.command](args)
     except FlexSPError as exc:
         print(f"flexsp {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"flexsp {args.command}: error: this command needs {exc.name.partition('.')[0]}, which is not "
+              f"installed: pip install 'flexsp[{extra}]' (a planner-only install has no runtime)", file=sys.stderr)
+        return 2
+
+
+# the optional dependency a command may need -> the pyproject extra that installs it
+_EXTRAS = {"torch": "train", "flash_attn": "gpu", "transformers": "hf", "datasets": "hf"}
 
 
 if __name__ == "__main__":

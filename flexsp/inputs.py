@@ -6,6 +6,14 @@ read as numbers here (a JSON ``"5e9"`` where a number belongs is a typo, not a v
 the size parsers: ``393216``, ``384K`` (x1024), ``2M`` (x1024^2), ``1G`` (x1024^3), exact (``1.5M`` is
 1,572,864; ``1.3`` or ``0.1K`` are refused, never truncated) and usable as an argparse ``type``
 (they raise ``SizeError``, an ``ArgumentTypeError``).
+
+Every file FlexSP reads has a documented cap, checked before the memory is spent (``limit``): JSON
+documents (plans, cost models, bandwidth tables; ``read_json``) at most ``FLEXSP_MAX_JSON_BYTES``
+bytes (default 64 MiB) and ``MAX_JSON_DEPTH`` levels; lengths files at most ``FLEXSP_MAX_SEQUENCES``
+sequences (default 10^7) and, as text (gzip decompressed), ``FLEXSP_MAX_TEXT_BYTES`` bytes (default
+2 GiB); plans at most ``FLEXSP_MAX_GROUPS`` groups (default 10^6); ``--gpus`` at most ``FLEXSP_MAX_GPUS``
+(default 2^20); command-line counts such as ``--batch-size`` at most ``FLEXSP_MAX_SEQUENCES``. Raise a cap with
+the environment variable or the CLI's ``--max-input`` flag (``flexsp --max-input NAME=VALUE``).
 """
 from __future__ import annotations
 
@@ -72,13 +80,61 @@ def exact_sum(values: np.ndarray) -> int:
     return sum(int(v) for v in values)
 
 
-def read_json(path: str | Path, what: str, error: type[FlexSPError]) -> Any:
-    """Parse a JSON file; every way it can fail (missing, unreadable, not UTF-8, malformed, nested
-    too deeply, numbers too long) is ``error`` naming the file."""
+# --- caps on what a file may make FlexSP allocate -------------------------------------------------
+LIMITS = {   # name -> (environment variable, default, what it bounds)
+    "json_bytes": ("FLEXSP_MAX_JSON_BYTES", 64 << 20, "bytes of a JSON file (plan, cost model, bandwidth table)"),
+    "sequences": ("FLEXSP_MAX_SEQUENCES", 10 ** 7, "sequences in a lengths file or a batch"),
+    "text_bytes": ("FLEXSP_MAX_TEXT_BYTES", 2 << 30, "bytes of a lengths text file (after gzip)"),
+    "groups": ("FLEXSP_MAX_GROUPS", 10 ** 6, "groups of a plan"),
+    "gpus": ("FLEXSP_MAX_GPUS", 1 << 20, "GPUs of a cluster given on the command line"),
+}
+MAX_JSON_DEPTH = 64      # FlexSP's documents nest 5 deep; a deeper one is not ours
+
+
+def limit(name: str) -> int:
+    """The cap ``name`` of ``LIMITS``: its environment variable if set (a size like 4G), else the default."""
+    variable, default, _ = LIMITS[name]
+    text = os.environ.get(variable)
+    if not text:
+        return default
     try:
-        raw = Path(path).read_bytes()
+        return parse_size(text, what=variable)
+    except SizeError as exc:
+        raise FlexSPError(f"${variable}: {exc}") from None
+
+
+def set_limit(assignment: str) -> None:
+    """``NAME=VALUE`` from the CLI's ``--max-input``: raise (or lower) one cap for this process."""
+    name, _, value = str(assignment).partition("=")
+    if name not in LIMITS or not value:
+        raise FlexSPError(f"--max-input expects NAME=VALUE with NAME one of {', '.join(LIMITS)}, got {assignment!r}")
+    os.environ[LIMITS[name][0]] = str(parse_size(value, what=name))
+
+
+def too_large(what: str, size: int, name: str) -> str:
+    variable = LIMITS[name][0]
+    return (f"{what} has {size} {name.split('_')[-1]}, over the cap of {limit(name)}; "
+            f"raise it with --max-input {name}=N or ${variable}")
+
+
+def read_json(path: str | Path, what: str, error: type[FlexSPError]) -> Any:
+    """Parse a JSON file: the one reader of every JSON FlexSP reads. Every way it can fail (missing,
+    unreadable, larger than the ``json_bytes`` cap, not UTF-8, malformed, nested deeper than
+    ``MAX_JSON_DEPTH``, numbers too long) is ``error`` naming the file."""
+    path = Path(path)
+    try:
+        if not path.is_file():
+            raise error(f"cannot read {what} {path}: no such file" if not path.exists() else
+                        f"cannot read {what} {path}: not a regular file")
+        size = path.stat().st_size
+        if size > limit("json_bytes"):
+            raise error(too_large(f"{what} {path}", size, "json_bytes"))
+        with open(path, "rb") as f:
+            raw = f.read(limit("json_bytes") + 1)
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(raw) > limit("json_bytes"):   # grew while we looked, or a device file
+        raise error(too_large(f"{what} {path}", len(raw), "json_bytes"))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -86,9 +142,31 @@ def read_json(path: str | Path, what: str, error: type[FlexSPError]) -> Any:
     return parse_json(text, f"{what} {path}", error)
 
 
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?')   # possessive, closing quote optional: linear time
+
+
+def json_depth(text: str) -> int:
+    """How deeply ``text``'s arrays and objects nest (brackets inside strings do not count), in C speed."""
+    skeleton = _JSON_STRING.sub("", text).encode("utf-8", "replace")
+    codes = np.frombuffer(skeleton, dtype=np.uint8)
+    deepest = level = 0
+    for start in range(0, codes.size, 1 << 20):     # chunks: a few MiB of scratch at any input size
+        chunk = codes[start:start + (1 << 20)]
+        steps = ((chunk == 91) | (chunk == 123)).astype(np.int32) - ((chunk == 93) | (chunk == 125))
+        running = np.cumsum(steps, dtype=np.int64) + level
+        deepest, level = max(deepest, int(running.max())), int(running[-1])
+    return deepest
+
+
 def parse_json(text: str, what: str, error: type[FlexSPError]) -> Any:
     if not isinstance(text, str):
         raise error(f"{what} must be JSON text (str), got {type(text).__name__}")
+    if len(text) > limit("json_bytes"):
+        raise error(too_large(what, len(text), "json_bytes"))
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise error(f"{what} is nested too deeply ({depth} levels; a FlexSP JSON document has at most "
+                    f"{MAX_JSON_DEPTH})")
     try:
         return json.loads(text)
     except RecursionError:

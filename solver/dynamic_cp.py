@@ -52,14 +52,23 @@ running its sequences *packed together*), each measured in ``experiments/dynamic
 fit (this module's earlier adaptation); it packs more per micro-batch but is not Megatron's rule, and
 is kept only so the benchmark can measure what that departure would change.
 
-Cost: O(n log n) per micro-batch for n pending sequences (bucketing and heaps; a bucket whose first
-sequence cannot go stays blocked for the rest of the iteration, as free GPUs and room only shrink
-until the trim), plus O(groups) per trimmed sequence.
+Cost: no step touches every pending sequence per micro-batch. The pending list lives in ``_Pending``
+(slots in upstream's order, a linked list of the live ones, per-block counts and work sums), so the
+buckets of an iteration are found with a few block-level searches, O(n / B + B) in numpy for blocks of
+B slots, and each placed sequence costs O(log groups) (heaps; a bucket whose first sequence cannot go
+stays blocked for the rest of the iteration, as free GPUs and room only shrink until the trim), plus
+O(groups) per trimmed sequence. Bucket boundaries compare exact integer work sums with upstream's
+float threshold: identical to upstream's float running sums whenever those are exact (work sums below
+2**53 / L), as in every fixture.
+
+Deadline: past ``deadline`` (``time.perf_counter()`` seconds) the sequences still pending are packed by
+a linear next-fit of the same group sizes (``_finish_fast``), so the plan always arrives in time.
 """
 from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,6 +140,7 @@ class _Batch:
     capacity: tuple[float, ...]
     estimate: list[int]   # length**2 * scale // degree: Megatron's per-GPU estimate, times `scale`
     work: list[float]     # the same estimate in upstream's floats, for bucket boundaries
+    scale: int = 1        # lcm of the degrees
 
 
 def make_buckets(pending: list[int], batch: _Batch) -> list[list[int]]:
@@ -270,9 +280,226 @@ class _Iteration:
                      for d, m in zip(self.degree, self.members))
 
 
+class _Pending:
+    """Upstream's pending list without its O(n) rebuild per micro-batch.
+
+    Slot ``t`` holds sequence ``seq[t]`` in upstream's order (trimmed sequences are appended); a
+    doubly linked list joins the live slots; ``weight``/``alive`` per slot and their per-block sums
+    answer "where does a run of work exceed x" and "which is the m-th live slot" with numpy searches.
+    Work is the exact integer estimate (``_Batch.estimate``).
+    """
+
+    BLOCK = 512
+    END = -1
+
+    def __init__(self, order: list[int], batch: _Batch) -> None:
+        self.batch = batch
+        n = len(order)
+        cap = max(self.BLOCK, n + n // 4 + 1)
+        big = sum(batch.estimate) >= 1 << 62          # beyond int64: Python ints (slow, exact)
+        self._dtype = object if big else np.int64
+        self.seq = list(order) + [0] * (cap - n)
+        self.weight = np.zeros(cap, dtype=self._dtype)
+        self.weight[:n] = np.asarray([batch.estimate[i] for i in order], dtype=self._dtype)
+        self.alive = np.zeros(cap, dtype=np.int64)
+        self.alive[:n] = 1
+        self.nxt = list(range(1, n)) + [self.END]
+        self.prv = [self.END] + list(range(0, n - 1))
+        self.nxt += [self.END] * (cap - n)
+        self.prv += [self.END] * (cap - n)
+        self.head = 0 if n else self.END
+        self.tail = n - 1 if n else self.END
+        self.used = n
+        self.count = n
+        self.total = int(sum(batch.estimate[i] for i in order))
+        self.sizes = [0] * len(batch.degrees)
+        for i in order:
+            self.sizes[batch.size[i]] += 1
+        self._blocks()
+
+    def _blocks(self) -> None:
+        nb = -(-len(self.seq) // self.BLOCK)
+        pad = nb * self.BLOCK - len(self.seq)
+        w = np.concatenate([self.weight, np.zeros(pad, dtype=self._dtype)])
+        a = np.concatenate([self.alive, np.zeros(pad, dtype=np.int64)])
+        self.blk_weight = w.reshape(nb, self.BLOCK).sum(axis=1)
+        self.blk_alive = a.reshape(nb, self.BLOCK).sum(axis=1)
+
+    def remove(self, t: int) -> None:
+        i = self.seq[t]
+        self.count -= 1
+        self.total -= self.batch.estimate[i]
+        self.sizes[self.batch.size[i]] -= 1
+        b = t // self.BLOCK
+        self.blk_weight[b] -= self.weight[t]
+        self.blk_alive[b] -= 1
+        self.weight[t] = 0
+        self.alive[t] = 0
+        p, q = self.prv[t], self.nxt[t]
+        if p == self.END:
+            self.head = q
+        else:
+            self.nxt[p] = q
+        if q == self.END:
+            self.tail = p
+        else:
+            self.prv[q] = p
+
+    def append(self, i: int) -> None:
+        if self.used == len(self.seq):
+            grow = len(self.seq)
+            self.seq += [0] * grow
+            self.nxt += [self.END] * grow
+            self.prv += [self.END] * grow
+            self.weight = np.concatenate([self.weight, np.zeros(grow, dtype=self._dtype)])
+            self.alive = np.concatenate([self.alive, np.zeros(grow, dtype=np.int64)])
+            self._blocks()
+        t = self.used
+        self.used += 1
+        self.seq[t] = i
+        e = self.batch.estimate[i]
+        self.weight[t] = e
+        self.alive[t] = 1
+        self.blk_weight[t // self.BLOCK] += e
+        self.blk_alive[t // self.BLOCK] += 1
+        self.prv[t], self.nxt[t] = self.tail, self.END
+        if self.tail == self.END:
+            self.head = t
+        else:
+            self.nxt[self.tail] = t
+        self.tail = t
+        self.count += 1
+        self.total += e
+        self.sizes[self.batch.size[i]] += 1
+
+    def _first_over(self, values: np.ndarray, blocks: np.ndarray, t: int, x: int) -> int:
+        """The first slot ``u >= t`` where the running sum of ``values`` from ``t`` exceeds ``x``."""
+        end = min((t // self.BLOCK + 1) * self.BLOCK, self.used)
+        run = np.cumsum(values[t:end])
+        if run.size and run[-1] > x:
+            return t + int(np.searchsorted(run, x, side="right"))
+        x -= int(run[-1]) if run.size else 0
+        b0 = t // self.BLOCK + 1
+        over = np.cumsum(blocks[b0:])
+        j = int(np.searchsorted(over, x, side="right"))
+        if j == over.size:
+            return self.END
+        x -= int(over[j - 1]) if j else 0
+        start = (b0 + j) * self.BLOCK
+        run = np.cumsum(values[start:min(start + self.BLOCK, self.used)])
+        return start + int(np.searchsorted(run, x, side="right"))
+
+    def _live_before(self, t: int) -> int:
+        b = t // self.BLOCK
+        return int(self.blk_alive[:b].sum()) + int(self.alive[b * self.BLOCK:t].sum())
+
+    def work_cut(self, t: int, x: int) -> int:
+        """The first live slot after ``t`` at which the work from ``t`` on exceeds ``x`` (or END)."""
+        u = self._first_over(self.weight, self.blk_weight, t, x)
+        return self.nxt[t] if u == t else u
+
+    def nth_after(self, t: int, m: int) -> int:
+        """The live slot ``m`` places after live slot ``t`` (END past the last)."""
+        return self._first_over(self.alive, self.blk_alive, t, m)
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Upstream's ``make_buckets_equal`` as (first slot, slot after the last) runs, exactly:
+        a bucket closes before the sequence that takes its work above 1.1x the mean, or where the
+        sequences left are needed for the buckets still to open."""
+        k = sum(1 for c in self.sizes if c)
+        scale_work = self.total / self.batch.scale          # upstream's float sum, when exact
+        threshold = math.floor(scale_work / k * BUCKET_SLACK * self.batch.scale)
+        out, start, rank, n = [], self.head, 0, self.count
+        while start != self.END:
+            j = len(out)
+            cut = self.work_cut(start, threshold)
+            count_at = max(rank + 1, n - k + 2 * j)       # upstream: n - pos <= remaining_k - len(buckets)
+            if count_at < n:
+                by_count = self.nth_after(start, count_at - rank)
+                if cut == self.END or by_count < cut:
+                    cut = by_count
+            out.append((start, cut))
+            if cut != self.END:
+                rank += self._live_before(cut) - self._live_before(start)
+            start = cut
+        return out
+
+
+def _iterate_buckets(pending: _Pending, batch: _Batch, num_gpus: int,
+                     tolerance: tuple[int, int]) -> tuple[GroupAssignment, ...]:
+    """One micro-batch of upstream's bucketed rule; updates ``pending`` in place (placed sequences
+    leave it, trimmed ones go to its end)."""
+    runs = pending.buckets()
+    head = [start for start, _ in runs]
+    stop = [end for _, end in runs]
+    blocked = [False] * len(runs)
+    placed: list[int] = []
+    it = _Iteration(batch, num_gpus, tolerance)
+    remaining, first, first_degree, check = pending.count, 0, None, False
+    while True:
+        chosen = None
+        b = first
+        while b < len(runs):
+            if not blocked[b] and head[b] != stop[b]:
+                g = it.target(pending.seq[head[b]])
+                if g is not None:
+                    chosen = g
+                    break
+                blocked[b] = True
+            if b == first:
+                first += 1
+            b += 1
+        if chosen is None:
+            break
+        t = head[b]
+        seq = pending.seq[t]
+        head[b] = pending.nxt[t]
+        placed.append(t)
+        it.place(seq, chosen)
+        remaining -= 1
+        degree = batch.degrees[batch.size[seq]]
+        first_degree = degree if first_degree is None else first_degree
+        check = check or degree < first_degree
+        if check and remaining and it.balanced():
+            break
+    for t in placed:
+        pending.remove(t)
+    for seq in it.trim():
+        pending.append(seq)
+    it.fill_idle()
+    return it.groups()
+
+
+def _finish_fast(order: list[int], batch: _Batch, num_gpus: int) -> list[tuple[GroupAssignment, ...]]:
+    """Past the deadline: the rest in order, next-fit into groups of each sequence's size, O(n)."""
+    out: list[tuple[GroupAssignment, ...]] = []
+    groups: list[tuple[int, list[int]]] = []
+    tokens: list[int] = []
+    open_by_size: dict[int, int] = {}
+    free = num_gpus
+    for i in order:
+        k = batch.size[i]
+        g = open_by_size.get(k)
+        if g is not None and tokens[g] + batch.length[i] <= batch.capacity[k]:
+            groups[g][1].append(i)
+            tokens[g] += batch.length[i]
+            continue
+        if free < batch.degrees[k]:
+            out.append(tuple(GroupAssignment(d, np.sort(np.asarray(m, dtype=np.int64))) for d, m in groups))
+            groups, tokens, open_by_size, free = [], [], {}, num_gpus
+        free -= batch.degrees[k]
+        open_by_size[k] = len(groups)
+        groups.append((batch.degrees[k], [i]))
+        tokens.append(batch.length[i])
+    if groups:
+        out.append(tuple(GroupAssignment(d, np.sort(np.asarray(m, dtype=np.int64))) for d, m in groups))
+    return out
+
+
 def _iterate(pending: list[int], batch: _Batch, num_gpus: int, tolerance: tuple[int, int],
              lookahead: str) -> tuple[tuple[GroupAssignment, ...], list[int]]:
-    """One micro-batch from ``pending`` (in upstream's order); returns it and the new pending list."""
+    """One micro-batch from ``pending`` (in upstream's order); returns it and the new pending list.
+    O(pending) per micro-batch: kept only for ``lookahead="all"``, the measured departure."""
     buckets = make_buckets(pending, batch) if lookahead == "buckets" else [[i] for i in pending]
     head = [0] * len(buckets)
     blocked = [False] * len(buckets)
@@ -312,11 +539,13 @@ def _iterate(pending: list[int], batch: _Batch, num_gpus: int, tolerance: tuple[
 
 def dynamic_cp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, *,
                max_seqlen_per_rank: float | None = None, tolerance: float = BALANCE_TOLERANCE,
-               lookahead: str = "buckets") -> Schedule:
+               lookahead: str = "buckets", deadline: float | None = None) -> Schedule:
     """Plan a batch with Megatron-Core's ``BalancedCPScheduler`` rule (see the module docstring).
 
     ``max_seqlen_per_rank`` defaults to one GPU's token capacity; ``tolerance`` is the 5% stop;
-    ``lookahead="all"`` measures the deferral departure (not Megatron's rule). Deterministic.
+    ``lookahead="all"`` measures the deferral departure (not Megatron's rule). ``deadline``
+    (``time.perf_counter()`` seconds): past it the rest is packed by a linear next-fit. Deterministic
+    when the deadline is not reached.
     """
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if num_gpus < 1:
@@ -336,12 +565,23 @@ def dynamic_cp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, *,
     size_list = size.tolist()
     batch = _Batch(length=length, size=size_list, degrees=degrees, capacity=tuple(costs.capacity[:len(degrees)]),
                    estimate=[s * s * (scale // degrees[k]) for s, k in zip(length, size_list)],
-                   work=[s * s / degrees[k] for s, k in zip(length, size_list)])
+                   work=[s * s / degrees[k] for s, k in zip(length, size_list)], scale=scale)
     frac = float(tolerance).as_integer_ratio()
     # upstream sorts once, longest first (a stable sort: ties keep the batch order)
-    pending = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
-    micro_batches = []
-    while pending:
-        groups, pending = _iterate(pending, batch, num_gpus, frac, lookahead)
-        micro_batches.append(groups)
+    order = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
+    micro_batches: list[tuple[GroupAssignment, ...]] = []
+    late = lambda: deadline is not None and time.perf_counter() > deadline  # noqa: E731
+    if lookahead == "buckets":
+        pending = _Pending(order, batch)
+        while pending.count and not late():
+            micro_batches.append(_iterate_buckets(pending, batch, num_gpus, frac))
+        order, t = [], pending.head
+        while t != _Pending.END:
+            order.append(pending.seq[t])
+            t = pending.nxt[t]
+    else:
+        while order and not late():
+            groups, order = _iterate(order, batch, num_gpus, frac, lookahead)
+            micro_batches.append(groups)
+    micro_batches += _finish_fast(order, batch, num_gpus)
     return Schedule(tuple(micro_batches))

@@ -16,6 +16,8 @@ EXPECTED = {
                         "Past the time limit", "communicators per rank", "**simulated**",
                         "<!-- generated: readme -->"],
     "dynamic_cp_benchmark": ["FlexSP speedup over dynamic-cp"],
+    "robustness_benchmark": ["Planning time against the time limit", "| 10,000 | dynamic-cp |",
+                             "Parser peak memory per MiB of input", "| lengths .npy |", "**Measured**"],
 }
 
 

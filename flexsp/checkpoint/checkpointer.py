@@ -4,7 +4,11 @@ Model and optimizer go through ``torch.distributed.checkpoint`` (DCP) with the `
 of ``torch.distributed.checkpoint.state_dict``, so FSDP2-sharded (DTensor) and plain replicated states
 are both written once, in shards, and read back at the same or another world size (DCP reshards
 DTensors; replicated tensors are read whole). The loader's state and a commit record go in
-``flexsp.json``; each rank's RNG state in ``rng.pt``. See ``layout`` for the atomic on-disk format.
+``flexsp.json``; each rank's RNG state in ``rng.pt`` (tensors and plain values, read with
+``weights_only=True``). See ``layout`` for the atomic on-disk format and ``trust`` for the signing key:
+a restore verifies the signed manifest before any reader touches the files, reads DCP's pickled
+``.metadata`` with an allow-list unpickler and DCP's non-tensor items with ``weights_only=True``, so a
+checkpoint never runs code.
 
 In a training loop::
 
@@ -18,8 +22,11 @@ In a training loop::
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pickle
 import random
+import re
 import shutil
 import signal
 import sys
@@ -34,9 +41,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from flexsp.checkpoint import layout
+from flexsp.checkpoint import layout, trust
 from flexsp.checkpoint.errors import CheckpointError
 from flexsp.runtime.failures import DEFAULT_TIMEOUT, ControlGroup, error_line
 
@@ -49,14 +60,19 @@ class Checkpointer:
     ``extra``: more state to save, ``{name: obj}`` with ``state_dict()``/``load_state_dict()``, identical on
     every rank (a global counter, a scheduler). ``signals``: signals that ask for a checkpoint and a stop
     (default SIGTERM, what schedulers and ``torchrun`` send before killing a job). ``timeout``: seconds
-    every rank waits for the others in the checkpointer's agreements. ``verify``: check every file's
-    CRC-32 on restore (sizes are always checked); the work is split over the ranks.
+    every rank waits for the others in the checkpointer's agreements.
+
+    ``key``: the secret that signs and verifies checkpoints (bytes, or a key file's path; default: see
+    ``flexsp.checkpoint.trust``). ``trust_unsigned=True`` is the explicit trust override: restore a
+    checkpoint whose record is not signed with this key (another user's, an older format's signature
+    aside), still checking every file against its manifest; only for checkpoints you trust.
     """
 
     def __init__(self, directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  loader: Any = None, every: int = 100, keep: int = 2, extra: Mapping[str, Any] | None = None,
                  signals: Sequence[int] = (signal.SIGTERM,), timeout: float = DEFAULT_TIMEOUT,
-                 verify: bool = True, control: ControlGroup | None = None) -> None:
+                 key: bytes | str | os.PathLike | None = None, trust_unsigned: bool = False,
+                 control: ControlGroup | None = None) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise CheckpointError(f"every must be an integer >= 0 (0: save only on a signal), got {every!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -66,8 +82,13 @@ class Checkpointer:
                 raise CheckpointError(f"extra[{name!r}] needs state_dict() and load_state_dict(), "
                                       f"got {type(obj).__name__}")
         self.directory = Path(directory)
+        self._key, self._key_source, key_file = trust.resolve_key(key)
+        if key_file is not None and key_file.resolve().is_relative_to(self.directory.resolve()):
+            raise CheckpointError(f"{key_file}: the checkpoint key must not live in the checkpoint directory "
+                                  f"{self.directory}: whoever can write checkpoints could then sign them")
+        self.trust_unsigned = bool(trust_unsigned)
         self.model, self.optimizer, self.loader = model, optimizer, loader
-        self.every, self.keep, self.verify = every, keep, verify
+        self.every, self.keep = every, keep
         self.extra = dict(extra or {})
         self._owns_control = control is None
         self.control = control if control is not None else ControlGroup(timeout)
@@ -135,7 +156,7 @@ class Checkpointer:
         try:
             with _quiet_single_process():
                 dcp.save(self._state(), checkpoint_id=str(partial))
-        except Exception as exc:   # DCP shares a writer's error with every rank itself
+        except (Exception, CheckpointException) as exc:   # DCP shares a writer's error with every rank itself
             raise CheckpointError(f"{what}: {_short(exc)}") from None
         rng = self.control.gather(_rng_state(), what=what, error=CheckpointError)
         failure = None
@@ -160,7 +181,7 @@ class Checkpointer:
                 record = layout.Record(step=step, world_size=self.world_size, files=manifest,
                                        loader=self.loader.state_dict() if self.loader is not None else None,
                                        skipped=_skipped(self.loader), extra={"torch": torch.__version__})
-                layout.write_record(partial, record)
+                layout.write_record(partial, record, self._key)
                 layout.commit(partial, final)
                 layout.prune(self.directory, self.keep)
             except Exception as exc:   # whatever it is, every rank must hear of it
@@ -181,12 +202,17 @@ class Checkpointer:
         what = f"restoring checkpoint {path}"
         failure = None
         try:
-            record = layout.read_record(path)
+            record = layout.read_record(path, None if self.trust_unsigned else self._key,
+                                        key_source=self._key_source)
             names = sorted(record.files)
-            layout.verify(path, record, names[self.rank::self.world_size], checksums=self.verify)
+            layout.verify(path, record, names[self.rank::self.world_size])
         except CheckpointError as exc:
             failure = str(exc)
+        # every file was hashed by some rank and matched its signed manifest before anything reads it
         self.control.check(failure, what=what, error=_Damaged)
+        if self.trust_unsigned and self.rank == 0:
+            warnings.warn(f"{path}: restored with trust_unsigned=True: its record's signature was not checked",
+                          stacklevel=3)
         failure = None
         if self.rank == 0 and self.loader is not None and record.skipped != _skipped(self.loader):
             failure = (f"{path / layout.META}: the epoch saved by {record.world_size} ranks left out "
@@ -198,8 +224,8 @@ class Checkpointer:
         _check_shapes(path, state["model"])
         try:
             with _quiet_single_process():
-                dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:
+                dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner())
+        except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"{what}: {_short(exc)}") from None
         try:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -211,11 +237,12 @@ class Checkpointer:
         if self.loader is not None:
             if record.loader is None:
                 raise CheckpointError(f"{path / layout.META}: saved without a loader state, but a loader was given")
-            try:
-                self.loader.load_state_dict(record.loader)
+            failure = None
+            try:   # checked on every rank (the dataset's digest on the planning rank): agreed below
+                self.loader.load_state_dict(record.loader, world_size_change=True)
             except Exception as exc:
-                raise CheckpointError(f"{path / layout.META}: the saved loader state does not fit this loader: "
-                                      f"{exc}") from None
+                failure = f"the saved loader state does not fit this loader: {exc}"
+            self.control.check(failure, what=f"restoring the loader from {path / layout.META}", error=CheckpointError)
         if record.world_size == self.world_size:
             try:
                 states = torch.load(path / layout.RNG, weights_only=True)
@@ -269,8 +296,8 @@ def _skipped(loader: Any) -> list[int] | None:
 def _check_shapes(path: Path, model_state: Mapping[str, Any]) -> None:
     """Compare the model's parameters with the checkpoint's metadata: a clear error, not DCP's traceback."""
     try:
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as exc:
+        saved = _SafeReader(str(path)).read_metadata().state_dict_metadata
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"{path / '.metadata'}: unreadable DCP metadata: {_short(exc)}") from None
     saved_model = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
     missing = sorted(set(model_state) - set(saved_model))
@@ -285,6 +312,55 @@ def _check_shapes(path: Path, model_state: Mapping[str, Any]) -> None:
                                   f"{list(value.shape)} in this model")
 
 
+# What DCP's ``.metadata`` pickle may name: its metadata dataclasses, torch sizes and dtypes, paths.
+# Nothing else is importable from it, so even a forged file cannot call a function.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in
+    ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+     "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                    torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which is not allowed")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, but ``.metadata`` goes through the allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"DCP metadata is a {type(metadata).__name__}, not Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but non-tensor items (optimizer hyper-parameters, extra state) are read with
+    ``weights_only=True``: plain values and tensors only, never an arbitrary object."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"item {read_item.dest_index.fqn!r}: refused ({_short(exc)})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
 @contextlib.contextmanager
 def _quiet_single_process():
     """DCP warns that it runs without a process group; for one process that is the intent."""
@@ -296,6 +372,9 @@ def _quiet_single_process():
 def _short(exc: BaseException) -> str:
     """DCP wraps each rank's traceback; keep the type and first line that says what went wrong."""
     text = str(exc).strip()
+    raised = re.findall(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", text, flags=re.MULTILINE)
+    if raised and raised[-1][0] != type(exc).__name__:   # the innermost exception a rank raised
+        return f"{raised[-1][0]}: {raised[-1][1].strip()}"[:500]
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(("File ", "Traceback"))]
     return f"{type(exc).__name__}: {lines[0] if lines else text[:200]}"[:500]
 

@@ -13,14 +13,15 @@ from typing import Any
 
 from flexsp.data.batching import EpochBatches, GlobalBatch
 from flexsp.data.config import LoaderConfig
-from flexsp.data.errors import LoaderError
+from flexsp.data.errors import LoaderError, PlannerError
 from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, PlannerStats
 from flexsp.data.source import resolve_lengths
 
 _TORCH_NAMES = {"FlexSPLoader": "loader", "Step": "loader", "LoaderStats": "loader",
                 "MicroBatchShard": "collate", "to_tokens": "collate"}
 
-__all__ = ["LoaderConfig", "LoaderError", "EpochBatches", "GlobalBatch", "AsyncPlanner", "PlanBatch", "PlannedBatch",
+__all__ = ["LoaderConfig", "LoaderError", "PlannerError",
+           "EpochBatches", "GlobalBatch", "AsyncPlanner", "PlanBatch", "PlannedBatch",
            "PlannerStats", "resolve_lengths", *_TORCH_NAMES]
 
 

@@ -22,7 +22,8 @@ class LoaderConfig:
     ``loader.stats.skipped_too_long``. ``lookahead`` bounds how many future global batches the
     background planner may solve ahead of training (0: plan synchronously in the loop).
     ``fallback_after``: if the loop has waited this many seconds for a plan, rank 0 plans that
-    batch with the fast "greedy" strategy instead (None: wait for the solver).
+    batch with the fast "greedy" strategy instead, with a warning, counted in ``step.plan.meta
+    ["planner_fallbacks"]`` (None: ``flexsp.data.planning.planner_deadline(plan.time_limit)``).
     ``failure_timeout``: seconds a rank waits for the others' plan or load outcome before it raises;
     a failure on one rank (a bad item, a failed plan) reaches every rank as the same ``LoaderError``.
     """

@@ -4,3 +4,7 @@ from flexsp.errors import FlexSPError
 
 class LoaderError(FlexSPError):
     """The data loader cannot produce a step: names the offending value (index, length, key, rank)."""
+
+
+class PlannerError(LoaderError):
+    """The background planner process keeps dying: names how often and how it last ended."""

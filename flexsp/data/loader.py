@@ -13,6 +13,8 @@ process can stand in for one rank of a large cluster.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -25,7 +27,7 @@ from flexsp.data.batching import EpochBatches
 from flexsp.data.collate import shard_group, to_tokens
 from flexsp.data.config import LoaderConfig
 from flexsp.data.errors import LoaderError
-from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver
+from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, planner_deadline
 from flexsp.data.source import resolve_lengths
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.cost import CostModel
@@ -100,7 +102,9 @@ class FlexSPLoader:
         self._lengths_arg = lengths
         self._custom_planner = planner is not None
         self._solve = planner if planner is not None else self._plan_with(config.plan.strategy)
-        self._fallback = self._plan_with("greedy") if config.fallback_after is not None else None
+        self._fallback = self._plan_with("greedy")   # the safe plan when the planner misses its deadline
+        self._fallbacks = 0                           # steps planned by the fallback, in the steps' plan meta
+        self._digest = self._own_digest = None        # the dataset's digest in the saved state (see state_dict)
         self._lengths: np.ndarray | None = None
         self._batches: EpochBatches | None = None
         self._planner: AsyncPlanner | None = None
@@ -172,7 +176,9 @@ class FlexSPLoader:
             self.batches.check_too_long()
             self._planner = AsyncPlanner(self.batches.iterate(*cursor), self.lengths, self._solve,
                                          lookahead=self.config.lookahead, fallback=self._fallback,
-                                         fallback_after=self.config.fallback_after)
+                                         fallback_after=self.config.fallback_after
+                                         if self.config.fallback_after is not None
+                                         else planner_deadline(self.config.plan.time_limit))
             self._planner_next = cursor
         return self._planner
 
@@ -206,9 +212,12 @@ class FlexSPLoader:
         if result.error is not None:
             return {**where, "error": result.error}
         b = result.batch
+        plan = result.plan.to_dict()
+        self._fallbacks += bool(result.fallback)   # every rank learns the count with the plan
         return {"epoch": b.epoch, "index": b.index, "last": b.last, "skipped": b.skipped,
                 "indices": list(b.indices), "lengths": [int(n) for n in self.lengths[list(b.indices)]],
-                "plan": result.plan.to_dict(), "fallback": result.fallback}
+                "plan": plan, "fallback": result.fallback, "planner_fallbacks": self._fallbacks,
+                "fingerprint": self._fingerprint()}
 
     def _broadcast(self, payload: dict[str, Any] | None) -> dict[str, Any]:
         if self._control is None:
@@ -242,7 +251,9 @@ class FlexSPLoader:
             raise LoaderError(f"rank {self.rank} expected batch {self._index} of epoch {self._epoch} but rank 0 "
                               f"sent batch {payload['index']} of epoch {payload['epoch']}: were all ranks resumed "
                               f"from the same state?")
+        self._digest = payload["fingerprint"]
         plan = Plan.from_dict(payload["plan"])
+        plan = dataclasses.replace(plan, meta={**plan.meta, "planner_fallbacks": payload["planner_fallbacks"]})
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
         loaded = time.perf_counter()
         shards, failure = [], None
@@ -289,14 +300,37 @@ class FlexSPLoader:
     # --- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: the next unseen batch. JSON-safe; identical on every rank."""
-        return {"version": STATE_VERSION, "epoch": self._epoch, "index": self._index, "step": self._step,
-                "num_sequences": len(self.dataset), "batching": self.config.batching_key()}
+        state = {"version": STATE_VERSION, "epoch": self._epoch, "index": self._index, "step": self._step,
+                 "num_sequences": len(self.dataset), "batching": self.config.batching_key(),
+                 "world_size": self.cluster.num_gpus}
+        if self._digest is not None:   # rank 0's digest of the lengths, sent with every plan: same on every rank
+            state["fingerprint"] = self._digest
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; the dataset size and batching settings must match the saved run."""
+    def _fingerprint(self) -> str:
+        """The dataset as the batches see it: a digest of every item's length (planning rank only)."""
+        if self._own_digest is None:
+            raw = np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes()
+            self._own_digest = hashlib.sha256(raw).hexdigest()[:32]
+        return self._own_digest
+
+    def load_state_dict(self, state: dict[str, Any], *, world_size_change: bool = False) -> None:
+        """Continue from ``state``, after checking it: position (non-negative integers, a batch index
+        within its epoch), the dataset (size, and a digest of its lengths on the planning rank), the
+        batching settings (seed included) and the world size must match the saved run. A mismatch is a
+        ``LoaderError``. ``world_size_change=True`` accepts another world (the ``Checkpointer`` checks
+        that the epoch's batches do not depend on it)."""
+        if not isinstance(state, dict):
+            raise LoaderError(f"loader state must be a dict, got {type(state).__name__}")
         for key in ("epoch", "index", "step", "num_sequences", "batching"):
             if key not in state:
                 raise LoaderError(f"loader state is missing {key!r} (has {sorted(state)})")
+        for key in ("epoch", "index", "step", "num_sequences"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LoaderError(f"loader state {key!r} must be an integer >= 0, got {value!r}")
+        if not isinstance(state["batching"], dict):
+            raise LoaderError(f"loader state 'batching' must be a dict, got {type(state['batching']).__name__}")
         if state["num_sequences"] != len(self.dataset):
             raise LoaderError(f"the saved state is for a dataset of {state['num_sequences']} sequences, "
                               f"this one has {len(self.dataset)}")
@@ -305,6 +339,19 @@ class FlexSPLoader:
         if diff:
             raise LoaderError(f"batching settings differ from the saved run (saved, now): {diff}; "
                               f"resuming would repeat or lose sequences")
+        saved_world = state.get("world_size")
+        if saved_world is not None and saved_world != self.cluster.num_gpus and not world_size_change:
+            raise LoaderError(f"the saved state is for a world of {saved_world} ranks, this loader plans for "
+                              f"{self.cluster.num_gpus}; resume through the Checkpointer (which checks that "
+                              f"the batches do not change) or pass world_size_change=True")
+        if self.plans_here:
+            if state.get("fingerprint") is not None and state["fingerprint"] != self._fingerprint():
+                raise LoaderError("the saved state is for another dataset (its lengths differ from this one's, "
+                                  "same size); resuming would train on other sequences")
+            count = self.batches.count(state["epoch"])
+            if state["index"] > count:
+                raise LoaderError(f"loader state index {state['index']} is past epoch {state['epoch']}'s "
+                                  f"{count} batches")
         self._close_planner()
         self._epoch, self._index, self._step = int(state["epoch"]), int(state["index"]), int(state["step"])
 

@@ -10,9 +10,12 @@ solver that cannot be pickled (a lambda, a closure) runs in a thread instead (``
 
 ``AsyncPlanner`` keeps at most ``lookahead`` batches submitted beyond the one the loop last took,
 so memory and wasted work stay bounded after a stop. A solver exception comes back as a result,
-never lost in the worker. If the loop has waited ``fallback_after`` seconds, the batch being solved
-is planned at once in the loop's process with ``fallback`` (the greedy strategy) and the late
-result is discarded.
+never lost in the worker. If the loop has waited ``fallback_after`` seconds (the loader always sets a
+deadline: ``planner_deadline`` of the time limit unless told), the batch being solved is planned at
+once in the loop's process with ``fallback`` (the greedy strategy), with a warning, and the late
+result is discarded; a stopped (SIGSTOP) or wedged planner costs one deadline per step, never a hang.
+A planner process that dies is restarted (its in-flight batches resubmitted) up to ``max_restarts``
+times, then ``PlannerError``; a closed pipe is a dead worker, never a raw ``EOFError``/``BrokenPipeError``.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -31,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 
 from flexsp.data.batching import GlobalBatch
-from flexsp.data.errors import LoaderError
+from flexsp.data.errors import LoaderError, PlannerError
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.types import Group, MicroBatch, Plan
 
@@ -42,6 +46,13 @@ if TYPE_CHECKING:
 Solver = Callable[[np.ndarray], Plan]
 MODES = ("auto", "process", "thread")
 _POLL = 0.05   # seconds between checks for a stop request or a dead worker
+MAX_RESTARTS = 3
+
+
+def planner_deadline(time_limit: float) -> float:
+    """Seconds the loop waits for the planner when ``fallback_after`` is not set: generous (a spawned
+    interpreter's start, a solve at its time limit plus the plan's conversion and validation), but finite."""
+    return 30.0 + 4.0 * float(time_limit)
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class PlannerStats:
     last_wait: float = 0.0
     fallbacks: int = 0
     max_ahead: int = 0              # most solves ever started beyond the batch the loop last took
+    restarts: int = 0               # planner processes started again after one died
 
 
 @dataclass(frozen=True)
@@ -188,11 +200,12 @@ class AsyncPlanner:
 
     def __init__(self, batches: Iterator[GlobalBatch], lengths: np.ndarray, solve: Solver, *,
                  lookahead: int = 2, fallback: Solver | None = None, fallback_after: float | None = None,
-                 mode: str = "auto") -> None:
+                 mode: str = "auto", max_restarts: int = MAX_RESTARTS) -> None:
         if mode not in MODES:
             raise LoaderError(f"planner mode must be one of {', '.join(MODES)}, got {mode!r}")
         self._batches, self._lengths, self._solve = batches, lengths, solve
         self.lookahead, self._fallback, self._fallback_after = lookahead, fallback, fallback_after
+        self.max_restarts = max_restarts
         self.stats = PlannerStats()
         self._started = self._taken = 0
         self._closed = False
@@ -278,16 +291,35 @@ class AsyncPlanner:
                 break
             problem = self._backend.dead()
             if problem:
-                raise LoaderError(f"the planner {self.mode} stopped unexpectedly: {problem}")
+                self._restart(problem)
+                continue
             waited = time.perf_counter() - started
             if self._fallback is not None and self._fallback_after is not None and waited >= self._fallback_after:
                 late = self._inflight.popleft()
                 self._abandoned.add(late.key)
                 result = self._local(late, self._fallback, fallback=True)
                 self.stats.fallbacks += 1
+                warnings.warn(f"the planner {self.mode} did not answer within {self._fallback_after:g} s for "
+                              f"global batch {late.index} of epoch {late.epoch}: planned it with the fallback "
+                              f"(greedy) instead ({self.stats.fallbacks} so far)", RuntimeWarning, stacklevel=3)
         self._taken += 1
         self._submit()
         return self._account(result, started)
+
+    def _restart(self, problem: str) -> None:
+        """A dead worker: start another and resubmit what it had not answered, at most ``max_restarts``
+        times in this planner's life; the fallback's abandoned keys will never come back from it."""
+        if self.mode != "process" or self.stats.restarts >= self.max_restarts:
+            raise PlannerError(f"the planner {self.mode} stopped unexpectedly ({problem}) after "
+                               f"{self.stats.restarts} restart(s); see its stderr above for why")
+        self.stats.restarts += 1
+        warnings.warn(f"{problem}; restarting it ({self.stats.restarts} of at most {self.max_restarts})",
+                      RuntimeWarning, stacklevel=4)
+        self._backend.close(0.0)
+        self._abandoned.clear()
+        self._backend = _ProcessBackend(self._solve)
+        for batch in self._inflight:
+            self._backend.submit(batch.key, self._lengths[list(batch.indices)])
 
     def _local(self, batch: GlobalBatch, solve: Solver, fallback: bool = False) -> PlannedBatch:
         plan, error, exc, seconds = _solve(solve, self._lengths[list(batch.indices)])
@@ -345,8 +377,12 @@ class _ProcessBackend:
         os.close(result_write)
         self._tasks = Connection(task_write, readable=False)
         self._results = Connection(result_read, writable=False)
-        self._tasks.send(list(sys.path))
-        self._tasks.send(solve)
+        self._closed_pipe = False
+        try:
+            self._tasks.send(list(sys.path))
+            self._tasks.send(solve)
+        except (BrokenPipeError, OSError):
+            self._closed_pipe = True   # the worker died at once: dead() reports it
 
     def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver) -> None:
         """Send a batch's lengths, or (key None) a new solver."""
@@ -356,14 +392,26 @@ class _ProcessBackend:
             pass   # the worker is gone: dead() reports it
 
     def receive(self, timeout: float):
+        if self._closed_pipe:
+            time.sleep(min(timeout, _POLL))
+            return None
         try:
             return self._results.recv() if self._results.poll(timeout) else None
-        except (EOFError, OSError):
+        except (EOFError, OSError, pickle.UnpicklingError):
+            self._closed_pipe = True   # the worker is gone (or its last message was cut off)
             return None
 
     def dead(self) -> str | None:
         code = self._process.poll()
-        return None if code is None else f"the planner process exited with code {code}"
+        if code is None and self._closed_pipe:
+            try:
+                code = self._process.wait(1.0)
+            except subprocess.TimeoutExpired:
+                return "the planner process closed its pipe"
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"the planner process (pid {self._process.pid}) {how}"
 
     def close(self, timeout: float) -> None:
         try:
@@ -373,7 +421,7 @@ class _ProcessBackend:
         try:
             self._process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self._process.kill()   # a solve is still running: its result is not wanted
+            self._process.kill()   # a solve is still running (or the worker is stopped): not wanted
             self._process.wait()
         self._tasks.close()
         self._results.close()

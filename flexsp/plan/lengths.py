@@ -22,6 +22,7 @@ from typing import Any, Union
 import numpy as np
 
 from flexsp.errors import ContextError, LengthsError
+from flexsp.inputs import limit, too_large
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -126,27 +127,55 @@ def as_lengths(values: Iterable[Any] | np.ndarray, *, name: str = "lengths") -> 
 _FORMATS = "a .npy array or a text file (.txt or .txt.gz) with one integer per line"
 
 
-def _read_text(path: Path) -> str:
+_CHUNK = 1 << 20   # bytes of text parsed at a time: the parser's scratch, whatever the file's size
+
+
+def _text_chunks(path: Path):
+    """``(first line number, lines)`` of a text or gzip file, a few MiB at a time, split at line ends.
+
+    The decompressed size is capped (``flexsp.inputs.limit("text_bytes")``) as it streams, so a gzip
+    bomb stops at the cap instead of filling memory."""
+    cap = limit("text_bytes")
+    seen, line_no, tail = 0, 1, b""
     try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rt", encoding="utf-8-sig") as f:
-                return f.read()
-        return path.read_text(encoding="utf-8-sig")   # a byte-order mark (Windows editors) is not data
-    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # BadGzipFile is an OSError
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as f:
+            while True:
+                block = f.read(_CHUNK)
+                seen += len(block)
+                if seen > cap:
+                    raise LengthsError(f"{path}: " + too_large("the lengths text", seen, "text_bytes")
+                                       .replace("has ", "has at least ", 1))
+                if not block:
+                    break
+                if line_no == 1 and not tail and block.startswith(b"\xef\xbb\xbf"):
+                    block = block[3:]   # a byte-order mark (Windows editors) is not data
+                data = tail + block
+                cut = data.rfind(b"\n") + 1
+                tail, data = data[cut:], data[:cut]
+                if data:
+                    lines = data.decode("utf-8").splitlines()
+                    yield line_no, lines
+                    line_no += len(lines)
+            if tail:
+                yield line_no, tail.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise LengthsError(f"{path}: cannot read lengths (not UTF-8 text: {e.reason} near line {line_no}); "
+                           f"expected {_FORMATS}") from None
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
         raise LengthsError(f"{path}: cannot read lengths ({e}); expected {_FORMATS}") from None
 
 
-def _parse_text(path: Path, text: str) -> np.ndarray:
-    lines = text.splitlines()
+def _parse_lines(path: Path, first: int, lines: list[str]) -> np.ndarray:
     try:  # fast path: no blank lines, every line an integer (int() tolerates surrounding spaces)
         values = np.array(lines, dtype=np.int64)
     except (ValueError, OverflowError):
         values = None
-    if values is not None and values.size and not (values <= 0).any():
+    if values is not None and not (values <= 0).any():
         return values
-    # Slow path, also taken for a bad value: find the first offending line and name it.
+    # Slow path, also taken for a bad value or a blank line: find the first offending line and name it.
     parsed: list[int] = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(lines, start=first):
         line = line.strip()
         if not line:
             continue
@@ -162,30 +191,73 @@ def _parse_text(path: Path, text: str) -> np.ndarray:
             raise LengthsError(f"{path}, line {number}: {value} is not a valid sequence length: "
                                f"lengths must be between 1 and {_INT64_MAX}")
         parsed.append(value)
-    if not parsed:
-        raise LengthsError(f"{path}: the file holds no lengths")
     return np.array(parsed, dtype=np.int64)
+
+
+def _load_text(path: Path) -> np.ndarray:
+    """Streamed: memory is about the result (8 bytes a length) plus one chunk's scratch."""
+    cap = limit("sequences")
+    parts, count = [], 0
+    for first, lines in _text_chunks(path):
+        values = _parse_lines(path, first, lines)
+        count += values.size
+        if count > cap:
+            raise LengthsError(f"{path}: " + too_large("the lengths file", count, "sequences")
+                               .replace("has ", "has at least ", 1))
+        parts.append(values)
+    if not count:
+        raise LengthsError(f"{path}: the file holds no lengths")
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """A ``.npy`` file, its header checked against the file before anything is allocated: 1-D, an
+    integer dtype, no pickles, and a shape that matches the bytes present exactly."""
+    fmt = np.lib.format
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            version = fmt.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"unsupported .npy version {version}")
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            header = read(f, max_header_size=10000)
+            offset = f.tell()
+    except Exception as e:   # numpy's header parser raises ValueError, SyntaxError, TokenError, ...
+        raise LengthsError(f"{path}: not a readable .npy array ({type(e).__name__}: {e})") from None
+    shape, fortran, dtype = header
+    if dtype.hasobject or dtype.kind not in "iu":
+        raise LengthsError(f"{path}: dtype {dtype} holds no integer lengths; expected a 1-D integer array")
+    if len(shape) != 1:
+        raise LengthsError(f"{path}: shape {shape}; expected a 1-D array of lengths")
+    if shape[0] > limit("sequences"):
+        raise LengthsError(f"{path}: " + too_large("the array", shape[0], "sequences"))
+    if shape[0] * dtype.itemsize != size - offset:
+        raise LengthsError(f"{path}: the header says {shape[0]} lengths ({shape[0] * dtype.itemsize} bytes) but "
+                           f"{size - offset} bytes follow it; the file is truncated or its header was edited")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise LengthsError(f"{path}: not a readable .npy array ({e})") from None
+    try:
+        return as_lengths(arr, name="lengths")
+    except LengthsError as e:
+        raise LengthsError(f"{path}: {e}") from None
 
 
 def load_lengths(path: PathLike) -> np.ndarray:
     """Load and validate lengths from ``.npy``, ``.txt`` or ``.txt.gz`` (one integer per line).
 
     Blank lines are ignored; a bad line raises :class:`LengthsError` naming the file and line.
-    Any suffix other than ``.npy``/``.gz`` is read as plain text.
+    Any suffix other than ``.npy``/``.gz`` is read as plain text. Bounded: see ``flexsp.inputs.LIMITS``
+    (sequences, decompressed text bytes); text is streamed, a ``.npy`` header checked against the file.
     """
     path = Path(path)
     if not path.is_file():
         raise LengthsError(f"no such lengths file: {path} (expected {_FORMATS})")
     if path.suffix == ".npy":
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise LengthsError(f"{path}: not a readable .npy array ({e})") from None
-        try:
-            return as_lengths(arr, name="lengths")
-        except LengthsError as e:
-            raise LengthsError(f"{path}: {e}") from None
-    return _parse_text(path, _read_text(path))
+        return _load_npy(path)
+    return _load_text(path)
 
 
 # ------------------------------------------------------------------------------------ distributions

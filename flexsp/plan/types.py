@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from flexsp.errors import PlanError
-from flexsp.inputs import INT64_MAX, exact_sum, integer, number, parse_json, read_json
+from flexsp.inputs import INT64_MAX, exact_sum, integer, limit, number, parse_json, read_json, too_large
 from flexsp.plan.cluster import is_power_of_two, misaligned
 from flexsp.plan.lengths import as_lengths
 from solver.types import seconds
@@ -244,6 +244,10 @@ class Plan:
         predicted = number(data["predicted_time"], "predicted_time (seconds)", PlanError)
         if not isinstance(data["micro_batches"], list):
             raise PlanError("micro_batches must be a list")
+        count = sum(len(mb["groups"]) for mb in data["micro_batches"]
+                    if isinstance(mb, Mapping) and isinstance(mb.get("groups"), list))
+        if count > limit("groups"):   # checked before a Group is built: each costs hundreds of bytes
+            raise PlanError(too_large("the plan", count, "groups"))
         micro_batches = []
         for m, mb in enumerate(data["micro_batches"]):
             if not isinstance(mb, Mapping) or not isinstance(mb.get("groups"), list):

@@ -97,27 +97,38 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-def _init_distributed(device_type: str):
+def _init_distributed(device_type: str) -> bool:
+    """Join the torchrun world if there is one; True if this call created the process group."""
     import torch
     import torch.distributed as dist
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
+        return False
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     from datetime import timedelta
     # Other ranks wait while rank 0 sweeps compute and memory: longer than the default 10 minutes on big models.
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(hours=2))
+    return True
+
+
+def _teardown(pool, ok: bool) -> None:
+    """Destroy the process groups this command made, subgroups first, after every rank is done: left
+    to interpreter exit, gloo's threads and the groups go down in any order, an abort about one run in three."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    if ok:
+        dist.barrier()
+    if pool is not None:
+        for handle in {id(g): g for g in pool._groups.values() if g is not None}.values():
+            dist.destroy_process_group(handle)
+    dist.destroy_process_group()
 
 
 def _run(args: argparse.Namespace) -> int:
     import torch
-    import torch.distributed as dist
 
     from flexsp.errors import CostModelError
-    from flexsp.plan.cost import CostModel
-    from flexsp.profile.compute import DeviceSetup, GroupRunner
-    from flexsp.profile.shape import check_model_shape
-    from flexsp.runtime.pool import GroupPool
 
     if args.cost is not None and args.check is None:
         raise CostModelError("--cost only makes sense with --check (validate a saved profile)")
@@ -128,14 +139,33 @@ def _run(args: argparse.Namespace) -> int:
         if getattr(args, name) < (1 if name == "repeats" else 0):
             raise CostModelError(f"--{name} must be >= {1 if name == 'repeats' else 0}, got {getattr(args, name)}")
     requested = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    _init_distributed("cuda" if requested.startswith("cuda") else "cpu")
+    created = _init_distributed("cuda" if requested.startswith("cuda") else "cpu")
+    state: dict[str, Any] = {"pool": None, "ok": False}
+    try:
+        result = _run_in_world(args, requested, state)
+        state["ok"] = True
+        return result
+    finally:
+        if created:
+            _teardown(state["pool"], state["ok"])
+
+
+def _run_in_world(args: argparse.Namespace, requested: str, state: dict[str, Any]) -> int:
+    import torch
+
+    from flexsp.errors import CostModelError
+    from flexsp.plan.cost import CostModel
+    from flexsp.profile.compute import DeviceSetup, GroupRunner
+    from flexsp.profile.shape import check_model_shape
+    from flexsp.runtime.pool import GroupPool
+
     if args.threads is not None:
         if args.threads < 1:
             raise CostModelError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     setup = DeviceSetup.resolve(args.device, args.dtype, args.attention)
     spec, build = _model(args, setup)
-    pool = GroupPool()
+    pool = state["pool"] = GroupPool()
     rank0 = pool.rank == 0
     say = (lambda msg: None) if args.quiet or not rank0 else (lambda msg: print(msg, flush=True))
     gpus_per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", pool.world_size))
@@ -170,9 +200,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.report is not None:
             args.report.write_text(json.dumps(dict(report, cost_model=cost.to_dict()), indent=1) + "\n")
             say(f"wrote {args.report}")
-    if dist.is_initialized():
-        dist.barrier()
-    return 0
+    return 0   # the caller's teardown waits for every rank
 
 
 def _model(args: argparse.Namespace, setup):

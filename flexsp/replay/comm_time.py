@@ -7,40 +7,38 @@ replayed group differs from its prediction only in compute.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from flexsp.errors import CostModelError
+from flexsp.inputs import _short_repr, read_json
 from flexsp.plan.cost import CostModel
 
 
 def load_bandwidth_table(path: str | Path) -> dict[int, float]:
     """Degree -> bytes/s from a JSON file: a cost model (its ``alltoall_bandwidth``, e.g. a
     ``flexsp profile`` run under torchrun), ``{"alltoall_bandwidth": {...}}``, or ``{"2": 1.2e9, ...}``."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise CostModelError(f"bandwidth table {path} is not valid JSON: {exc}") from None
-    except OSError as exc:
-        raise CostModelError(f"cannot read bandwidth table {path}: {exc}") from None
-    return parse_bandwidth_table(data, str(path))
+    data = read_json(path, "bandwidth table", CostModelError)   # the one capped reader of every JSON input
+    return parse_bandwidth_table(data, f"bandwidth table {path}")
 
 
 def parse_bandwidth_table(data: Any, where: str = "bandwidth table") -> dict[int, float]:
     if isinstance(data, Mapping) and "alltoall_bandwidth" in data:
         data = data["alltoall_bandwidth"]
     if not isinstance(data, Mapping) or not data:
-        raise CostModelError(f"{where} must map SP degrees to bytes/s, e.g. {{\"2\": 5e9, \"4\": 4e9}}; got {data!r}")
+        raise CostModelError(f"{where} must map SP degrees to bytes/s, e.g. {{\"2\": 5e9, \"4\": 4e9}}; "
+                             f"got {_short_repr(data)}")
     table = {}
     for key, value in data.items():
         try:
             degree, bandwidth = int(key), float(value)
-        except (TypeError, ValueError):
-            raise CostModelError(f"{where}: entry {key!r}: {value!r} is not degree: bytes/s") from None
+        except (TypeError, ValueError, OverflowError):
+            raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} is not "
+                                 f"degree: bytes/s") from None
         if degree < 2 or degree & (degree - 1) or not (math.isfinite(bandwidth) and bandwidth > 0):
-            raise CostModelError(f"{where}: entry {key!r}: {value!r} needs a power-of-two degree >= 2 and bytes/s > 0")
+            raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} needs a power-of-two degree "
+                                 f">= 2 and bytes/s > 0")
         table[degree] = bandwidth
     return dict(sorted(table.items()))
 

@@ -19,10 +19,21 @@ Three mechanisms, one per situation:
   collective: peers return when the failed process exits (its sockets close: immediate) or at the
   process group's timeout. Either way each rank then raises ``RankFailure`` with the recorded
   message. The world is unusable afterwards: let the exception end the process (torchrun restarts).
+  A rank that dies without a word (SIGKILL, the OOM killer) is named by its silence: every rank's
+  watcher beats a counter in the store, and a survivor whose collective broke first looks for ranks
+  whose beat stopped before it posts, so it blames the dead rank rather than itself. Records are
+  signed (HMAC-SHA256) with a secret rank 0 draws and broadcasts over the process group at start-up:
+  a record from anything else that can reach the store (forged, malformed, not UTF-8) is logged and
+  ignored, and the watcher keeps watching.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import logging
 import os
+import secrets
 import threading
 import time
 from datetime import timedelta
@@ -33,7 +44,10 @@ import torch.distributed as dist
 
 from flexsp.errors import FlexSPError
 
-_POLL_SECONDS = 0.5   # how often each rank's watcher asks the store for a failure record
+_POLL_SECONDS = 0.5   # how often each rank's watcher asks the store for a failure record (and beats)
+SILENCE_SECONDS = 3.0   # a rank whose heartbeat did not move for this long is taken for dead
+_MAX_RECORD = 1 << 16
+_log = logging.getLogger("flexsp.failures")
 DEFAULT_TIMEOUT = 300.0   # seconds a ControlGroup waits for every rank to report a phase
 
 
@@ -181,28 +195,44 @@ def _tcp_client(store: dist.Store, timeout: timedelta) -> dist.Store | None:
     return None
 
 
+def _agree_secret() -> bytes:
+    """32 random bytes drawn by rank 0 and broadcast over the world (collective): the job's key for
+    failure records. It travels over the process group's own connections, never through the store."""
+    t = torch.zeros(32, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        t = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8).clone()
+    t = t.to(flag_device())
+    dist.broadcast(t, src=0)
+    return bytes(t.cpu().tolist())
+
+
 class FailureChannel:
     """The first in-step failure of the world, recorded in the c10d store and watched by every rank.
 
-    Build it on every rank (``name`` the same everywhere, unique per channel in the job). ``post``
-    records this rank's failure (unless another came first) and returns the agreed message;
-    ``failure`` returns the recorded message, waiting up to ``wait`` seconds for one to appear.
+    Build it on every rank at the same point (``name`` the same everywhere, unique per channel in the
+    job; construction broadcasts the job's record secret). ``post`` records this rank's failure (unless
+    another came first) and returns the agreed message; ``failure`` returns the recorded message,
+    waiting up to ``wait`` seconds for one to appear.
     """
 
-    def __init__(self, name: str = "executor", *, ack_timeout: float = 5.0) -> None:
+    def __init__(self, name: str = "executor", *, ack_timeout: float = 5.0,
+                 silence: float = SILENCE_SECONDS) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.ack_timeout = ack_timeout
+        self.ack_timeout, self.silence = ack_timeout, silence
         # torchrun's store outlives a restarted attempt: key the record by the attempt too.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._key = f"flexsp/failure/{attempt}/{name}"
         self._ack = f"{self._key}/ack"
+        self._beat = f"{self._key}/alive"
+        self._secret = _agree_secret()
         default = dist.distributed_c10d._get_default_store()
         # Separate connections for this thread and the watcher; the same store if it is not TCP.
         self._store = _tcp_client(default, timedelta(seconds=30)) or default
         watch_store = _tcp_client(default, timedelta(seconds=30)) or default
         self._nccl = dist.get_backend() == "nccl"
         self._record: str | None = None
+        self._ignored: set[bytes] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(watch_store,), daemon=True,
@@ -219,37 +249,93 @@ class FailureChannel:
             if self._record is None:
                 self._record = message
 
+    # --- signed records ---------------------------------------------------------------------------
+    def _mac(self, rank: int, message: str) -> str:
+        return hmac.new(self._secret, f"{self._key}\n{rank}\n{message}".encode(), hashlib.sha256).hexdigest()
+
+    def _encode(self, message: str) -> str:
+        return json.dumps({"rank": self.rank, "message": message, "mac": self._mac(self.rank, message)})
+
+    def _decode(self, raw: bytes | str) -> str | None:
+        """The message of a record this job wrote, or None (logged once) for anything else."""
+        raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+        try:
+            if len(raw) > _MAX_RECORD:
+                raise ValueError(f"{len(raw)} bytes")
+            data = json.loads(raw.decode("utf-8"))
+            rank, message, mac = data["rank"], data["message"], data["mac"]
+            if not (isinstance(rank, int) and isinstance(message, str) and isinstance(mac, str)):
+                raise ValueError("wrong field types")
+            if not hmac.compare_digest(self._mac(rank, message), mac):
+                raise ValueError("not signed with this job's secret")
+            return message
+        except Exception as exc:   # malformed, not UTF-8, foreign: whatever it is, it is not ours
+            if raw not in self._ignored and len(self._ignored) < 100:
+                self._ignored.add(raw)
+                _log.warning("rank %d ignored a failure record under %s that is not from this job (%s: %s): %r",
+                             self.rank, self._key, type(exc).__name__, exc, raw[:80])
+            return None
+
+    # --- the watcher ------------------------------------------------------------------------------
     def _watch(self, store: dist.Store) -> None:
+        """Beat, and look for a record; after one is found keep beating until closed (a survivor that
+        stopped beating would be taken for dead by the others)."""
+        beat, found, failures = f"{self._beat}/{self.rank}", False, 0
         while not self._stop.is_set():
             try:
-                if not store.check([self._key]):   # non-blocking: one small request per poll
-                    self._stop.wait(_POLL_SECONDS)
-                    continue
+                store.add(beat, 1)
+                if not found and store.check([self._key]):   # non-blocking: one small request per poll
+                    message = self._decode(store.get(self._key))
+                    if message is not None:
+                        found = True
+                        store.add(self._ack, 1)
+                        self._set(message)
+                        if self._nccl:   # unblock this rank's pending NCCL collectives (gloo has no abort)
+                            try:
+                                dist.distributed_c10d._abort_process_group()
+                            except Exception:
+                                pass
+                failures = 0
             except Exception:
-                self._stop.wait(_POLL_SECONDS)     # the store is unreachable for now: never spin
-                continue
-            try:
-                message = store.get(self._key).decode()
-                store.add(self._ack, 1)
-            except Exception:
-                return   # the store is gone (its host exited): nothing more to learn
-            self._set(message)
-            if self._nccl:   # unblock this rank's pending NCCL collectives (gloo has no abort)
-                try:
-                    dist.distributed_c10d._abort_process_group()
-                except Exception:
-                    pass
-            return
+                failures += 1                      # the store is unreachable for now: never spin
+                if failures * _POLL_SECONDS > 60:
+                    return                         # its host is gone: nothing more to learn
+            self._stop.wait(_POLL_SECONDS)
+
+    def silent_ranks(self, window: float | None = None) -> list[int]:
+        """Ranks (other than this one) whose heartbeat did not move in ``window`` seconds."""
+        window = self.silence if window is None else window
+        keys = [f"{self._beat}/{r}" for r in range(self.world_size)]
+        try:
+            before = [self._store.add(k, 0) for k in keys]
+            time.sleep(window)
+            after = [self._store.add(k, 0) for k in keys]
+        except Exception:
+            return []
+        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
 
     def post(self, exc: BaseException, where: str) -> str:
         """Record ``exc`` as the world's failure (first one wins), wait briefly for the other ranks to
-        see it, and return the agreed message."""
+        see it, and return the agreed message. A communication error (``RuntimeError``: a peer's
+        socket closed, a timeout) first looks for a rank whose heartbeat stopped, and blames it."""
         mine = f"rank {self.rank} failed {where}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, RuntimeError) and self.failure() is None:
+            dead = self.silent_ranks()
+            if dead:
+                line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                mine = (f"rank {dead[0]} died {where} (its heartbeat stopped"
+                        f"{f'; so did ranks {dead[1:]}' if dead[1:] else ''}); rank {self.rank} saw "
+                        f"{type(exc).__name__}: {line}")
+        record = self._encode(mine)
+        agreed = None
         try:
-            self._store.compare_set(self._key, "", mine)
-            agreed = self._store.get(self._key).decode()
+            current = self._store.compare_set(self._key, "", record)
+            agreed = self._decode(current)
+            if agreed is None:   # someone squats the key with a record not from this job: replace it
+                agreed = self._decode(self._store.compare_set(self._key, current, record))
         except Exception:
-            agreed = self.record or mine
+            pass
+        agreed = agreed or self.record or mine
         self._set(agreed)
         deadline = time.monotonic() + self.ack_timeout
         while time.monotonic() < deadline:   # peers read it before this process may exit (it may host the store)
@@ -269,8 +355,10 @@ class FailureChannel:
                 return self.record
             try:
                 if self._store.check([self._key]):
-                    self._set(self._store.get(self._key).decode())
-                    continue
+                    message = self._decode(self._store.get(self._key))
+                    if message is not None:
+                        self._set(message)
+                        continue
             except Exception:
                 pass
             if time.monotonic() >= deadline:

@@ -86,9 +86,9 @@ def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     data = dataset(30)
     model, opt, loader, _ = build(1, data)
     with loader, Checkpointer(tmp_path, model, opt, loader=loader, extra={"seen": SeenCounter(30)}) as ckpt:
-        with pytest.warns(UserWarning, match="CRC-32 mismatch"):
+        with pytest.warns(UserWarning, match="SHA-256 mismatch"):
             assert ckpt.restore() == 2
-        with pytest.raises(CheckpointError, match=f"{victim.name}: CRC-32 mismatch"):
+        with pytest.raises(CheckpointError, match=f"{victim.name}: SHA-256 mismatch"):
             ckpt.restore(newest)
 
 

@@ -1,0 +1,52 @@
+"""A restored loader state is checked, not trusted (issue 31, point 5): before, ``index=-5`` was
+accepted and the run trained the same batches twice."""
+import pytest
+from helpers import cluster, cost_model, token_lists
+
+from flexsp import PlanConfig
+from flexsp.data import FlexSPLoader, LoaderConfig, LoaderError
+
+CONFIG = LoaderConfig(batch_size=8, seed=2, plan=PlanConfig(strategy="greedy"))
+
+
+def _state(data, config=CONFIG, **changes):
+    with FlexSPLoader(data, cost_model(), cluster(), config) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    return {**state, **changes}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"index": -5}, "'index' must be an integer >= 0, got -5"),
+    ({"epoch": -1}, "'epoch' must be an integer >= 0"),
+    ({"step": 1.5}, "'step' must be an integer >= 0"),
+    ({"index": True}, "'index' must be an integer"),
+    ({"index": 99}, "index 99 is past epoch 0's 4 batches"),
+    ({"batching": "x"}, "'batching' must be a dict"),
+    ({"world_size": 8}, "world of 8 ranks, this loader plans for 4"),
+])
+def test_bad_positions_and_worlds_are_named(changes, message):
+    data = token_lists(30)
+    with FlexSPLoader(data, cost_model(), cluster(), CONFIG) as loader:
+        with pytest.raises(LoaderError, match=message):
+            loader.load_state_dict(_state(data, **changes))
+
+
+def test_another_dataset_of_the_same_size_is_refused():
+    state = _state(token_lists(30, seed=0))
+    with FlexSPLoader(token_lists(30, seed=1), cost_model(), cluster(), CONFIG) as loader:
+        with pytest.raises(LoaderError, match="another dataset"):
+            loader.load_state_dict(state)
+
+
+def test_another_seed_is_refused_and_a_good_state_resumes():
+    data = token_lists(30)
+    state = _state(data)
+    other = LoaderConfig(batch_size=8, seed=3, plan=PlanConfig(strategy="greedy"))
+    with FlexSPLoader(data, cost_model(), cluster(), other) as loader:
+        with pytest.raises(LoaderError, match=r"'seed': \(2, 3\)"):
+            loader.load_state_dict(state)
+    with FlexSPLoader(data, cost_model(), cluster(), CONFIG) as loader:
+        loader.load_state_dict(state)
+        assert next(iter(loader)).index == 1
+        loader.load_state_dict({**state, "world_size": 8}, world_size_change=True)
