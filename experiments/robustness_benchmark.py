@@ -32,6 +32,7 @@ from flexsp.plan.lengths import get_distribution, preprocess  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, markdown_table, parser, write_markdown  # noqa: E402
+from outputs import resolve_out  # noqa: E402
 
 STRATEGIES = ("flexsp", "greedy", "batchada", "static", "dynamic-cp")
 SLACK = 1.0   # seconds past the limit a plan may take (ranks, validation)
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-limit", type=float, default=2.0)
     p.add_argument("--mib", type=float, default=32.0, help="input size of the parser measurements (full mode)")
     args = p.parse_args(argv)
+    args.out = resolve_out(args.out, args.quick, RESULTS)
     started = time.time()
     sizes = [1_000, 10_000] if args.quick else [10_000, 100_000, 1_000_000]
     plans = planning_rows(sizes, args.time_limit)

@@ -22,8 +22,8 @@ EXPECTED = {
 
 
 # the report each script writes; without --out a quick run puts it in $FLEXSP_QUICK_OUT
-REPORT = {"dynamic_cp_benchmark": "dynamic_cp.md", "planner_benchmark": "planner_benchmark.md",
-          "scale_benchmark": "scale_benchmark.md"}
+REPORT = {"dynamic_cp_benchmark": "dynamic_cp.md", "robustness_benchmark": "robustness.md",
+          "planner_benchmark": "planner_benchmark.md", "scale_benchmark": "scale_benchmark.md"}
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
