@@ -17,6 +17,7 @@ from torch import nn
 from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, install
 from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
 from flexsp.hf.loss import linear_cross_entropy
+from flexsp.hf.route import route_context
 from flexsp.runtime.sp.context import AttentionContext, check_heads
 
 
@@ -38,6 +39,8 @@ class HFCausalLM(nn.Module):
         if not isinstance(head, nn.Linear):
             raise UnsupportedModelError(f"{self.name}: the output embedding is {type(head).__name__}, not a Linear "
                                         f"LM head")
+        # layers that drop **kwargs (StableLM) get the context through hooks; [] when none needs them
+        self.routed = route_context(list(self.fsdp_units()), self.name)
 
     # --- SPModel -------------------------------------------------------------------------------
     def sp_heads(self) -> tuple[int, int]:
@@ -69,6 +72,10 @@ class HFCausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       ctx: AttentionContext) -> torch.Tensor:
         """The decoder's last hidden states for this shard, ``[tokens, hidden]``."""
+        if position_ids.dim() > 1 and position_ids.shape[-1] == input_ids.shape[-1]:
+            raise UnsupportedModelError(f"{self.name}: {position_ids.dim()}-D position ids "
+                                        f"{tuple(position_ids.shape)} (multimodal 3-D rotary positions, mRoPE): "
+                                        f"FlexSP packs and shards 1-D per-sequence positions only")
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids and position_ids must be 1-D and alike, got {tuple(input_ids.shape)} and "
                              f"{tuple(position_ids.shape)}")
