@@ -39,29 +39,48 @@ def _worker(rank: int, world: int, port: int, types: list[str], queue) -> None:
         result = check_family(model_type, pool)
         if rank == 0:
             queue.put(result)
+        if result.status == "ERROR":   # a step failed after collectives began: this world is not trusted further
+            return
     if rank == 0:
         queue.put(None)
     dist.destroy_process_group()
 
 
-def run(types: list[str], world: int = 4) -> list[FamilyResult]:
+def _world(types: list[str], world: int) -> list[FamilyResult]:
+    """One gloo world over ``types`` until they are done or the world breaks (then the rest is not run)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, types, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, types, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results = []
-    while True:
-        item = queue.get(timeout=600)
+    results: list[FamilyResult] = []
+    while len(results) < len(types):
+        try:
+            item = queue.get(timeout=300)
+        except Exception:   # a rank died or hung: the family being run is an ERROR
+            results.append(FamilyResult(types[len(results)], "ERROR", "a rank crashed or hung (no result in 300 s)"))
+            break
         if item is None:
             break
         print(f"{item.model_type:28s} {item.status:9s} {item.detail[:110]}", flush=True)
         results.append(item)
+        if item.status == "ERROR":
+            break
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return results
+
+
+def run(types: list[str], world: int = 4) -> list[FamilyResult]:
+    """Every family; a failure mid-step ends its world and the rest continue in a fresh one."""
+    results: list[FamilyResult] = []
+    while len(results) < len(types):
+        results += _world(types[len(results):], world)
     return results
 
 

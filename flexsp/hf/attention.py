@@ -109,4 +109,4 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if scaling is not None and scaling != default:
         q = q * (scaling / default)   # the kernel scales by 1/sqrt(dim); fold the model's own scale into q
     out = sp_attention(q, k, v, ctx)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0).contiguous(), None   # as transformers' own functions return it (callers .view it)

@@ -188,7 +188,8 @@ def check_family(model_type: str, pool: Any, plan: Plan | None = None) -> Family
         except UnsupportedModelError as exc:
             return FamilyResult(model_type, "refused", str(exc))
         try:
-            with StepExecutor(sp, torch.optim.SGD(sp.parameters(), lr=LR), pool, backend="sdpa") as executor:
+            with StepExecutor(sp, torch.optim.SGD(sp.parameters(), lr=LR), pool, backend="sdpa",
+                              failure_name=f"family-{model_type}") as executor:
                 result = executor.run_plan(plan, sequences)
         except UnsupportedModelError as exc:
             return FamilyResult(model_type, "refused", f"(at the first step) {exc}", wrapped=bool(sp.routed))
