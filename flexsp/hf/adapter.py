@@ -72,7 +72,7 @@ class HFCausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       ctx: AttentionContext) -> torch.Tensor:
         """The decoder's last hidden states for this shard, ``[tokens, hidden]``."""
-        if position_ids.dim() > 1 and position_ids.shape[-1] == input_ids.shape[-1]:
+        if input_ids.dim() == 1 and position_ids.dim() > 1 and position_ids.shape[-1] == input_ids.numel():
             raise UnsupportedModelError(f"{self.name}: {position_ids.dim()}-D position ids "
                                         f"{tuple(position_ids.shape)} (multimodal 3-D rotary positions, mRoPE): "
                                         f"FlexSP packs and shards 1-D per-sequence positions only")

@@ -26,7 +26,12 @@ _MARK = "_flexsp_original"           # attribute of an installed wrapper: the fu
 
 
 def _registry():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    try:   # detected, not assumed: the attention registry is what FlexSP plugs into
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        import transformers
+        raise UnsupportedModelError(f"transformers {transformers.__version__} has no attention registry "
+                                    f"(ALL_ATTENTION_FUNCTIONS); install the range of flexsp's `hf` extra") from None
     return ALL_ATTENTION_FUNCTIONS
 
 
