@@ -76,22 +76,24 @@ class SameBatches(FlexSPTrainer):
         return list(np.random.default_rng([self.args.seed, 0]).permutation(len(self.train_dataset)))
 
 
-world_batch = args.batch
+import os  # noqa: E402
+
+world = int(os.environ.get("WORLD_SIZE", "1"))
+if args.batch % world:
+    raise SystemExit(f"--batch {args.batch} is not a multiple of the world size {world}")
 training = FlexSPTrainingArguments(
     output_dir=str(args.out), flexsp=args.flexsp, flexsp_tokens_per_rank=args.tokens_per_rank,
-    per_device_train_batch_size=world_batch, max_steps=args.steps, learning_rate=1e-3, lr_scheduler_type="linear",
+    per_device_train_batch_size=args.batch // world, max_steps=args.steps, learning_rate=1e-3, lr_scheduler_type="linear",
     warmup_steps=1, logging_steps=1, save_steps=args.save_steps, save_strategy="steps", report_to=[], seed=args.seed,
     use_cpu=True, dataloader_drop_last=False, remove_unused_columns=False, disable_tqdm=True)
-if args.flexsp:   # per_device x world is the global batch
-    import torch.distributed as dist
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    if world_batch % world:
-        raise SystemExit(f"--batch {world_batch} is not a multiple of the world size {world}")
-    training.per_device_train_batch_size = world_batch // world
 trainer = SameBatches(model=model, args=training, train_dataset=dataset, data_collator=pad)
-trainer.train(resume_from_checkpoint=True if args.resume else None)
+output = trainer.train(resume_from_checkpoint=True if args.resume else None)
 losses = {int(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h}
+order = np.random.default_rng([args.seed, 0]).permutation(len(dataset))   # both runs' epoch-0 order
+tokens = int(sum(lengths[order[:args.steps * args.batch]]))
 if trainer.args.process_index == 0:
     print(f"{'flexsp' if args.flexsp else 'plain'} losses: " + " ".join(f"{s}:{v:.6f}" for s, v in sorted(losses.items())))
+    print(f"tokens {tokens} in {output.metrics['train_runtime']:.2f} s: {tokens / output.metrics['train_runtime']:.0f} tok/s")
     if args.history:
-        args.history.write_text(json.dumps(losses))
+        args.history.write_text(json.dumps({"losses": losses, "tokens": tokens,
+                                            "seconds": output.metrics["train_runtime"]}))

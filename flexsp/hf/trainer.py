@@ -123,8 +123,9 @@ class FlexSPTrainer(Trainer):
     def _build_loader(self):
         import torch.distributed as dist
 
-        import flexsp
         from flexsp.data import FlexSPLoader, LoaderConfig
+        from flexsp.plan.cluster import Cluster
+        from flexsp.plan.cost import CostModel
         from flexsp.plan.config import PlanConfig
         from flexsp.runtime import GroupPool, StepExecutor
         args = self.args
@@ -133,9 +134,9 @@ class FlexSPTrainer(Trainer):
             from flexsp.runtime import init_distributed
             init_distributed()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        cluster = flexsp.Cluster(num_gpus=world, gpus_per_node=1 << (local - 1).bit_length())
+        cluster = Cluster(num_gpus=world, gpus_per_node=1 << (local - 1).bit_length())
         if args.flexsp_cost:
-            cost = flexsp.CostModel.load(args.flexsp_cost)
+            cost = CostModel.load(args.flexsp_cost)
         else:
             cost = default_cost(self.model.config, world, int(args.flexsp_tokens_per_rank))
         heads, _ = self.sp_model.sp_heads()

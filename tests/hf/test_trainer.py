@@ -35,7 +35,7 @@ def _run(tmp_path, name, *argv, ranks=1):
     proc = subprocess.run([*launcher, str(EXAMPLE), *STEPS, "--out", str(tmp_path / name), "--history", str(history),
                            *argv], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return {int(k): v for k, v in json.loads(history.read_text()).items()}
+    return {int(k): v for k, v in json.loads(history.read_text())["losses"].items()}
 
 
 def _params(tmp_path, name, step):
