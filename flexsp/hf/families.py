@@ -73,9 +73,9 @@ def tiny_config(model_type: str) -> Any:
     if text is not base:
         raise _Skip("composite config (a text config inside a multimodal one)")
     kwargs = {k: v for k, v in TINY.items() if k in text.to_dict() or hasattr(text, k)}
-    # every dropout off: the comparison is deterministic (attention dropout is refused by features.py anyway)
-    kwargs.update({k: 0.0 for k, v in text.to_dict().items() if ("dropout" in k or "pdrop" in k)
-                   and isinstance(v, float)})
+    # every dropout and noise off: the comparison is deterministic (attention dropout is refused by features.py anyway)
+    kwargs.update({k: 0.0 for k, v in text.to_dict().items() if ("dropout" in k or "pdrop" in k or "jitter" in k)
+                   and isinstance(v, float)})   # router jitter noise (PhiMoE) too
     cfg = AutoConfig.for_model(model_type, **kwargs)
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = list(cfg.layer_types)[:int(getattr(cfg, "num_hidden_layers", 2))]
