@@ -40,7 +40,11 @@ class HFCausalLM(nn.Module):
             raise UnsupportedModelError(f"{self.name}: the output embedding is {type(head).__name__}, not a Linear "
                                         f"LM head")
         # layers that drop **kwargs (StableLM) get the context through hooks; [] when none needs them
-        self.routed = route_context(list(self.fsdp_units()), self.name)
+        try:
+            layers = list(self.fsdp_units())
+        except UnsupportedModelError:   # no decoder layers (a 0-layer base for profiling): nothing to route
+            layers = []
+        self.routed = route_context(layers, self.name)
 
     # --- SPModel -------------------------------------------------------------------------------
     def sp_heads(self) -> tuple[int, int]:
