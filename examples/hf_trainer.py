@@ -97,3 +97,8 @@ if trainer.args.process_index == 0:
     if args.history:
         args.history.write_text(json.dumps({"losses": losses, "tokens": tokens,
                                             "seconds": output.metrics["train_runtime"]}))
+import torch.distributed as dist  # noqa: E402
+
+if dist.is_initialized():   # a clean teardown (gloo aborts a process that exits with its group alive)
+    dist.barrier()
+    dist.destroy_process_group()
