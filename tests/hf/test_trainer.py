@@ -69,3 +69,17 @@ def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
     assert resumed[3] == flex[3] and resumed[4] == flex[4]
     a, b = _params(tmp_path, "resumed", 4), _params(tmp_path, "flex", 4)
     assert all(torch.equal(a[key], b[key]) for key in b)
+
+
+@pytest.mark.parametrize("settings,pattern", [
+    (dict(gradient_accumulation_steps=2, flexsp_tokens_per_rank=64), "one planned global batch is one optimizer step"),
+    (dict(), "needs flexsp_tokens_per_rank"),
+])
+def test_settings_flexsp_cannot_run_are_named(tmp_path, settings, pattern):
+    from datasets import Dataset
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments, TrainerSetupError
+    from .models import build
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[], **settings)
+    with pytest.raises(TrainerSetupError, match=pattern):
+        FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
