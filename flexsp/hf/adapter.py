@@ -94,6 +94,10 @@ class HFCausalLM(nn.Module):
         out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=no_mask,
                            use_cache=False, **{CONTEXT_KWARG: ctx, RECEIPT_KWARG: receipt})
         layers = int(text_config(self.model).num_hidden_layers)
+        if len(receipt) > layers:   # e.g. differential attention: two calls per layer, not what the probe vouches for
+            raise UnsupportedModelError(
+                f"{self.name}: its {layers} decoder layers made {len(receipt)} attention calls (key {key!r}), more "
+                f"than one per layer: a custom attention scheme FlexSP does not claim to reproduce")
         if len(receipt) != layers:   # never let SP silently do nothing (or only half of it)
             raise UnsupportedModelError(
                 f"{self.name}: {len(receipt)} of its {layers} decoder layers ran FlexSP's attention (key {key!r}); the "

@@ -58,7 +58,7 @@ def causal_lm_types() -> list[str]:
 
 
 def heterogeneous_plan(world: int = 4) -> Plan:
-    """Degrees 4, 2 and 1 side by side over ``LENGTHS``; a rank idles in the last micro-batch."""
+    """Degrees 4, 2 and 1 side by side over ``LENGTHS``; ranks 2 and 3 idle in the last micro-batch."""
     if world != 4:
         raise ValueError("the family plan is written for 4 ranks")
     mb = lambda *gs: MicroBatch(tuple(Group(ranks=tuple(r), seq_ids=tuple(s)) for r, s in gs))  # noqa: E731
