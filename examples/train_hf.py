@@ -13,7 +13,8 @@ this repository's own markdown and Python files, one paragraph per row), tokenis
 tokenizer (``--tokenizer``) or bytes (ids 0..255). ``flexsp.data.FlexSPLoader`` forms global
 batches, plans them in the background and hands each rank its packed shards. Gradients are summed
 over all ranks (FSDP2-sharded states), so the update equals training the whole global batch on one device. Model,
-optimizer and loader state are checkpointed every ``--checkpoint-every`` steps.
+optimizer, loader and RNG state are checkpointed by ``flexsp.checkpoint.Checkpointer`` under ``--out``/checkpoints
+every ``--checkpoint-every`` steps (and on SIGTERM); ``--resume`` continues from the newest good one.
 """
 import argparse
 import json
@@ -21,7 +22,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ except ModuleNotFoundError:   # run from a checkout without `pip install -e .`
     import flexsp
 import flexsp.runtime as runtime
 from flexsp import PlanConfig
+from flexsp.checkpoint import Checkpointer
 from flexsp.data import FlexSPLoader, LoaderConfig
 from flexsp.hf import from_config, load_config
 from flexsp.plan.specs import spec_from_hf_config
@@ -57,8 +58,9 @@ parser.add_argument("--token-capacity", type=int, default=512, help="tokens per 
 parser.add_argument("--strategy", default="flexsp")
 parser.add_argument("--time-limit", type=float, default=1.0, help="planner seconds per step")
 parser.add_argument("--log-every", type=int, default=0, help="also print a line every N steps (0: the bar only)")
-parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: never)")
-parser.add_argument("--out", type=Path, default=Path("checkpoints/train_hf"))
+parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: only on SIGTERM)")
+parser.add_argument("--out", type=Path, default=Path("runs/train_hf"), help="run directory (runs/ is git-ignored)")
+parser.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--run-dir", type=Path, default=None,
                     help="record every step there (flexsp.telemetry); read it with `flexsp report DIR`")
@@ -159,20 +161,11 @@ telemetry = None if args.run_dir is None else Telemetry(
     log_every=args.log_every or 10, refit=args.refit, on_refit=loader.set_cost, log=log)
 executor = runtime.StepExecutor(model, optimizer, pool, cost=cost,   # the one planned step path
                                 probe=None if telemetry is None else telemetry.probe)
-
-
-def checkpoint(step: int) -> None:
-    """Model + optimizer through torch.distributed.checkpoint (replicated or sharded alike), loader on rank 0."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    path = args.out / f"step_{step:06d}"
-    model_state, optim_state = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():   # a world of one: "assuming ... a single process" is what we want
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
-    if master:
-        (path / "loader.json").write_text(json.dumps(loader.state_dict()))
-        tqdm.write(f"checkpoint: {path}")
+# Model, optimizer, loader position and every rank's RNG, atomically, every --checkpoint-every steps and on SIGTERM.
+ckpt = Checkpointer(args.out / "checkpoints", model, optimizer, loader=loader, every=args.checkpoint_every)
+if args.resume:
+    restored = ckpt.restore()
+    log(f"resume: {'from step ' + str(restored) if restored else 'no checkpoint in ' + str(args.out) + ', starting fresh'}")
 
 
 def describe(plan):
@@ -183,8 +176,10 @@ def describe(plan):
 # -----------------------------------------------------------------------------------------------
 # training loop
 bar = tqdm(total=args.steps, disable=not master, unit="step", dynamic_ncols=True)
-step, tokens_seen, start = 0, 0, time.perf_counter()
-while step < args.steps:
+step, tokens_seen, start = ckpt.step, 0, time.perf_counter()
+bar.update(step)
+stop = False
+while step < args.steps and not stop:
     for batch in loader:   # one epoch; the next global batches are planned meanwhile
         t0 = time.perf_counter()
         loss = executor.step(batch).loss
@@ -196,14 +191,17 @@ while step < args.steps:
         if args.log_every and step % args.log_every == 0:
             log(f"step {step:4d} | loss {loss:.4f} | {batch.num_tokens:6d} tokens in {len(batch.indices)} seqs "
                 f"(max {max(batch.lengths)}) | {batch.num_tokens / seconds:8,.0f} tok/s | groups {describe(batch.plan)}")
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
-            checkpoint(step)
-        if step == args.steps:
+        before = ckpt.last_saved
+        stop = ckpt.step_done()   # saves every N steps; True after a SIGTERM on any rank (saved: stop everywhere)
+        if ckpt.last_saved != before:
+            log(f"checkpoint: {ckpt.last_saved}")
+        if step == args.steps or stop:
             break
 bar.close()
 elapsed = time.perf_counter() - start
 log(f"done: {step} steps, {tokens_seen:,} tokens in {elapsed:.1f}s ({tokens_seen / elapsed:,.0f} tok/s overall), "
     f"final loss {loss:.4f}")
+ckpt.close()
 loader.close()
 if telemetry is not None:
     telemetry.close()

@@ -8,8 +8,12 @@
 | ``attention`` | the registry wrapper under the model's own attention key: Ulysses when the call carries a context |
 | ``adapter`` | ``HFCausalLM``: packed shard in, logits or summed loss out; ``sp_heads``/``fsdp_units`` |
 | ``loss`` | chunked LM-head cross-entropy that never holds the whole shard's logits |
-| ``features`` | refuse what the attention cannot honour (sliding window, softcap, sinks, dropout, non-causal) |
+| ``features`` | refuse what the attention cannot honour (sliding window, softcap, sinks, dropout, non-causal, cross-attention, mRoPE, router loss) |
 | ``prepare`` | ``prepare_model`` / ``from_config`` / tiny built-in configs |
+| ``route`` | the context to attention modules of layers that drop ``**kwargs`` (StableLM) |
+| ``probe`` | a packed degree-1 forward against the native model: refuse what FlexSP would get wrong |
+| ``families`` | every causal LM of transformers' registry: exact under a plan or refused (the matrix) |
+| ``trainer`` | ``FlexSPTrainer``: HF Trainer with one flag (import it directly; needs accelerate) |
 
 Needs the ``hf`` extra (``pip install flexsp[hf]``).
 """

@@ -17,6 +17,7 @@ from torch import nn
 from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, install
 from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
 from flexsp.hf.loss import linear_cross_entropy
+from flexsp.hf.route import route_context
 from flexsp.runtime.sp.context import AttentionContext, check_heads
 
 
@@ -38,6 +39,12 @@ class HFCausalLM(nn.Module):
         if not isinstance(head, nn.Linear):
             raise UnsupportedModelError(f"{self.name}: the output embedding is {type(head).__name__}, not a Linear "
                                         f"LM head")
+        # layers that drop **kwargs (StableLM) get the context through hooks; [] when none needs them
+        try:
+            layers = list(self.fsdp_units())
+        except UnsupportedModelError:   # no decoder layers (a 0-layer base for profiling): nothing to route
+            layers = []
+        self.routed = route_context(layers, self.name)
 
     # --- SPModel -------------------------------------------------------------------------------
     def sp_heads(self) -> tuple[int, int]:
@@ -69,6 +76,10 @@ class HFCausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       ctx: AttentionContext) -> torch.Tensor:
         """The decoder's last hidden states for this shard, ``[tokens, hidden]``."""
+        if input_ids.dim() == 1 and position_ids.dim() > 1 and position_ids.shape[-1] == input_ids.numel():
+            raise UnsupportedModelError(f"{self.name}: {position_ids.dim()}-D position ids "
+                                        f"{tuple(position_ids.shape)} (multimodal 3-D rotary positions, mRoPE): "
+                                        f"FlexSP packs and shards 1-D per-sequence positions only")
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids and position_ids must be 1-D and alike, got {tuple(input_ids.shape)} and "
                              f"{tuple(position_ids.shape)}")
@@ -83,6 +94,10 @@ class HFCausalLM(nn.Module):
         out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=no_mask,
                            use_cache=False, **{CONTEXT_KWARG: ctx, RECEIPT_KWARG: receipt})
         layers = int(text_config(self.model).num_hidden_layers)
+        if len(receipt) > layers:   # e.g. differential attention: two calls per layer, not what the probe vouches for
+            raise UnsupportedModelError(
+                f"{self.name}: its {layers} decoder layers made {len(receipt)} attention calls (key {key!r}), more "
+                f"than one per layer: a custom attention scheme FlexSP does not claim to reproduce")
         if len(receipt) != layers:   # never let SP silently do nothing (or only half of it)
             raise UnsupportedModelError(
                 f"{self.name}: {len(receipt)} of its {layers} decoder layers ran FlexSP's attention (key {key!r}); the "

@@ -26,7 +26,12 @@ _MARK = "_flexsp_original"           # attribute of an installed wrapper: the fu
 
 
 def _registry():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    try:   # detected, not assumed: the attention registry is what FlexSP plugs into
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        import transformers
+        raise UnsupportedModelError(f"transformers {transformers.__version__} has no attention registry "
+                                    f"(ALL_ATTENTION_FUNCTIONS); install the range of flexsp's `hf` extra") from None
     return ALL_ATTENTION_FUNCTIONS
 
 
@@ -109,4 +114,4 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if scaling is not None and scaling != default:
         q = q * (scaling / default)   # the kernel scales by 1/sqrt(dim); fold the model's own scale into q
     out = sp_attention(q, k, v, ctx)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0).contiguous(), None   # as transformers' own functions return it (callers .view it)

@@ -2,12 +2,14 @@
 
 FlexSP replaces the model's attention with plain causal attention inside each packed sequence. A
 model that needs more (a sliding window shorter than its sequences, logit soft-capping, attention
-sinks, dropout, bidirectional attention, scaled logits) would train on silently different maths, so
+sinks, dropout, bidirectional or cross-attention, scaled logits, 3-D mRoPE positions, a router
+auxiliary loss over the batch) would train on silently different maths, so
 it is refused up front with an error naming the model and the feature. The same checks run again
 per attention call (``attention.py``) on what the model actually passes, as a safety net.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -17,6 +19,14 @@ from flexsp.errors import FlexSPError
 
 class UnsupportedModelError(FlexSPError):
     """The model uses an attention or output feature FlexSP cannot reproduce exactly."""
+
+
+def takes_kwargs(fn: Any) -> bool:
+    """Whether ``fn`` accepts arbitrary keyword arguments (a ``**kwargs`` parameter)."""
+    try:
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
 
 
 def model_name(model: nn.Module) -> str:
@@ -54,8 +64,36 @@ def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
         raise UnsupportedModelError(f"{name} uses {feature} ({detail}), which FlexSP's packed causal Ulysses "
                                     f"attention cannot honour")
 
-    if getattr(cfg, "is_causal", True) is False or getattr(cfg, "is_decoder", True) is False:
-        refuse("non-causal attention", "config.is_causal=False")
+    # Causality as the model computes it: transformers' mask builders read config.is_causal, and each
+    # attention module carries its own is_causal. (config.is_decoder is not read: GPT-NeoX sets it False
+    # although its attention is causal.)
+    if getattr(cfg, "is_causal", True) is False:
+        refuse("non-causal attention", "config.is_causal=False, which transformers' mask builders honour")
+    for mod_name, module in model.named_modules():
+        kind = type(module).__name__
+        if "crossattention" in kind.lower() or mod_name.rsplit(".", 1)[-1] in ("crossattention", "cross_attn",
+                                                                                "encoder_attn"):
+            refuse("cross-attention", f"module {mod_name} ({kind})")
+        if kind.endswith("Attention") and getattr(module, "is_causal", True) is False:
+            refuse("non-causal attention", f"module {mod_name} ({kind}) has is_causal=False")
+        if getattr(module, "mrope_section", None) is not None:
+            refuse("multimodal 3-D rotary positions (mRoPE)", f"module {mod_name} ({kind}) has mrope_section "
+                                                              f"{module.mrope_section}; FlexSP shards 1-D position ids")
+    if getattr(cfg, "add_cross_attention", False):
+        refuse("cross-attention", "config.add_cross_attention=True")
+    router = getattr(cfg, "output_router_logits", False)
+    coefs = {k: getattr(cfg, k, None) for k in ("router_aux_loss_coef", "router_z_loss_coef")}
+    coefs = {k: v for k, v in coefs.items() if v}
+    if router and coefs:
+        detail = ", ".join(f"config.{k}={v}" for k, v in coefs.items())
+        raise UnsupportedModelError(
+            f"{name} adds a router auxiliary loss ({detail}, output_router_logits=True) over the whole batch's "
+            f"tokens, which FlexSP does not compute across its SP groups yet; it would be dropped silently, so it "
+            f"is refused: set config.output_router_logits=False to train on the language-model loss alone")
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is not None and not takes_kwargs(type(decoder).forward):
+        refuse("a decoder forward without **kwargs", f"{type(decoder).__name__}.forward cannot carry the context "
+                                                     f"to the attention layers")
     for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, attr, None) is not None:
             refuse("logit softcap", f"config.{attr}={getattr(cfg, attr)}")

@@ -12,6 +12,7 @@ from torch import nn
 from flexsp.hf.adapter import HFCausalLM
 from flexsp.hf.attention import install
 from flexsp.hf.features import UnsupportedModelError, check_supported, model_name
+from flexsp.hf.probe import probe as run_probe
 from flexsp.plan.specs import ModelSpec, get_model, model_names
 from flexsp.runtime.fsdp import shard_model
 
@@ -71,11 +72,12 @@ def load_config(source: str | os.PathLike | Any):
 
 
 def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_tokens: int | None = None,
-                  shard: bool | dict = False) -> HFCausalLM:
+                  shard: bool | dict = False, probe: bool = True) -> HFCausalLM:
     """Check ``model`` can train under FlexSP, install the attention wrapper on its key, wrap it.
 
     ``max_seqlen``: the longest sequence you will train (needed by sliding-window models: exact only
-    within the window). ``shard``: True (or a dict of keyword arguments) applies FSDP2 through
+    within the window). ``probe``: run ``flexsp.hf.probe`` (one packed forward at SP degree 1 against the
+    native model, no collective) so that a model FlexSP would get wrong is refused here. ``shard``: True (or a dict of keyword arguments) applies FSDP2 through
     ``flexsp.runtime.shard_model`` - ``fully_shard`` per decoder layer, then the root.
     """
     if not hasattr(model, "get_output_embeddings") or not hasattr(model, "config"):
@@ -84,6 +86,8 @@ def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_toke
     key = model.config._attn_implementation
     install(key)
     adapter = HFCausalLM(model, chunk_tokens=chunk_tokens)
+    if probe:
+        run_probe(adapter)
     if shard:
         adapter = shard_states(adapter, **(shard if isinstance(shard, dict) else {}))
     return adapter

@@ -1,0 +1,92 @@
+"""HF Trainer with and without FlexSP: tokens/s on a long-tailed length mix (gloo on CPU), and the family table.
+
+    python experiments/hf_trainer_benchmark.py            # writes experiments/results/hf_trainer_benchmark.md
+    python experiments/hf_trainer_benchmark.py --quick    # CI: tiny, writes only under a temporary directory
+
+Four runs of ``examples/hf_trainer.py`` (small Llama, fp32, the same global batches of a long-tailed
+length mix): the plain Trainer in one process (padded batches) and FlexSP in one process (degree 1),
+then the plain Trainer under DDP on 4 ranks and FlexSP on 4 ranks (the plan's degrees). MEASURED on
+this machine's CPUs with gloo (the load average is printed beside each figure): CPU numbers say how
+the integration behaves, not what a GPU cluster gains. The family matrix's totals come from
+docs/hf_families.md (``experiments/hf_families.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+RESULTS = ROOT / "experiments" / "results" / "hf_trainer_benchmark.md"
+FAMILIES = ROOT / "docs" / "hf_families.md"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(label: str, ranks: int, flexsp: bool, workdir: Path, argv: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                     f"--nproc_per_node={ranks}", f"--master_port={_free_port()}"]
+    history = workdir / f"{label}.json"
+    cmd = [*launcher, str(EXAMPLE), *argv, "--dtype", "float32", "--save-steps", "1000000",
+           "--out", str(workdir / label), "--history", str(history), *([] if flexsp else ["--no-flexsp"])]
+    load = os.getloadavg()[0]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, cwd=workdir)
+    if proc.returncode != 0:
+        raise SystemExit(f"{label} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    out = json.loads(history.read_text())
+    losses = out["losses"]
+    return {"label": label, "ranks": ranks, "flexsp": flexsp, "tokens": out["tokens"], "seconds": out["seconds"],
+            "tok_s": out["tokens"] / out["seconds"], "final_loss": losses[max(losses, key=int)], "load": load}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny run for CI; writes only to a temporary directory")
+    parser.add_argument("--out", type=Path, default=None, help="result markdown (default: experiments/results/...)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        example = ["--steps", "2", "--batch", "8", "--sequences", "16", "--tokens-per-rank", "96"]
+    else:
+        example = ["--steps", "6", "--batch", "16", "--sequences", "96", "--tokens-per-rank", "512"]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        rows = [run("plain, 1 process", 1, False, work, example), run("flexsp, 1 process (degree 1)", 1, True, work, example),
+                run("plain DDP, 4 ranks", 4, False, work, example),
+                run("flexsp, 4 ranks (plan's degrees)", 4, True, work, example)]
+    lines = ["# HF Trainer with and without FlexSP", "",
+             f"MEASURED on {platform.processor() or platform.machine()} CPUs, gloo, fp32, small Llama (2 layers, hidden 64), "
+             f"`examples/hf_trainer.py {' '.join(example)}`{' (quick mode)' if args.quick else ''}. "
+             "Same global batches of a long-tailed length mix in every run; tokens are real (unpadded) tokens.", "",
+             "| run | ranks | tokens | seconds | tokens/s | final loss | load avg |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['ranks']} | {r['tokens']} | {r['seconds']:.2f} | {r['tok_s']:.0f} | "
+                     f"{r['final_loss']:.4f} | {r['load']:.1f} |")
+    if FAMILIES.is_file():
+        totals = next((line for line in FAMILIES.read_text().splitlines() if line.startswith("Totals:")), None)
+        lines += ["", f"Family matrix (docs/hf_families.md, `experiments/hf_families.py`): {totals}"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""FlexSP inside Hugging Face ``Trainer``: one flag and a per-rank token budget.
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments
+    args = FlexSPTrainingArguments(output_dir="run", flexsp=True, flexsp_tokens_per_rank=8192,
+                                   per_device_train_batch_size=8, ...)   # 8 x world sequences per step
+    FlexSPTrainer(model=model, args=args, train_dataset=ds).train()       # torchrun / accelerate launch
+
+With ``flexsp=False`` it is the plain ``Trainer``. With ``flexsp=True`` FlexSP supplies:
+
+- **data**: the train dataloader is a ``FlexSPLoader``; each global batch (``per_device_train_batch_size``
+  x world sequences, shuffled with ``args.data_seed`` or ``args.seed``) is planned into SP groups of
+  mixed degrees within ``flexsp_tokens_per_rank`` tokens per rank (or the profiled cost model
+  ``flexsp_cost``), and each rank gets its packed per-rank ``Step`` (no collator, no padding);
+- **attention**: ``prepare_model`` registers FlexSP's attention under the model's own key;
+- **loss and gradients**: ``training_step`` runs the step's micro-batches through the runtime's
+  ``StepExecutor`` (summed loss / the global batch's label count, gradients summed over the world),
+  so one Trainer step equals the mean next-token loss over the global batch on one device. The
+  Trainer keeps its optimizer, scheduler, clipping, logging and callbacks; the model is not wrapped
+  in DDP (FlexSP reduces the gradients itself).
+- **checkpoints**: the Trainer's own (``save_steps``, ``resume_from_checkpoint``), plus the loader's
+  position in ``flexsp_loader.json`` in each checkpoint folder; a resumed run continues with the
+  next unseen global batch (the Trainer's batch skipping is off: the loader state replaces it).
+
+One global batch is one optimizer step: ``gradient_accumulation_steps`` must be 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from flexsp.errors import FlexSPError
+from flexsp.hf.adapter import HFCausalLM
+from flexsp.hf.features import check_supported
+from flexsp.hf.prepare import prepare_model
+
+LOADER_STATE = "flexsp_loader.json"
+STEP_KEY = "flexsp_step"
+
+
+class TrainerSetupError(FlexSPError):
+    """The Trainer's settings cannot run under FlexSP (named setting and why)."""
+
+
+@dataclass
+class FlexSPTrainingArguments(TrainingArguments):
+    flexsp: bool = field(default=False, metadata={"help": "plan each global batch into FlexSP SP groups"})
+    flexsp_tokens_per_rank: int | None = field(default=None, metadata={
+        "help": "tokens one rank can hold (activation budget); the largest group holds world x this"})
+    flexsp_cost: str | None = field(default=None, metadata={
+        "help": "cost model JSON from `flexsp profile` (default: a made-up one with flexsp_tokens_per_rank)"})
+    flexsp_strategy: str = field(default="flexsp", metadata={"help": "planner strategy"})
+    flexsp_time_limit: float = field(default=1.0, metadata={"help": "planner seconds per global batch"})
+
+
+class _Deferred:
+    """The executor's optimizer: its step and zero_grad belong to the Trainer (which calls both)."""
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+class StepStream:
+    """The Trainer's train dataloader: the loader's per-rank ``Step``s as ``{"flexsp_step": step}``."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[dict]:
+        for step in self.loader:
+            yield {STEP_KEY: step}
+
+    def __len__(self) -> int:
+        return self.loader.num_batches()
+
+
+def default_cost(config: Any, world: int, tokens_per_rank: int):
+    """A made-up cost model of the right shape (profile yours: ``flexsp profile --hf-config DIR``).
+
+    ``tokens_per_rank`` is the budget left after the model states; the Trainer keeps them replicated
+    (sharding ``"none"``), which is what the capacity is recorded as."""
+    from flexsp.plan.cost import CostModel
+    degrees = [d for d in (2 ** i for i in range(world.bit_length())) if 1 < d <= world]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return CostModel(alpha1=2e-9, alpha2=2e-6, beta1=1e-4,
+                     comm_bytes_per_token=4 * 2 * text.num_hidden_layers * text.hidden_size * 4,
+                     alltoall_bandwidth={d: 2e9 / d for d in degrees}, token_capacity=tokens_per_rank,
+                     meta={"sharding": "none", "source": "made up by flexsp.hf.trainer.default_cost"})
+
+
+class FlexSPTrainer(Trainer):
+    """``transformers.Trainer`` that trains under FlexSP when ``args.flexsp`` (see the module docstring)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.flexsp = bool(getattr(self.args, "flexsp", False))
+        self.sp_model: HFCausalLM | None = None
+        self.flexsp_loader = None
+        self._executor = None
+        if not self.flexsp:
+            return
+        args = self.args
+        if args.gradient_accumulation_steps != 1:
+            raise TrainerSetupError(f"gradient_accumulation_steps={args.gradient_accumulation_steps}: under FlexSP one "
+                                    f"planned global batch is one optimizer step; raise per_device_train_batch_size")
+        if args.flexsp_cost is None and not args.flexsp_tokens_per_rank:
+            raise TrainerSetupError("flexsp=True needs flexsp_tokens_per_rank (tokens one rank holds) or flexsp_cost")
+        if self.train_dataset is None:
+            raise TrainerSetupError("flexsp=True needs a train_dataset of token sequences (rows with input_ids)")
+        args.ignore_data_skip = True   # the loader's saved position replaces the Trainer's batch skipping
+        self.sp_model = prepare_model(self.model)
+
+    # --- data ----------------------------------------------------------------------------------
+    def _build_loader(self):
+        import torch.distributed as dist
+
+        from flexsp.data import FlexSPLoader, LoaderConfig
+        from flexsp.plan.cluster import Cluster
+        from flexsp.plan.cost import CostModel
+        from flexsp.plan.config import PlanConfig
+        from flexsp.runtime import GroupPool, StepExecutor
+        args = self.args
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if not dist.is_initialized():   # a world of one: the runtime's collectives need a process group
+            from flexsp.runtime import init_distributed
+            init_distributed()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cluster = Cluster(num_gpus=world, gpus_per_node=1 << (local - 1).bit_length())
+        if args.flexsp_cost:
+            cost = CostModel.load(args.flexsp_cost)
+        else:
+            cost = default_cost(self.model.config, world, int(args.flexsp_tokens_per_rank))
+        heads, _ = self.sp_model.sp_heads()
+        pool = GroupPool()
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        lengths = [len(row["input_ids"]) for row in self.train_dataset]
+        check_supported(self.model, max(lengths))   # a sliding window is fine only if every sequence fits it
+        loader = FlexSPLoader(
+            self.train_dataset, cost, cluster, pool=pool, device=self.args.device, lengths=lengths,
+            config=LoaderConfig(batch_size=args.per_device_train_batch_size * world, seed=seed,
+                                plan=PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit,
+                                                max_degree=heads & -heads)))
+        self._executor = StepExecutor(self.sp_model, _Deferred(), pool, cost=cost)
+        return loader
+
+    def get_train_dataloader(self):
+        if not self.flexsp:
+            return super().get_train_dataloader()
+        if self.flexsp_loader is None:
+            self.flexsp_loader = self._build_loader()
+        return StepStream(self.flexsp_loader)
+
+    # --- model and step ------------------------------------------------------------------------
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if self.flexsp and training:
+            return self.sp_model   # not DDP: FlexSP sums gradients over the world itself
+        return super()._wrap_model(model, training, dataloader)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.flexsp:
+            return super().training_step(model, inputs, num_items_in_batch)
+        step = inputs[STEP_KEY]
+        self.sp_model.train()
+        result = self._executor.step(step)
+        return torch.tensor(result.loss, dtype=torch.float32, device=self.args.device)
+
+    def floating_point_ops(self, inputs) -> int:
+        if not self.flexsp:
+            return super().floating_point_ops(inputs)
+        params = sum(p.numel() for p in self.model.parameters())
+        return 6 * params * int(inputs[STEP_KEY].num_tokens)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.flexsp and self.flexsp_loader is not None and self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            (folder / LOADER_STATE).write_text(json.dumps(self.flexsp_loader.state_dict()))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *a: Any, **kw: Any):
+        if self.flexsp and resume_from_checkpoint:
+            path = resume_from_checkpoint
+            if path is True:
+                path = get_last_checkpoint(self.args.output_dir)
+                if path is None:
+                    raise TrainerSetupError(f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint")
+            state_file = Path(path) / LOADER_STATE
+            if not state_file.is_file():
+                raise TrainerSetupError(f"{path} has no {LOADER_STATE}: it was not saved by a FlexSP run, so the "
+                                        f"loader's position is unknown")
+            if self.flexsp_loader is None:
+                self.flexsp_loader = self._build_loader()
+            self.flexsp_loader.load_state_dict(json.loads(state_file.read_text()))
+            resume_from_checkpoint = path
+        try:
+            return super().train(resume_from_checkpoint, *a, **kw)
+        finally:
+            if self._executor is not None:
+                self._executor.close()
+                self._executor = None
+            if self.flexsp_loader is not None:
+                self.flexsp_loader.close()
+                self.flexsp_loader = None
