@@ -56,20 +56,22 @@ def _block(rt: RingTensors, j: int, kernel: str, scale: float):
     """(query rows or None for all, K/V rows or None for all, spec) of this rank against ring rank
     ``j``'s K/V, or None when the block holds no token."""
     i = rt.index
+    host = lambda bounds, k: bounds[k] if bounds else None  # noqa: E731   (host bounds: none in old contexts)
     if j == i:
         if not rt.local_tokens[i]:
             return None
-        return None, None, LseSpec(rt.cu_local[i], rt.cu_local[i], rt.max_local[i], rt.max_local[i], True, scale, kernel)
+        return None, None, LseSpec(rt.cu_local[i], rt.cu_local[i], rt.max_local[i], rt.max_local[i], True, scale, kernel,
+                                   host(rt.host_local, i), host(rt.host_local, i))
     if j < i:   # j's early chunks precede both of ours: all our queries, j's first chunks, no mask
         if not (rt.local_tokens[i] and rt.first_tokens[j]):
             return None
         return None, rt.first_rows[j], LseSpec(rt.cu_local[i], rt.cu_first[j], rt.max_local[i], rt.max_first[j],
-                                                False, scale, kernel)
+                                                False, scale, kernel, host(rt.host_local, i), host(rt.host_first, j))
     # j > i: both of j's chunks precede our late chunk and follow our early one
     if not (rt.second_tokens and rt.local_tokens[j]):
         return None
     return rt.second_rows, None, LseSpec(rt.cu_second, rt.cu_local[j], rt.max_second, rt.max_local[j], False, scale,
-                                         kernel)
+                                         kernel, rt.host_second or None, host(rt.host_local, j))
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
@@ -181,5 +183,5 @@ def ring_context(pool, group, lengths: Sequence[int], rank: int, device: torch.d
     _, ring_ranks, ring_index = place(rank, tuple(group.ranks), ulysses)
     tensors = RingTensors.build(layout, ring_index, device)
     return AttentionContext(cu_seqlens=tensors.cu_local[ring_index], max_seqlen=tensors.max_local[ring_index],
-                            group=ulysses_group, backend=backend,
+                            group=ulysses_group, backend=backend, bounds=tensors.host_local[ring_index],
                             ring=RingContext(RingComm(ring_group, ring_ranks, ring_index), tensors))

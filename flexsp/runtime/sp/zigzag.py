@@ -186,6 +186,9 @@ class RingTensors:
     local_tokens: tuple[int, ...]             # host counts: a block with no tokens is skipped
     first_tokens: tuple[int, ...]
     second_tokens: int
+    host_local: tuple[tuple[int, ...], ...] = ()   # the bounds above as host ints: the per-sequence kernels
+    host_first: tuple[tuple[int, ...], ...] = ()   # (CPU, or fp32 on CUDA) read these, never the device copies
+    host_second: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, layout: ZigzagLayout, index: int, device: torch.device | str) -> "RingTensors":
@@ -206,4 +209,6 @@ class RingTensors:
                    max_second=longest(layout.second[index]),
                    local_tokens=tuple(layout.real_tokens(j) for j in range(r)),
                    first_tokens=tuple(int(layout.first[j].sum()) for j in range(r)),
-                   second_tokens=int(layout.second[index].sum()))
+                   second_tokens=int(layout.second[index].sum()),
+                   host_local=tuple(tuple(b) for b in bounds[:r]), host_first=tuple(tuple(b) for b in bounds[r:2 * r]),
+                   host_second=tuple(bounds[2 * r]))
