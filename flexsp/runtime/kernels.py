@@ -61,6 +61,32 @@ VARLEN: VarlenAPI | None = installed()   # read once at import; None on a torch 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
+
+
+def _count_cpu_flash_flops() -> None:
+    """Teach ``FlopCounterMode`` the CPU flash op (torch counts only the CUDA SDPA kernels), so FLOP-based
+    measurements (``flexsp replay``'s cost-form checks) see attention whichever fused kernel ran."""
+    from torch.utils import flop_counter
+
+    if _CPU_FLASH is None or _CPU_FLASH in flop_counter.flop_registry:
+        return
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+    flop_counter.register_flop_formula(_CPU_FLASH)(forward)
+    if _CPU_FLASH_BACKWARD is not None:
+        flop_counter.register_flop_formula(_CPU_FLASH_BACKWARD)(backward)
+
+
+try:
+    _count_cpu_flash_flops()
+except Exception:   # an older torch without these helpers: counts are only used for measurement
+    pass
+
 BACKENDS = ("auto", "varlen", "flash", "sdpa", "sdpa_each", "reference")
 Bounds = Sequence[int] | torch.Tensor
 

@@ -4,7 +4,7 @@ RMSNorm, rotary embeddings driven by per-sequence position ids, grouped-query at
 tied or untied LM head, built from a ``flexsp.plan.specs.ModelSpec`` (``MODELS["tiny-lm"]`` is the example size). ``forward`` takes one rank's flat token shard; only attention looks past it
 (through ``sp_attention``), so the rest runs on the shard as is. It implements ``SPModel``
 (``flexsp.runtime.models.protocol``). Precision: whatever the parameter dtype (bf16 under FSDP2 mixed
-precision), rotary angles are computed in fp64 and applied in fp32, norms reduce in fp32, and the
+precision), rotary angles are computed in fp64 once per forward and applied in fp32, norms reduce in fp32, and the
 loss is taken on fp32 logits: bf16 angles are off by whole radians past a few thousand positions.
 """
 from __future__ import annotations
@@ -41,20 +41,34 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-def rotate(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``x [tokens, heads, dim]`` at ``position_ids`` (restarted per sequence).
+class Rotary:
+    """cos/sin of one micro-batch's positions, computed once and shared by every layer (q and k alike).
 
     Angles in fp64 (a position times a frequency loses whole radians in bf16 and ~1e-2 in fp32 at
-    100K positions), cos/sin and the rotation in fp32 (or wider), the result in ``x``'s dtype.
+    100K positions), cos/sin kept in fp32 (or wider: fp64 models keep fp64); ``apply`` rotates in that
+    dtype and returns ``x``'s dtype. ``TinyLM.hidden_states`` builds one per forward, so the cost is one
+    ``[tokens, dim/2]`` table per micro-batch, not per layer and per q/k.
     """
-    dim = x.shape[-1]
-    wide = loss_dtype(x.dtype)
-    inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float64) / dim)
-    angles = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]   # [tokens, dim/2]
-    cos, sin = angles.cos().to(wide)[:, None, :], angles.sin().to(wide)[:, None, :]
-    xw = x.to(wide)
-    x1, x2 = xw[..., : dim // 2], xw[..., dim // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def __init__(self, position_ids: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> None:
+        inv_freq = theta ** (-torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float64) / dim)
+        angles = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]   # [tokens, dim/2]
+        self.dim, self.dtype = dim, loss_dtype(dtype)
+        self.cos = angles.cos().to(self.dtype)[:, None, :]
+        self.sin = angles.sin().to(self.dtype)[:, None, :]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x [tokens, heads, dim]``."""
+        half = self.dim // 2
+        xw = x.to(self.dtype)
+        x1, x2 = xw[..., :half], xw[..., half:]
+        return torch.cat([x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin], dim=-1).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``x [tokens, heads, dim]`` at ``position_ids`` (restarted per sequence): one-off
+    form of ``Rotary`` (the model builds one ``Rotary`` per micro-batch instead)."""
+    return Rotary(position_ids, x.shape[-1], theta, x.dtype).apply(x)
 
 
 class Attention(nn.Module):
@@ -65,11 +79,11 @@ class Attention(nn.Module):
         self.kv = nn.Linear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, bias=False)
         self.out = nn.Linear(cfg.heads * cfg.head_size, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rotary, ctx: AttentionContext) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
         q = self.q(x).view(tokens, cfg.heads, cfg.head_size)
         k, v = self.kv(x).view(tokens, 2, cfg.kv_heads, cfg.head_size).unbind(1)
-        q, k = rotate(q, position_ids, cfg.rope_theta), rotate(k, position_ids, cfg.rope_theta)
+        q, k = rope.apply(q), rope.apply(k)
         return self.out(sp_attention(q, k, v, ctx).reshape(tokens, -1))
 
 
@@ -92,8 +106,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), position_ids, ctx)
+    def forward(self, x: torch.Tensor, rope: Rotary, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, ctx)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -136,8 +150,9 @@ class TinyLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.numel(), device=input_ids.device)
         x = self.embed(input_ids)
+        rope = Rotary(position_ids, self.cfg.head_size, self.cfg.rope_theta, x.dtype)   # once, for every layer
         for block in self.blocks:
-            x = block(x, position_ids, ctx)
+            x = block(x, rope, ctx)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
