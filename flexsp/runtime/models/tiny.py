@@ -58,11 +58,30 @@ class Rotary:
         self.sin = angles.sin().to(self.dtype)[:, None, :]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of ``x [tokens, heads, dim]``."""
+        """Rotary embedding of ``x [tokens, heads, dim]`` (differentiable in ``x``)."""
+        return _Rotate.apply(x, self)
+
+    def turn(self, x: torch.Tensor, sign: float) -> torch.Tensor:
+        """``x`` rotated by ``sign`` times the angles, computed in the table's dtype, returned in ``x``'s."""
         half = self.dim // 2
         xw = x.to(self.dtype)
         x1, x2 = xw[..., :half], xw[..., half:]
-        return torch.cat([x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin], dim=-1).to(x.dtype)
+        sin = self.sin if sign > 0 else -self.sin
+        return torch.cat([x1 * self.cos - x2 * sin, x2 * self.cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class _Rotate(torch.autograd.Function):
+    """A rotation's gradient is the inverse rotation: nothing is saved for backward but the shared table
+    (held by reference, so every layer's q and k share one copy and activation profiles count none)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        ctx.rope = rope
+        return rope.turn(x, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.rope.turn(grad, -1.0), None
 
 
 def rotate(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
