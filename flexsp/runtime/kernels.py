@@ -224,7 +224,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Bounds
         return _sdpa_packed(q, k, v, _host_bounds(cu_seqlens, bounds, tokens, "cu_seqlens"), scale,
                             batch=kernel == "sdpa")
     cu = _bounds_tensor(cu_seqlens, tokens, q.device, "cu_seqlens")
-    real = _real_rows(cu, tokens)[:, None, None]
+    real = _real_rows(cu, tokens).view(-1, 1, 1)
     max_seqlen = _max_len(cu_seqlens, max_seqlen, "max_seqlen")
     if kernel == "varlen":
         out = VARLEN.forward(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, scale=scale)
@@ -278,7 +278,8 @@ def block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens_q: int, tokens_k: 
 
 
 def _real_rows(cu: torch.Tensor, tokens: int) -> torch.Tensor:
-    return torch.arange(tokens, device=cu.device, dtype=cu.dtype) < cu[-1]
+    # function-form ops, not ``[]``: Python indexing takes a device guard, which fake CUDA tensors cannot
+    return torch.arange(tokens, device=cu.device, dtype=cu.dtype) < cu.select(0, cu.numel() - 1)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Bounds,
@@ -494,9 +495,9 @@ def _varlen_forward(q, k, v, spec: LseSpec):
     out, lse = VARLEN.forward(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, causal=spec.causal,
                               scale=spec.scale, lse=True)
     # FA2 marks rows with no key +inf (so its backward's exp(S - lse) is 0); rows past cu[-1] are unwritten.
-    keep = _real_rows(spec.cu_q, q.shape[0])[None, :] & torch.isfinite(lse)
+    keep = _real_rows(spec.cu_q, q.shape[0]).unsqueeze(0) & torch.isfinite(lse)
     lse = torch.where(keep, lse, -math.inf)
-    out = torch.where(keep.t()[:, :, None], out, out.new_zeros(()))
+    out = out.masked_fill(keep.t().unsqueeze(-1).logical_not(), 0.0)   # keeps out's (contiguous) layout
     return out, lse
 
 
@@ -511,7 +512,7 @@ def _varlen_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):
     if dlse is not None:
         # d lse_i = scale * sum_j P_ij (dq_i: k_j ; dk_j: q_i). sum_j P_ij k_j is attention with v := k;
         # sum_i g_i P_ij q_i is the dv a kernel backward returns for dO := g * q.
-        g = torch.where(torch.isinf(lse), 0.0, dlse.float()).t()[:, :, None]       # [tq, heads, 1]
+        g = torch.where(torch.isinf(lse), 0.0, dlse.float()).t().unsqueeze(-1)     # [tq, heads, 1]
         attn_k, _ = _varlen_forward(q, k, k, spec)
         dq = (dq.float() + spec.scale * g * attn_k.float()).to(q.dtype)
         _, _, p_t_q = _varlen_kernel_backward((g * q.float()).to(q.dtype), q, k, k, out, lse, spec)
@@ -536,5 +537,5 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     safe = torch.where(seen, total, torch.ones((), dtype=total.dtype, device=total.device))
     lse = torch.where(seen, shift + torch.log(safe), -math.inf)
     ct = torch.promote_types(lse.dtype, out_a.dtype)
-    wa, wb = (wa / safe).t()[:, :, None].to(ct), (wb / safe).t()[:, :, None].to(ct)
-    return (wa * out_a.to(ct) + wb * out_b.to(ct)).to(out_a.dtype), lse
+    wa, wb = (wa / safe).t().unsqueeze(-1).to(ct), (wb / safe).t().unsqueeze(-1).to(ct)
+    return (out_a.to(ct) * wa + out_b.to(ct) * wb).to(out_a.dtype), lse   # out first: its layout is kept

@@ -75,6 +75,7 @@ def _block(rt: RingTensors, j: int, kernel: str, scale: float):
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    # function-form ops, not ``[]``, here and below: fake CUDA tensors (the CI's CUDA check) refuse indexing
     return x if rows is None else x.index_select(dim, rows)
 
 
@@ -90,11 +91,11 @@ class _RingAttention(torch.autograd.Function):
             block = _block(rt, (rt.index - step) % rt.ring, kernel, scale)
             if block is not None:                                      # ... while this one is computed
                 q_rows, kv_rows, spec = block
-                o, l = lse_forward(_rows(q, q_rows), _rows(kv[0], kv_rows), _rows(kv[1], kv_rows), spec)
+                o, l = lse_forward(_rows(q, q_rows), _rows(kv.select(0, 0), kv_rows), _rows(kv.select(0, 1), kv_rows), spec)
                 if q_rows is None:
                     out, lse = merge_partials(out, lse, o, l)
                 else:
-                    o, l = merge_partials(out[q_rows], lse[:, q_rows], o, l)
+                    o, l = merge_partials(out.index_select(0, q_rows), lse.index_select(1, q_rows), o, l)
                     out.index_copy_(0, q_rows, o)
                     lse.index_copy_(1, q_rows, l)
             if pending is not None:
@@ -120,8 +121,8 @@ class _RingAttention(torch.autograd.Function):
             if block is None:
                 return share
             q_rows, kv_rows, spec = block
-            dq_b, dk_b, dv_b = lse_backward(_rows(dout, q_rows), _rows(q, q_rows), _rows(kv_block[0], kv_rows),
-                                            _rows(kv_block[1], kv_rows), _rows(out, q_rows), _rows(lse, q_rows, 1), spec)
+            dq_b, dk_b, dv_b = lse_backward(_rows(dout, q_rows), _rows(q, q_rows), _rows(kv_block.select(0, 0), kv_rows),
+                                            _rows(kv_block.select(0, 1), kv_rows), _rows(out, q_rows), _rows(lse, q_rows, 1), spec)
             if q_rows is None:
                 dq.add_(dq_b)
             else:
@@ -145,7 +146,7 @@ class _RingAttention(torch.autograd.Function):
             pending_share = comm.hop(share.to(kv.dtype), tag=1)        # on to the next holder (last hop: owner)
         if pending_share is not None:
             own += pending_share.wait().to(acc)
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), own.select(0, 0).to(k.dtype), own.select(0, 1).to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

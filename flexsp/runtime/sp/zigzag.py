@@ -196,8 +196,8 @@ class RingTensors:
         bounds = [layout.cu_local(j) for j in range(r)] + [layout.cu_first(j) for j in range(r)] + \
                  [layout.cu_second(index)]
         rows = [layout.first_rows(j) for j in range(r)] + [layout.second_rows(index)]
-        cu_flat = torch.tensor([b for bs in bounds for b in bs], dtype=torch.int32).to(device)
-        row_flat = torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(device)
+        cu_flat = torch.tensor([b for bs in bounds for b in bs], dtype=torch.int32, device=device)
+        row_flat = torch.tensor(np.concatenate(rows).astype(np.int64).tolist(), dtype=torch.int64, device=device)
         cu_parts = cu_flat.split([len(b) for b in bounds])
         row_parts = row_flat.split([x.size for x in rows])
         longest = lambda sizes: int(sizes.max()) if sizes.size else 0  # noqa: E731
