@@ -19,6 +19,7 @@ from flexsp.plan.memory import SHARDINGS
 from flexsp.plan.presets import cost_from_preset
 from flexsp.profile import cli as profile_cli
 from flexsp.replay import cli as replay_cli
+from flexsp.profile import selftest as selftest_cli
 
 
 def _count(minimum: int):
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", type=Path, default=Path("plan.json"))
     profile_cli.add_parser(sub)
     replay_cli.add_parser(sub)
+    selftest_cli.add_parser(sub)
     return parser
 
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"simulate": run_simulate, "plan": run_plan, "profile": profile_cli.run,
-                "replay": replay_cli.run}[args.command](args)
+                "replay": replay_cli.run, "selftest": selftest_cli.run}[args.command](args)
     except FlexSPError as exc:
         print(f"flexsp {args.command}: error: {exc}", file=sys.stderr)
         return 2
