@@ -131,6 +131,8 @@ class StepExecutor:
         self.config = (config or TrainConfig()).replace(**settings) if settings else (config or TrainConfig())
         self.model, self.optimizer, self.pool, self.backend, self.cost = model, optimizer, pool, self.config.backend, cost
         self.num_heads, self.num_kv_heads = model.sp_heads()
+        if self.config.recompute is not None and callable(getattr(model, "set_recompute", None)):
+            model.set_recompute(self.config.recompute)
         self.sharding = runtime_sharding(model)
         if cost is not None:
             sharding_mod.check_runtime(sharding_mod.assumed(cost), self.sharding)

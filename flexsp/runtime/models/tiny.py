@@ -14,8 +14,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from flexsp.errors import CostModelError
+from flexsp.plan.memory import check_recompute
 from flexsp.plan.specs import ModelSpec
 from flexsp.runtime.models.protocol import LOSS_CHUNK_TOKENS, chunked_cross_entropy, loss_dtype
 from flexsp.runtime.sp.attention import sp_attention
@@ -94,6 +96,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
         self.cfg = cfg
+        self.recompute = False        # True: the attention core (kernel + SP exchanges) recomputed in backward
         self.q = nn.Linear(cfg.hidden, cfg.heads * cfg.head_size, bias=False)
         self.kv = nn.Linear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, bias=False)
         self.out = nn.Linear(cfg.heads * cfg.head_size, cfg.hidden, bias=False)
@@ -103,7 +106,11 @@ class Attention(nn.Module):
         q = self.q(x).view(tokens, cfg.heads, cfg.head_size)
         k, v = self.kv(x).view(tokens, 2, cfg.kv_heads, cfg.head_size).unbind(1)
         q, k = rope.apply(q), rope.apply(k)
-        return self.out(sp_attention(q, k, v, ctx).reshape(tokens, -1))
+        if self.recompute and torch.is_grad_enabled():
+            core = checkpoint(sp_attention, q, k, v, ctx, use_reentrant=False)
+        else:
+            core = sp_attention(q, k, v, ctx)
+        return self.out(core.reshape(tokens, -1))
 
 
 class MLP(nn.Module):
@@ -120,12 +127,22 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
+        self.recompute = "none"
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
+    def set_recompute(self, mode: str) -> None:
+        self.recompute = check_recompute(mode)
+        self.attn.recompute = self.recompute == "selective"
+
     def forward(self, x: torch.Tensor, rope: Rotary, ctx: AttentionContext) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():   # keep only the layer's input for backward
+            return checkpoint(self._forward, x, rope, ctx, use_reentrant=False)
+        return self._forward(x, rope, ctx)
+
+    def _forward(self, x: torch.Tensor, rope: Rotary, ctx: AttentionContext) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, ctx)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -137,7 +154,8 @@ class TinyLM(nn.Module):
     ``loss_chunk_tokens`` tokens' logits at once; ``forward`` returns all logits (tests, inference).
     """
 
-    def __init__(self, cfg: ModelSpec, *, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> None:
+    def __init__(self, cfg: ModelSpec, *, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                 recompute: str | Sequence[str] = "none") -> None:
         super().__init__()
         self.cfg = check_spec(cfg)
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -146,6 +164,17 @@ class TinyLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.apply(_init)
+        self.set_recompute(recompute)
+
+    def set_recompute(self, recompute: str | Sequence[str]) -> None:
+        """Activation checkpointing per layer: "none", "selective" (attention core recomputed in backward)
+        or "full" (the whole layer); one mode for all layers or one per layer. The cost model's capacity
+        reads the same setting (``flexsp.plan.memory.activation_bytes_per_token``)."""
+        modes = [recompute] * len(self.blocks) if isinstance(recompute, str) else list(recompute)
+        if len(modes) != len(self.blocks):
+            raise ValueError(f"recompute needs one mode per layer ({len(self.blocks)}), got {len(modes)}")
+        for block, mode in zip(self.blocks, modes):
+            block.set_recompute(mode)
 
     # --- SPModel ------------------------------------------------------------------------------
     def sp_heads(self) -> tuple[int, int]:
