@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Sequence
 
-import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -236,9 +236,9 @@ class StepExecutor:
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != bounds or cu.device != self.device:
             raise PlanError(f"{where}: cu_seqlens must be int32 [{bounds}] on {self.device}, got "
                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
-        bounds = None if ring else tuple(int(b) for b in numpy.cumsum([0, *(int(lengths[s]) for s in group.seq_ids)]))
+        host = None if ring else tuple(accumulate((int(lengths[s]) for s in group.seq_ids), initial=0))
         ctx = AttentionContext(cu_seqlens=cu, max_seqlen=int(shard.max_seqlen), group=handle, backend=self.backend,
-                               ring=shard.ring if ring else None, bounds=bounds)
+                               ring=shard.ring if ring else None, bounds=host)   # host bounds: sdpa reads no device
         return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, int(shard.real_tokens), group)
 
     def _pack(self, batch: Sequence[torch.Tensor], group: Group | None) -> _Work | None:
