@@ -20,6 +20,7 @@ from flexsp.plan.memory import SHARDINGS
 from flexsp.plan.presets import cost_from_preset
 from flexsp.profile import cli as profile_cli
 from flexsp.replay import cli as replay_cli
+from flexsp.profile import selftest as selftest_cli
 from flexsp.telemetry import report as report_cli
 
 
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cli.add_parser(sub)
     replay_cli.add_parser(sub)
     report_cli.add_parser(sub)
+    selftest_cli.add_parser(sub)
     return parser
 
 
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             set_limit(assignment)
         _bounded(args)
         return {"simulate": run_simulate, "plan": run_plan, "profile": profile_cli.run,
-                "replay": replay_cli.run, "report": report_cli.run}[args.command](args)
+                "replay": replay_cli.run, "report": report_cli.run, "selftest": selftest_cli.run}[args.command](args)
     except FlexSPError as exc:
         print(f"flexsp {args.command}: error: {exc}", file=sys.stderr)
         return 2

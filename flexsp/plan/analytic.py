@@ -37,7 +37,7 @@ from flexsp.inputs import integer, number
 from flexsp.plan.cluster import power_of_two_degrees
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import check as check_sharding
-from flexsp.plan.memory import model_state_bytes, token_capacity
+from flexsp.plan.memory import activation_bytes_per_token, check_recompute, model_state_bytes, recompute_work, token_capacity
 from flexsp.plan.specs import GPUSpec, ModelSpec, get_gpu, get_model, model_names
 
 
@@ -56,12 +56,14 @@ def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
 
 
 def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: int, gpus_per_node: int = 8, *,
-                        sharding: str = "full", beta1: float = 0.1, recompute: bool = False) -> CostModel:
+                        sharding: str = "full", beta1: float = 0.1, recompute: str | bool = "none") -> CostModel:
     """Cost model from FLOPs, bytes and bandwidths (formulas in the module docstring).
 
     ``sharding`` (``flexsp.plan.memory``: "full", "grad_optim", "none") sets the model states the
-    capacity leaves room for."""
+    capacity leaves room for; ``recompute`` ("none", "selective", "full"; the old bool means full/none)
+    the activation bytes per token that capacity divides by and the extra forward work it costs."""
     sharding = check_sharding(sharding)
+    recompute = check_recompute(recompute)
     model = get_model(model) if isinstance(model, str) else model
     gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
     for name in ("peak_flops", "memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "efficiency"):
@@ -69,14 +71,15 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
             raise CostModelError(f"GPU {name} must be > 0, got {getattr(gpu, name)}")
     flops = gpu.peak_flops * gpu.efficiency
     kv_dim = model.kv_dim
-    act_per_token = (2 if recompute else 34) * model.hidden * model.layers
+    act_per_token = activation_bytes_per_token(model.hidden, model.layers, recompute)
+    attention_work, linear_work = recompute_work(recompute)
     capacity = token_capacity(gpu.memory_bytes, model_state_bytes(model.params, num_gpus, sharding), act_per_token,
                               usable_fraction=gpu.usable_memory,
                               what=f"{model.name} on {num_gpus} x {gpu.name} with sharding {sharding!r}:")
     degrees = power_of_two_degrees(num_gpus)[1:]
     return CostModel(
-        alpha1=3 * model.layers * 2 * model.hidden / flops,
-        alpha2=3 * 2 * model.linear_params / flops,
+        alpha1=attention_work * 3 * model.layers * 2 * model.hidden / flops,
+        alpha2=linear_work * 3 * 2 * model.linear_params / flops,
         beta1=beta1,
         comm_bytes_per_token=comm_bytes_per_token(model),
         alltoall_bandwidth={d: alltoall_bandwidth(d, gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)

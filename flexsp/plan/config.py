@@ -15,12 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from flexsp.errors import PlanError
+from flexsp.errors import CostModelError, PlanError
 from flexsp.inputs import integer, number, power_of_two
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import DEFAULT as DEFAULT_SHARDING
 from flexsp.plan.memory import check as check_sharding
+from flexsp.plan.memory import check_recompute
 from flexsp.plan.strategies import get_strategy, strategies
 from solver.search import SearchOptions
 
@@ -42,11 +43,15 @@ class PlanConfig:
     degrees: tuple[int, ...] | None = None
     ulysses_only: bool = False
     sharding: str = DEFAULT_SHARDING
-    recompute: bool = False
+    recompute: str = "none"                   # "none", "selective" (attention), "full"; a bool means full/none
     validate: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("ulysses_only", "validate", "recompute"):
+        try:
+            object.__setattr__(self, "recompute", check_recompute(self.recompute))
+        except CostModelError as exc:
+            raise PlanError(str(exc)) from None
+        for name in ("ulysses_only", "validate"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise PlanError(f"{name} must be True or False, got {getattr(self, name)!r}")
         set_ = lambda name, value: object.__setattr__(self, name, value)   # noqa: E731 (frozen)

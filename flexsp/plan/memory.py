@@ -97,6 +97,37 @@ def check_runtime(assumed_sharding: str, runtime_sharding: str) -> None:
             f"sharding={runtime_sharding!r}")
 
 
+# --- activation recompute ------------------------------------------------------------------------
+RECOMPUTE = ("none", "selective", "full")
+# Activation bytes one token keeps per layer per unit of hidden size (bf16; Megatron's count with a
+# flash attention kernel, so no s^2 term): everything saved (34); the attention core recomputed in
+# backward (its output and softmax statistics dropped: 34 - 2 - 2 = 30, q/k/v are kept as its inputs);
+# every layer recomputed from its input (only the layer input kept: 2).
+_ACTIVATION = {"none": 34, "selective": 30, "full": 2}
+# Extra forward work recomputing costs, as multipliers on (attention, token-linear) compute: a step is
+# forward + backward = 3 forward units, recompute adds one forward of what it recomputes.
+_RECOMPUTE_WORK = {"none": (1.0, 1.0), "selective": (4 / 3, 1.0), "full": (4 / 3, 4 / 3)}
+
+
+def check_recompute(recompute: str | bool) -> str:
+    """``recompute`` as one of ``RECOMPUTE`` (``True``/``False``, the old flag, mean "full"/"none")."""
+    if isinstance(recompute, bool) or type(recompute).__name__ == "bool_":
+        return "full" if recompute else "none"
+    if recompute not in RECOMPUTE:
+        raise CostModelError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    return recompute
+
+
+def activation_bytes_per_token(hidden: int, layers: int, recompute: str | bool = "none") -> float:
+    """Analytic activation bytes one token keeps for backward over all layers, for this recompute setting."""
+    return _ACTIVATION[check_recompute(recompute)] * hidden * layers
+
+
+def recompute_work(recompute: str | bool = "none") -> tuple[float, float]:
+    """(attention, token-linear) compute multipliers the recompute setting costs."""
+    return _RECOMPUTE_WORK[check_recompute(recompute)]
+
+
 def token_capacity(memory_bytes: float, state_bytes_per_gpu: float, activation_bytes_per_token: float, *,
                    usable_fraction: float = 1.0, what: str = "") -> int:
     """Activation tokens one GPU holds: ``floor((memory * usable_fraction - model states) / bytes per token)``.

@@ -15,6 +15,7 @@ import torch
 from flexsp.errors import FlexSPError
 from flexsp.plan.memory import DEFAULT as DEFAULT_SHARDING
 from flexsp.plan.memory import check as check_sharding
+from flexsp.plan.memory import check_recompute
 from flexsp.runtime.kernels import BACKENDS
 
 
@@ -22,15 +23,21 @@ from flexsp.runtime.kernels import BACKENDS
 class TrainConfig:
     """``sharding``: how FSDP2 shards model states ("full", "grad_optim", "none"); ``param_dtype``: the
     compute dtype (None: the parameters' own, e.g. fp64 tests); ``reduce_dtype``: gradient reduction
-    dtype (None: the compute dtype); ``backend``: the local attention kernel (``flexsp.runtime.kernels``)."""
+    dtype (None: the compute dtype); ``backend``: the local attention kernel (``flexsp.runtime.kernels``);
+    ``recompute``: activation checkpointing ("none", "selective", "full"; the ``PlanConfig`` value, so the
+    capacity the planner assumes is the memory the step keeps), applied by ``StepExecutor`` to a model with
+    ``set_recompute``; None leaves the model's own setting."""
 
     sharding: str = DEFAULT_SHARDING
     param_dtype: torch.dtype | None = torch.bfloat16
     reduce_dtype: torch.dtype | None = torch.float32
     backend: str = "auto"
+    recompute: str | None = None
 
     def __post_init__(self) -> None:
         check_sharding(self.sharding)
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", check_recompute(self.recompute))
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):

@@ -8,8 +8,15 @@ soon as its backward is done (overlapping the rest of backward). The sharding ch
 * ``"full"``: ZeRO-3 (``reshard_after_forward=True``): a layer's unsharded parameters live only while it runs.
 * ``"grad_optim"``: the compute copy stays unsharded from forward to backward; gradients and
   optimizer states (and the fp32 master) are sharded.
-* ``"none"``: every rank holds all states; FSDP2 over a (world x 1) mesh is plain data parallelism
-  (gradients all-reduced per layer during backward) with the same mixed-precision handling.
+* ``"none"``: every rank holds all states: plain data parallelism.
+
+Nothing is wrapped where sharding buys nothing: at world size 1 (whatever the sharding: one rank's
+shard is everything) or with ``"none"``, and no mixed precision asked for (``param_dtype`` None or the
+parameters' own dtype), the model stays a plain module - no per-layer hooks, all-gathers or copies
+(at world 1 FSDP2 costs ~12x the Python calls per layer of the plain module). The executor then sums
+its gradients over ranks with one all-reduce per parameter at the end of the step (``step.py``), the
+same sum FSDP2 reduces. With mixed precision FSDP2 still wraps it (``"none"`` over a (world x 1) mesh),
+because FSDP2 is what keeps the fp32 master copy and casts for compute.
 
 Mixed precision: parameters are kept in fp32 (the master weights the optimizer updates), cast to
 ``param_dtype`` (bf16 by default) for compute, gradients reduced in fp32. Gradients are SUMMED over
@@ -41,7 +48,8 @@ def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings:
     sharding and the dtypes. ``param_dtype=None`` computes in the parameters' own dtype (fp64 tests); ``reduce_dtype`` then
     defaults to that dtype too. Half-precision parameters are first upcast to fp32: the optimizer
     must update fp32 master weights, or small updates vanish in bf16 rounding.
-    Returns the same module (now an FSDP module); build the optimizer after this call.
+    Returns the same module (an FSDP module, or left plain where sharding buys nothing: see above);
+    build the optimizer after this call.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -51,7 +59,7 @@ def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings:
     if not (dist.is_available() and dist.is_initialized()):
         raise FlexSPError("shard_model needs an initialised process group (torch.distributed.init_process_group); "
                           "a single process can run a world of one")
-    if isinstance(model, FSDPModule):
+    if isinstance(model, FSDPModule) or hasattr(model, SHARDING_ATTR):
         raise FlexSPError("the model is already prepared (FSDP-sharded); call shard_model once")
     for name in ("fsdp_units", "shard_loss", "sp_heads"):
         if not callable(getattr(model, name, None)):
@@ -64,6 +72,9 @@ def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings:
         model.float()
     device = params[0].device
     world = dist.get_world_size()
+    if (world == 1 or sharding == "none") and param_dtype in (None, next(model.parameters()).dtype):
+        setattr(model, SHARDING_ATTR, sharding)   # what the cost model may assume: at world 1 every sharding is one
+        return model
     if sharding == "none":
         mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
     else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Sequence
 
 import torch
@@ -132,6 +133,8 @@ class StepExecutor:
         self.config = (config or TrainConfig()).replace(**settings) if settings else (config or TrainConfig())
         self.model, self.optimizer, self.pool, self.backend, self.cost = model, optimizer, pool, self.config.backend, cost
         self.num_heads, self.num_kv_heads = model.sp_heads()
+        if self.config.recompute is not None and callable(getattr(model, "set_recompute", None)):
+            model.set_recompute(self.config.recompute)
         self.sharding = runtime_sharding(model)
         if cost is not None:
             sharding_mod.check_runtime(sharding_mod.assumed(cost), self.sharding)
@@ -238,8 +241,9 @@ class StepExecutor:
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != bounds or cu.device != self.device:
             raise PlanError(f"{where}: cu_seqlens must be int32 [{bounds}] on {self.device}, got "
                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+        host = None if ring else tuple(accumulate((int(lengths[s]) for s in group.seq_ids), initial=0))
         ctx = AttentionContext(cu_seqlens=cu, max_seqlen=int(shard.max_seqlen), group=handle, backend=self.backend,
-                               ring=shard.ring if ring else None)
+                               ring=shard.ring if ring else None, bounds=host)   # host bounds: sdpa reads no device
         return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, int(shard.real_tokens), group)
 
     def _pack(self, batch: Sequence[torch.Tensor], group: Group | None) -> _Work | None:

@@ -179,15 +179,20 @@ def test_partial_backward_with_merged_statistics_sums_to_full_gradient():
 
 
 def test_device_bounds_are_never_read_on_the_host():
-    """On the meta device any .tolist()/.item()/int() raises: the kernels run on shapes alone."""
+    """On the meta device any .tolist()/.item()/int() raises: given host bounds, the per-sequence kernels
+    run on shapes alone; without them they refuse (a clear error, not a sync per layer)."""
     meta = lambda *shape: torch.empty(*shape, device="meta", requires_grad=True)  # noqa: E731
     q, k, v = meta(15, 4, 8), meta(15, 2, 8), meta(15, 2, 8)
     cu = torch.empty(4, dtype=torch.int32, device="meta")
-    out = attend(q, k, v, cu, max_seqlen=6, backend="sdpa")
+    host = (0, 6, 7, 13)
+    out = attend(q, k, v, cu, max_seqlen=6, backend="sdpa", bounds=host)
     out.sum().backward()
-    out, lse = attend_lse(q, k, v, cu, cu, max_seqlen_q=6, max_seqlen_k=6, causal=True, backend="sdpa")
+    out, lse = attend_lse(q, k, v, cu, cu, max_seqlen_q=6, max_seqlen_k=6, causal=True, backend="sdpa",
+                          bounds_q=host, bounds_k=host)
     (out.sum() + lse.sum()).backward()
     assert q.grad.shape == q.shape and lse.shape == (4, 15)
+    with pytest.raises(AttentionError, match="needs cu_seqlens as host ints"):
+        attend(q, k, v, cu, max_seqlen=6, backend="sdpa")
     with pytest.raises(AttentionError, match="max_seqlen_k is required with device cu_seqlens"):
         attend_lse(q, k, v, cu, cu, max_seqlen_q=6, causal=False, backend="sdpa")
 

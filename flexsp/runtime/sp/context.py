@@ -38,6 +38,8 @@ class AttentionContext:
     ``ring`` (a ``flexsp.runtime.sp.ring.RingContext``) is set for a Ulysses x ring group: then ``group``
     is the Ulysses sub-group and ``cu_seqlens`` bounds this rank's ring shard.
     ``exchange`` replaces the all-to-all over ``group`` (replay's local stand-in); None means the real one.
+    ``bounds``: ``cu_seqlens`` as host ints (the per-sequence kernels read these, never the device tensor);
+    None where only the device copy exists - then a CPU ``cu_seqlens`` is read directly.
     """
 
     cu_seqlens: torch.Tensor
@@ -46,6 +48,7 @@ class AttentionContext:
     backend: str = "auto"
     ring: "RingContext | None" = None
     exchange: Exchange | None = None
+    bounds: tuple[int, ...] | None = None
 
     @property
     def trades(self) -> Exchange:
@@ -67,7 +70,7 @@ class AttentionContext:
         if device is not None and torch.device(device).type != "cpu":
             cu = cu.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else cu.to(device)
         max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
-        return cls(cu_seqlens=cu, max_seqlen=max_seqlen, group=group, backend=backend)
+        return cls(cu_seqlens=cu, max_seqlen=max_seqlen, group=group, backend=backend, bounds=tuple(bounds))
 
     @classmethod
     def single(cls, tokens: int, backend: str = "auto", device: torch.device | str | None = None) -> "AttentionContext":

@@ -56,23 +56,26 @@ def _block(rt: RingTensors, j: int, kernel: str, scale: float):
     """(query rows or None for all, K/V rows or None for all, spec) of this rank against ring rank
     ``j``'s K/V, or None when the block holds no token."""
     i = rt.index
+    host = lambda bounds, k: bounds[k] if bounds else None  # noqa: E731   (host bounds: none in old contexts)
     if j == i:
         if not rt.local_tokens[i]:
             return None
-        return None, None, LseSpec(rt.cu_local[i], rt.cu_local[i], rt.max_local[i], rt.max_local[i], True, scale, kernel)
+        return None, None, LseSpec(rt.cu_local[i], rt.cu_local[i], rt.max_local[i], rt.max_local[i], True, scale, kernel,
+                                   host(rt.host_local, i), host(rt.host_local, i))
     if j < i:   # j's early chunks precede both of ours: all our queries, j's first chunks, no mask
         if not (rt.local_tokens[i] and rt.first_tokens[j]):
             return None
         return None, rt.first_rows[j], LseSpec(rt.cu_local[i], rt.cu_first[j], rt.max_local[i], rt.max_first[j],
-                                                False, scale, kernel)
+                                                False, scale, kernel, host(rt.host_local, i), host(rt.host_first, j))
     # j > i: both of j's chunks precede our late chunk and follow our early one
     if not (rt.second_tokens and rt.local_tokens[j]):
         return None
     return rt.second_rows, None, LseSpec(rt.cu_second, rt.cu_local[j], rt.max_second, rt.max_local[j], False, scale,
-                                         kernel)
+                                         kernel, rt.host_second or None, host(rt.host_local, j))
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    # function-form ops, not ``[]``, here and below: fake CUDA tensors (the CI's CUDA check) refuse indexing
     return x if rows is None else x.index_select(dim, rows)
 
 
@@ -88,11 +91,11 @@ class _RingAttention(torch.autograd.Function):
             block = _block(rt, (rt.index - step) % rt.ring, kernel, scale)
             if block is not None:                                      # ... while this one is computed
                 q_rows, kv_rows, spec = block
-                o, l = lse_forward(_rows(q, q_rows), _rows(kv[0], kv_rows), _rows(kv[1], kv_rows), spec)
+                o, l = lse_forward(_rows(q, q_rows), _rows(kv.select(0, 0), kv_rows), _rows(kv.select(0, 1), kv_rows), spec)
                 if q_rows is None:
                     out, lse = merge_partials(out, lse, o, l)
                 else:
-                    o, l = merge_partials(out[q_rows], lse[:, q_rows], o, l)
+                    o, l = merge_partials(out.index_select(0, q_rows), lse.index_select(1, q_rows), o, l)
                     out.index_copy_(0, q_rows, o)
                     lse.index_copy_(1, q_rows, l)
             if pending is not None:
@@ -118,8 +121,8 @@ class _RingAttention(torch.autograd.Function):
             if block is None:
                 return share
             q_rows, kv_rows, spec = block
-            dq_b, dk_b, dv_b = lse_backward(_rows(dout, q_rows), _rows(q, q_rows), _rows(kv_block[0], kv_rows),
-                                            _rows(kv_block[1], kv_rows), _rows(out, q_rows), _rows(lse, q_rows, 1), spec)
+            dq_b, dk_b, dv_b = lse_backward(_rows(dout, q_rows), _rows(q, q_rows), _rows(kv_block.select(0, 0), kv_rows),
+                                            _rows(kv_block.select(0, 1), kv_rows), _rows(out, q_rows), _rows(lse, q_rows, 1), spec)
             if q_rows is None:
                 dq.add_(dq_b)
             else:
@@ -143,7 +146,7 @@ class _RingAttention(torch.autograd.Function):
             pending_share = comm.hop(share.to(kv.dtype), tag=1)        # on to the next holder (last hop: owner)
         if pending_share is not None:
             own += pending_share.wait().to(acc)
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), own.select(0, 0).to(k.dtype), own.select(0, 1).to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -181,5 +184,5 @@ def ring_context(pool, group, lengths: Sequence[int], rank: int, device: torch.d
     _, ring_ranks, ring_index = place(rank, tuple(group.ranks), ulysses)
     tensors = RingTensors.build(layout, ring_index, device)
     return AttentionContext(cu_seqlens=tensors.cu_local[ring_index], max_seqlen=tensors.max_local[ring_index],
-                            group=ulysses_group, backend=backend,
+                            group=ulysses_group, backend=backend, bounds=tensors.host_local[ring_index],
                             ring=RingContext(RingComm(ring_group, ring_ranks, ring_index), tensors))

@@ -23,16 +23,18 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
     heads use; the gradient of the copies sums back into the original head. No host sync: the
     layout was checked when the context was built (``pack`` sizes the shards to cover ``cu_seqlens``).
     """
+    if ctx.group is None and ctx.exchange is None:   # degree 1: no exchange object, no head checks per layer
+        return attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend, bounds=ctx.bounds)
     d = ctx.degree
     heads, kv_heads = q.shape[1], k.shape[1]
     check_heads(heads, kv_heads, d)
     if d == 1:
-        return attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend)
+        return attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend, bounds=ctx.bounds)
     # Replicate kv heads r times so d divides them; r divides heads/kv_heads because d divides heads.
     r = d // math.gcd(kv_heads, d)
     if r > 1:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     trades = ctx.trades
     q, k, v = (trades.seq_to_head(t) for t in (q, k, v))
-    out = attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend)
+    out = attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend, bounds=ctx.bounds)
     return trades.head_to_seq(out)

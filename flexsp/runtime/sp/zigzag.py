@@ -186,6 +186,9 @@ class RingTensors:
     local_tokens: tuple[int, ...]             # host counts: a block with no tokens is skipped
     first_tokens: tuple[int, ...]
     second_tokens: int
+    host_local: tuple[tuple[int, ...], ...] = ()   # the bounds above as host ints: the per-sequence kernels
+    host_first: tuple[tuple[int, ...], ...] = ()   # (CPU, or fp32 on CUDA) read these, never the device copies
+    host_second: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, layout: ZigzagLayout, index: int, device: torch.device | str) -> "RingTensors":
@@ -193,8 +196,8 @@ class RingTensors:
         bounds = [layout.cu_local(j) for j in range(r)] + [layout.cu_first(j) for j in range(r)] + \
                  [layout.cu_second(index)]
         rows = [layout.first_rows(j) for j in range(r)] + [layout.second_rows(index)]
-        cu_flat = torch.tensor([b for bs in bounds for b in bs], dtype=torch.int32).to(device)
-        row_flat = torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(device)
+        cu_flat = torch.tensor([b for bs in bounds for b in bs], dtype=torch.int32, device=device)
+        row_flat = torch.tensor(np.concatenate(rows).astype(np.int64).tolist(), dtype=torch.int64, device=device)
         cu_parts = cu_flat.split([len(b) for b in bounds])
         row_parts = row_flat.split([x.size for x in rows])
         longest = lambda sizes: int(sizes.max()) if sizes.size else 0  # noqa: E731
@@ -206,4 +209,6 @@ class RingTensors:
                    max_second=longest(layout.second[index]),
                    local_tokens=tuple(layout.real_tokens(j) for j in range(r)),
                    first_tokens=tuple(int(layout.first[j].sum()) for j in range(r)),
-                   second_tokens=int(layout.second[index].sum()))
+                   second_tokens=int(layout.second[index].sum()),
+                   host_local=tuple(tuple(b) for b in bounds[:r]), host_first=tuple(tuple(b) for b in bounds[r:2 * r]),
+                   host_second=tuple(bounds[2 * r]))

@@ -1,0 +1,37 @@
+"""``flexsp selftest --device cpu`` (what CI runs): kernels and the degree-1 step pass against their
+references, CUDA-only checks are skipped, the JSON report is written; a wrong kernel fails it (exit 1)
+and a bad argument is one line (exit 2)."""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flexsp.runtime.kernels as kernels  # noqa: E402
+from flexsp.cli import main  # noqa: E402
+
+ARGS = ["selftest", "--device", "cpu", "--tokens", "64", "--repeats", "1"]
+
+
+def test_selftest_on_cpu_passes_and_writes_its_report(tmp_path, capsys):
+    out = tmp_path / "selftest.json"
+    assert main([*ARGS, "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    status = {c["check"]: c["status"] for c in report["checks"]}
+    assert status == {"kernels": "pass", "step": "pass", "memory": "skip", "host syncs": "skip", "all-to-all": "skip"}
+    step = next(c for c in report["checks"] if c["check"] == "step")
+    assert step["speed_ratio"] > 0 and step["loss_gap"] < 1e-4
+    assert "plain / flexsp time" in capsys.readouterr().out
+
+
+def test_a_wrong_kernel_fails_the_selftest(tmp_path, monkeypatch):
+    real = kernels.attend
+    monkeypatch.setattr(kernels, "attend", lambda *a, **k: real(*a, **k) * 1.01)
+    assert main([*ARGS, "--output", str(tmp_path / "r.json")]) == 1
+    checks = json.loads((tmp_path / "r.json").read_text())["checks"]
+    assert checks[0]["check"] == "kernels" and checks[0]["status"] == "FAIL"
+
+
+def test_bad_device_is_one_line(capsys):
+    assert main(["selftest", "--device", "tpu"]) == 2
+    assert "--device must be cpu or cuda" in capsys.readouterr().err

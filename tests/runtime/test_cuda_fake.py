@@ -1,0 +1,122 @@
+"""The CUDA path checked without a GPU: fake CUDA bf16 tensors (``FakeTensorMode``) run torch's
+``varlen_attn`` fake kernels through ``auto``'s CUDA choice - the kernels' forward and backward, the
+Ulysses branch (degree 2, a local exchange), the ring branch (forward and its hand-written backward)
+and TinyLM's degree-1 forward - verifying shapes, dtypes and the arguments ``varlen_attn`` receives.
+
+Limits of a CPU-only torch build, stated so nobody reads more into this check: autograd's engine and
+any real copy (``.contiguous()`` of a strided tensor, ``.to("cuda")``) need a CUDA device guard, so
+backward passes are called explicitly (the ring's and the kernels'), not through ``loss.backward()``.
+"""
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+import flexsp.runtime.kernels as kernels  # noqa: E402
+from flexsp.plan.specs import ModelSpec  # noqa: E402
+from flexsp.runtime.kernels import LseSpec, attend, attend_lse, lse_backward  # noqa: E402
+from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
+from flexsp.runtime.sp import ring as ring_mod  # noqa: E402
+from flexsp.runtime.sp.context import AttentionContext  # noqa: E402
+from flexsp.runtime.sp.ulysses import ulysses_attention  # noqa: E402
+from flexsp.runtime.sp.zigzag import RingTensors, zigzag_layout  # noqa: E402
+from flexsp.runtime.varlen_api import VarlenAPI  # noqa: E402
+
+pytestmark = pytest.mark.skipif(kernels.VARLEN is None, reason="this torch has no varlen_attn signature we know")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every ``varlen_attn`` call's keyword arguments (the real function runs: its fake kernel)."""
+    seen = []
+    real = kernels.VARLEN
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return real.fn(*args, **kwargs)
+    recording.__signature__ = __import__("inspect").signature(real.fn)
+    api = VarlenAPI.detect(recording, real.aux, real.backward_op)
+    monkeypatch.setattr(kernels, "VARLEN", api)
+    return seen
+
+
+def _fake(*shape, dtype=BF16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def test_kernels_forward_and_backward_on_fake_cuda(calls):
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = _fake(64, 4, 64), _fake(64, 2, 64), _fake(64, 2, 64)
+        cu = torch.tensor([0, 30, 60], dtype=torch.int32, device="cuda")
+        assert kernels.resolve_backend("auto", q) == "varlen"
+        out = attend(q, k, v, cu, max_seqlen=30)
+        assert (out.shape, out.dtype, out.device.type) == ((64, 4, 64), BF16, "cuda")
+        o, lse = attend_lse(q, k, v, cu, cu, max_seqlen_q=30, max_seqlen_k=30, causal=False)
+        assert (o.shape, o.dtype, lse.shape, lse.dtype) == ((64, 4, 64), BF16, (4, 64), torch.float32)
+        spec = LseSpec(cu, cu, 30, 30, True, 0.125, "varlen")
+        dq, dk, dv = lse_backward(torch.randn_like(o), q, k, v, o, lse, spec)
+        assert [t.shape for t in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
+        assert {t.dtype for t in (dq, dk, dv)} == {BF16}
+    assert calls == [{"window_size": (-1, 0), "scale": 0.125, "enable_gqa": True},
+                     {"window_size": (-1, -1), "scale": 0.125, "enable_gqa": True,
+                      "return_aux": kernels.VARLEN.aux(lse=True)}]
+
+
+class _Exchange:
+    """Degree-2 Ulysses stand-in with the real exchange's shapes (function-form ops only)."""
+    degree = 2
+
+    def seq_to_head(self, x):
+        return x.narrow(1, 0, x.shape[1] // 2).repeat(2, 1, 1)
+
+    def head_to_seq(self, x):
+        return x.narrow(0, 0, x.shape[0] // 2).repeat(1, 2, 1)
+
+
+def test_ulysses_branch_and_degree_one_model_forward_on_fake_cuda(calls):
+    model = TinyLM(ModelSpec(vocab=128, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512))
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = _fake(32, 4, 64), _fake(32, 2, 64), _fake(32, 2, 64)
+        cu = torch.tensor([0, 40, 64], dtype=torch.int32, device="cuda")
+        ctx = AttentionContext(cu_seqlens=cu, max_seqlen=40, exchange=_Exchange(), bounds=(0, 40, 64))
+        out = ulysses_attention(q, k, v, ctx)
+        assert (out.shape, out.dtype) == ((32, 4, 64), BF16)
+        # fake CUDA parameters in the model's places (a fake tensor cannot be copied or initialised on CUDA here)
+        params = {name: _fake(*p.shape) for name, p in model.named_parameters()}
+        ids = torch.randint(1, 128, (64,), device="cuda")
+        pos = torch.randint(0, 40, (64,), device="cuda")
+        one = AttentionContext(cu_seqlens=cu, max_seqlen=40, bounds=(0, 40, 64))
+        logits = torch.func.functional_call(model, params, (ids, pos, one))
+        assert (logits.shape, logits.dtype) == ((64, 128), BF16)
+    assert all(c["enable_gqa"] for c in calls)       # degree 2: 2 q heads on 1 kv head per rank; the model: 4 on 2
+    assert all(c["window_size"] == (-1, 0) for c in calls) and len(calls) == 1 + 2   # Ulysses, then 2 layers
+
+
+class _Ring:
+    """A ring of one neighbour that hands back what it is sent (shapes only)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def hop(self, tensor, tag=0):
+        return types.SimpleNamespace(wait=lambda: tensor)
+
+
+def test_ring_branch_forward_and_backward_on_fake_cuda(calls):
+    lay = zigzag_layout([48, 16], 1, 2)
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        rt = RingTensors.build(lay, 1, "cuda")
+        q, k, v = _fake(lay.shard_tokens, 4, 64), _fake(lay.shard_tokens, 2, 64), _fake(lay.shard_tokens, 2, 64)
+        ctx = types.SimpleNamespace()
+        ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
+        out = ring_mod._RingAttention.forward(ctx, q, k, v, rt, _Ring(2), "varlen", 0.125)
+        assert (out.shape, out.dtype) == (q.shape, BF16)
+        assert ctx.saved_tensors[4].shape == (4, lay.shard_tokens) and ctx.saved_tensors[4].dtype == torch.float32
+        dq, dk, dv, *rest = ring_mod._RingAttention.backward(ctx, torch.randn_like(out))
+        assert [t.shape for t in (dq, dk, dv)] == [q.shape, k.shape, v.shape] and {t.dtype for t in (dq, dk, dv)} == {BF16}
+    assert {c["window_size"] for c in calls} == {(-1, 0), (-1, -1)}     # the diagonal causal, the other block not
+    assert all("return_aux" in c for c in calls)

@@ -1,0 +1,23 @@
+"""The degree-1 step benchmark runs in its quick mode, writes only where it is told, labels its figures
+as measured on CPU and finds the contenders' losses equal (same weights, same batch)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_step_benchmark_quick(tmp_path):
+    out = tmp_path / "step.md"
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "step_benchmark.py"), "--quick",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = out.read_text()
+    assert "Measured on CPU" in text and "load average" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 256 "))
+    assert float(row.split("|")[-2]) < 1e-4                      # loss spread of the three contenders
+    assert ("MISSED" in text) == ("MISSED" in result.stdout)      # a miss is printed where it is written
