@@ -39,6 +39,8 @@ parser.add_argument("--dtype", default="float64", choices=["float32", "float64"]
 parser.add_argument("--out", type=Path, default=Path("runs/hf_trainer"))
 parser.add_argument("--history", type=Path, default=None, help="write the logged losses here (JSON)")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--run-dir", type=Path, default=None,
+                    help="record every FlexSP step against its plan there (flexsp.telemetry; `flexsp report DIR`)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -83,6 +85,7 @@ if args.batch % world:
     raise SystemExit(f"--batch {args.batch} is not a multiple of the world size {world}")
 training = FlexSPTrainingArguments(
     output_dir=str(args.out), flexsp=args.flexsp, flexsp_tokens_per_rank=args.tokens_per_rank,
+    flexsp_run_dir=None if args.run_dir is None else str(args.run_dir),
     per_device_train_batch_size=args.batch // world, max_steps=args.steps, learning_rate=1e-3, lr_scheduler_type="linear",
     warmup_steps=1, logging_steps=1, save_steps=args.save_steps, save_strategy="steps", report_to=[], seed=args.seed,
     use_cpu=True, dataloader_drop_last=False, remove_unused_columns=False, disable_tqdm=True)

@@ -24,7 +24,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                        ("flexsp.errors", "flexsp.inputs", "flexsp.plan")),
     "flexsp.hf.trainer": ("HF Trainer integration: the planned loader as its dataloader",
                           ("flexsp.errors", "flexsp.inputs", "flexsp.plan", "flexsp.runtime", "flexsp.hf",
-                           "flexsp.data")),
+                           "flexsp.data", "flexsp.telemetry")),
     "flexsp.hf": ("Hugging Face models behind the runtime's SPModel protocol",
                   ("flexsp.errors", "flexsp.inputs", "flexsp.plan", "flexsp.runtime")),
     "flexsp.data": ("the planned data loader and its planner process",

@@ -57,6 +57,10 @@ class FlexSPTrainingArguments(TrainingArguments):
         "help": "cost model JSON from `flexsp profile` (default: a made-up one with flexsp_tokens_per_rank)"})
     flexsp_strategy: str = field(default="flexsp", metadata={"help": "planner strategy"})
     flexsp_time_limit: float = field(default=1.0, metadata={"help": "planner seconds per global batch"})
+    flexsp_run_dir: str | None = field(default=None, metadata={
+        "help": "record every step measured against its plan there (flexsp.telemetry; `flexsp report DIR`)"})
+    flexsp_refit: bool = field(default=False, metadata={
+        "help": "refit the cost model from measured group times and plan later steps with it (needs flexsp_run_dir)"})
 
 
 class _Deferred:
@@ -106,6 +110,7 @@ class FlexSPTrainer(Trainer):
         self.sp_model: HFCausalLM | None = None
         self.flexsp_loader = None
         self._executor = None
+        self._telemetry = None
         if not self.flexsp:
             return
         args = self.args
@@ -149,7 +154,16 @@ class FlexSPTrainer(Trainer):
             config=LoaderConfig(batch_size=args.per_device_train_batch_size * world, seed=seed,
                                 plan=PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit,
                                                 max_degree=heads & -heads)))
-        self._executor = StepExecutor(self.sp_model, _Deferred(), pool, cost=cost)
+        if args.flexsp_run_dir is not None:   # the same per-step records as the project's own loop
+            from flexsp.plan.specs import spec_from_hf_config
+            from flexsp.telemetry import Telemetry
+            self._telemetry = Telemetry(args.flexsp_run_dir, cost, spec=spec_from_hf_config(self.model.config),
+                                        device=args.device, refit=args.flexsp_refit, on_refit=loader.set_cost,
+                                        log_every=max(0, int(args.logging_steps or 0)))
+        elif args.flexsp_refit:
+            raise TrainerSetupError("flexsp_refit=True needs flexsp_run_dir: the refit learns from the recorded steps")
+        self._executor = StepExecutor(self.sp_model, _Deferred(), pool, cost=cost,
+                                      probe=None if self._telemetry is None else self._telemetry.probe)
         return loader
 
     def get_train_dataloader(self):
@@ -210,3 +224,6 @@ class FlexSPTrainer(Trainer):
             if self.flexsp_loader is not None:
                 self.flexsp_loader.close()
                 self.flexsp_loader = None
+            if self._telemetry is not None:
+                self._telemetry.close()
+                self._telemetry = None

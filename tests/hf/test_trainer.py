@@ -51,7 +51,7 @@ def _params(tmp_path, name, step):
 
 def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
     plain = _run(tmp_path, "plain", "--no-flexsp")
-    flex = _run(tmp_path, "flex", ranks=4)
+    flex = _run(tmp_path, "flex", "--run-dir", str(tmp_path / "telemetry"), ranks=4)
     assert sorted(flex) == sorted(plain) == [1, 2, 3, 4]
     for step in plain:
         assert flex[step] == pytest.approx(plain[step], rel=1e-6)
@@ -59,6 +59,8 @@ def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
     a, b = _params(tmp_path, "flex", 4), _params(tmp_path, "plain", 4)
     for key in b:
         assert float((a[key] - b[key]).abs().max()) <= 1e-6 * float(b[key].abs().max()), key
+    records = [json.loads(line) for line in (tmp_path / "telemetry" / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["seconds"] > 0 and r["micro_batches"] for r in records)   # as the loop writes
     saved = json.loads((tmp_path / "flex" / "checkpoint-2" / "flexsp_loader.json").read_text())
     assert (saved["epoch"], saved["index"], saved["step"]) == (0, 2, 2)   # the next unseen global batch
 
