@@ -283,7 +283,8 @@ def main() -> None:
         if not args.quick:   # the report of the refit run, for people to look at
             from flexsp.telemetry.report import write_report
             table, paths = write_report(tmp / "refit", out=args.out.parent / "closed_loop")
-            lines += ["## `flexsp report` of the measured refit run", "", "```", table, "```", ""]
+            lines += ["## `flexsp report` of the measured refit run", "", "<!-- generated: report -->", "```", table, "```",
+                      "<!-- end: report -->", ""]
             lines += [f"![{p.stem}](closed_loop/{p.name})" for p in paths] + [""]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -112,7 +112,7 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, object]], columns: Sequenc
 
 
 SIMULATED = ("**Simulated, not measured**: times are predicted by the paper's published cost model "
-             "(`CostModel.from_preset`, GPT-7B/13B/30B constants for 64 x A100-40GB); solve times, where shown, "
+             "(`flexsp.cost_from_preset`, GPT-7B/13B/30B constants for 64 x A100-40GB); solve times, where shown, "
              "are measured on this project's 2-core shared CPU.")
 
 

@@ -1,6 +1,6 @@
 """End-to-end speedup by simulation (FlexSP paper, Fig. 4): simulated, not measured.
 
-Every time here is predicted by the paper's published cost model (``CostModel.from_preset``: GPT
+Every time here is predicted by the paper's published cost model (``flexsp.cost_from_preset``: GPT
 7B/13B/30B constants fitted on 64 x A100-40GB), the same model FlexSP optimises; the Megatron column
 uses the analytic ``flexsp.evaluation.megatron`` model. FlexSP keeps the best of its own search and the
 BatchAda and dynamic-CP plans (fallbacks in ``flexsp.plan.planner``; BatchAda tries every single degree,
@@ -37,7 +37,7 @@ except ImportError:  # run as a script
     import common
 
 SIMULATED = ("**Simulated, not measured**: every time is predicted by the paper's published cost model "
-             "(`CostModel.from_preset`, GPT-7B/13B/30B constants for 64 x A100-40GB), the model FlexSP "
+             "(`flexsp.cost_from_preset`, GPT-7B/13B/30B constants for 64 x A100-40GB), the model FlexSP "
              "optimises; Megatron's by the analytic model in `flexsp/evaluation/megatron.py`. FlexSP's candidates include "
              "BatchAda's and the dynamic-CP rule's plans (BatchAda tries every single degree, static SP's among them), "
              "so its speedups over DeepSpeed, BatchAda and dynamic CP are >= 1x by construction.")

@@ -60,7 +60,7 @@ def append_history(setting: str, benchmark: str, wall: float, cpu: float, load: 
     with path.open("a") as f:
         f.write(f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} | {commit} | {benchmark} | {setting} | "
                 f"{wall:.3f} | {cpu:.3f} | {load:.1f} |\n")
-LABEL = ("Plan and iteration times are **simulated** with the paper's gpt-7b cost model (`CostModel.from_preset`, "
+LABEL = ("Plan and iteration times are **simulated** with the paper's gpt-7b cost model (`flexsp.cost_from_preset`, "
          "64 x A100-40GB constants); solve times are **measured** on this project's 2-core shared CPU.")
 
 

@@ -1,8 +1,8 @@
 """Regenerate the generated blocks of README.md and docs/*.md from the commands and result files that own them.
 
 A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``. ``simulate``
-is the output of the README's default command (``flexsp simulate``); ``results:FILE`` copies the block
-of the same name out of ``experiments/results/FILE``, where the benchmark script that owns the
+is the output of the README's default command (``flexsp simulate``); ``file:FILE`` copies the whole of
+``experiments/results/FILE``; ``results:FILE`` copies the block of the same name out of it, where the benchmark script that owns the
 figures wrote it. ``--check`` exits 1 when the README differs (for ``simulate``, solve times and the
 time-limited search's plan details, which vary from run to run, are ignored; its total time must agree
 within 1%: see ``simulation_differs``).
@@ -26,7 +26,7 @@ README = ROOT / "README.md"
 def documents() -> list[Path]:
     """Every page that may hold generated blocks."""
     return [README, *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w:.\-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)", re.S)
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w:.#\-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)", re.S)
 
 
 # The default 2 s time limit never binds on this table on an idle 2-core machine (FlexSP solves in
@@ -56,9 +56,23 @@ def results_block(file_name: str, name: str) -> str:
     raise SystemExit(f"experiments/results/{file_name} has no generated block {name!r}")
 
 
+def results_file(file_name: str) -> str:
+    """A whole results file as its script wrote it, less its title line (the page has its own heading);
+    links inside it are made relative to docs/."""
+    text = (ROOT / "experiments" / "results" / file_name).read_text()
+    lines = text.splitlines()
+    if lines and lines[0].startswith("#"):
+        lines = lines[1:]
+    body = "\n".join(lines).strip("\n")
+    body = re.sub(r"\]\((?!https?:|\.\./|/|#)([^)]+)\)", r"](../experiments/results/\1)", body)
+    return body.replace("<!-- generated: ", "<!-- inner: ").replace("<!-- end: ", "<!-- inner-end: ") + "\n"
+
+
 def render(name: str) -> str:
     if name == "simulate":
         return default_simulation()
+    if name.startswith("file:"):
+        return results_file(name.split(":", 1)[1])
     if name.startswith("results:"):
         file_name, _, block = name.split(":", 1)[1].partition("#")
         return results_block(file_name, block or "readme")

@@ -107,7 +107,7 @@ def main() -> int:
     sizes = [2**16, 2**18, 2**20, 2**21] if args.quick else [2**16, 2**18, 2**20, 2**22]
     fits = measure_bandwidth(args.world, sizes, repeats=3 if args.quick else 5)
     table = {d: f["bandwidth"] for d, f in fits.items()}
-    cost = with_bandwidth(profile, table, f"gloo all-to-all measured now on this machine ({args.world} processes)")
+    cost = with_bandwidth(profile, table, f"gloo all-to-all measured in the same run on this machine ({args.world} processes)")
     cost = flexsp.CostModel.from_dict(dict(cost.to_dict(), token_capacity=args.capacity))
     cluster = flexsp.Cluster(args.world, args.world)
     context = args.world * args.capacity
@@ -196,7 +196,7 @@ def main() -> int:
 Setup: model `{spec.name}` (layers {spec.layers}, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, ffn
 {spec.ffn}, vocab {spec.vocab}), the runtime's TinyLM; cost model `{args.profile.name}` (fitted by `flexsp profile`
 on {profile.meta.get('date', '?')}, {profile.meta.get('device', '?')}, clock {profile.meta.get('clock', '?')}) with
-the all-to-all bandwidths measured now and a planning capacity of {args.capacity} tokens per rank; {args.world}
+the all-to-all bandwidths measured in the same run and a planning capacity of {args.capacity} tokens per rank; {args.world}
 ranks; {args.steps} Wikipedia batch(es) of {args.batch_size} sequences (context {context}); every group replayed on
 one core ({args.repeats} timed run(s) after 1 warm-up, minimum, CPU clock). "simulated" is the cost model's
 makespan; "replayed" the makespan with each group's measured compute plus the same modelled communication, so

@@ -7,7 +7,7 @@ Three settings:
   the bundled Wikipedia lengths, and for ``long-mix`` long sequences log-uniform in [256K, 2M]
   (capped at 90% of what the cluster can hold) carrying about a third of the tokens; lengths padded
   to a multiple of 2 x N;
-* ``gpt-7b-constants``: the paper's gpt-7b constants (``CostModel.from_preset``), ZeRO-3 capacity
+* ``gpt-7b-constants``: the paper's gpt-7b constants (``flexsp.cost_from_preset``), ZeRO-3 capacity
   recomputed for N (about 6,850 tokens per GPU at 16,384), all-to-all bandwidth above 64 GPUs held
   at the 64-GPU figure, Wikipedia lengths rounded up to 128.
 
@@ -41,7 +41,7 @@ CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
 TARGET_RATIO, TARGET_SOLVE = 1.10, 1.0     # issue 27: median solve <= 1 s at 16,384 GPUs (was 10 s)
 LABEL = ("Plan times are **simulated**: an analytic LLaMA-7B on H100-80GB nodes (`flexsp.plan.analytic`) for "
-         "`wikipedia` and `long-mix`, the paper's gpt-7b constants (`CostModel.from_preset`) for `gpt-7b-constants`; "
+         "`wikipedia` and `long-mix`, the paper's gpt-7b constants (`flexsp.cost_from_preset`) for `gpt-7b-constants`; "
          "solve times are **measured** on this project's 2-core shared CPU.")
 README_FROM = 1024   # the README shows the sizes the targets are about
 

@@ -131,7 +131,7 @@ def describe_strategies(indent: str = "") -> str:
 
 
 def markdown_list() -> str:
-    """The README's strategy list (``tests/test_strategies.py`` checks the README holds exactly this)."""
+    """The strategy list of docs/concepts.md (``tests/test_strategies.py`` checks it holds exactly this)."""
     return "\n".join(f"- `{s.name}`: {s.description}" for s in strategies())
 
 
