@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import queue
 import shutil
-import socket
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 from statistics import median
@@ -34,6 +31,7 @@ import flexsp
 from flexsp.plan.specs import ModelSpec
 from flexsp.telemetry.records import group_errors, read_records
 from flexsp.telemetry.refit import RefitConfig, Refitter
+from launch import run_ranks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 4
@@ -150,31 +148,7 @@ def _worker(rank: int, port: int, cfg: dict, settings: dict, run_root: str, out)
 
 
 def measured(cfg: dict, settings: dict, run_root: Path, timeout: float) -> list[dict]:
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "flexsp.runtime"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, cfg, settings, str(run_root), out), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, value = out.get(timeout=1.0)
-                results[rank] = value
-            except queue.Empty:
-                pass
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+    results = run_ranks(_worker, WORLD, (cfg, settings, str(run_root)), timeout)
     errors = {r: v["error"] for r, v in results.items() if "error" in v}
     if errors or len(results) < WORLD:
         raise SystemExit(f"ranks failed or timed out: {errors or sorted(set(range(WORLD)) - set(results))}")

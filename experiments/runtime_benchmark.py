@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from statistics import median
@@ -31,6 +28,7 @@ import flexsp
 from flexsp.plan.planner import plan_batch
 from flexsp.plan.specs import ModelSpec
 from outputs import resolve_out  # noqa: E402
+from launch import run_ranks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 4
@@ -112,31 +110,7 @@ def _worker(rank: int, port: int, cfg: dict, configs: list, batch: list, steps: 
 
 def run_configs(cfg: dict, configs: list, batch: list, steps: int, timeout: float) -> list[list[dict]]:
     """Per configuration, per rank: the measurements (4 processes, all configurations in turn)."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "flexsp.runtime"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, cfg, configs, batch, steps, out), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, value = out.get(timeout=1.0)
-                results[rank] = value
-            except queue.Empty:
-                pass
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+    results = run_ranks(_worker, WORLD, (cfg, configs, batch, steps), timeout)
     errors = {r: v["error"] for r, v in results.items() if isinstance(v, dict)}
     if errors or len(results) < WORLD:
         raise SystemExit(f"ranks failed or timed out: {errors or sorted(set(range(WORLD)) - set(results))}")
