@@ -278,8 +278,7 @@ def report(results: list[dict], device: str, load: tuple[float, ...], threads: i
 
 def hf_report(results: list[dict]) -> tuple[list[str], bool]:
     """The HF rows: the adapter against the same transformers model run natively (packed / per sequence)."""
-    lines = ["", "## The HF adapter against HF native\n",
-             f"A transformers Llama of the same shape ({SPEC.layers} layers / hidden {SPEC.hidden} / {SPEC.heads} q and "
+    lines = ["", f"**The HF adapter against HF native.** A transformers Llama of the same shape ({SPEC.layers} layers / hidden {SPEC.hidden} / {SPEC.heads} q and "
              f"{SPEC.kv_heads} kv heads / vocab {SPEC.vocab}, fp32, `attn_implementation=\"sdpa\"`), the same batch: "
              "`flexsp hf` is `prepare_model(model).shard_loss` at degree 1 (`AttentionContext.packed`), `hf packed` the "
              "model on the pack with per-sequence `position_ids` (transformers builds its block-causal mask), `hf each` "

@@ -21,7 +21,7 @@ def test_step_benchmark_quick(tmp_path):
     assert "Measured on CPU" in text and "load average" in text
     row = next(line for line in text.splitlines() if line.startswith("| 256 "))
     assert float(row.split("|")[-2]) < 1e-4                      # loss spread of the three contenders
-    hf_row = next(line for line in text.split("HF adapter against HF native")[1].splitlines() if line.startswith("| 256 "))
+    hf_row = next(line for line in text.split("The HF adapter against HF native")[1].splitlines() if line.startswith("| 256 "))
     assert float(hf_row.split("|")[-2]) < 1e-4                   # flexsp hf / hf packed / hf each
     assert "flexsp hf vs the faster native path" in text
     assert ("MISSED" in text) == ("MISSED" in result.stdout)      # a miss is printed where it is written
