@@ -10,11 +10,20 @@ length mix (the issue's [2048, 1024, 512, 256, 256] scaled to the total):
 * ``4-D mask``: the whole pack in one forward, one SDPA call per layer under a ``[1, 1, T, T]``
   block-causal mask.
 
+And the same for a Hugging Face model (a transformers Llama of the same shape, ``attn_implementation="sdpa"``):
+
+* ``flexsp hf``: ``flexsp.hf.prepare_model(model).shard_loss`` on the packed batch with an
+  ``AttentionContext.packed`` of its bounds (degree 1, no process group);
+* ``hf packed``: the model called natively on the pack with per-sequence ``position_ids`` (transformers
+  detects the packing and builds its block-causal mask);
+* ``hf each``: the model called natively once per sequence (no mask: SDPA's ``is_causal``).
+
 Contenders run interleaved (rotating order) for ``repeats`` rounds after a warm-up; the figure is
 the median step time. Peak memory: growth of the resident set's high-water mark (``VmHWM``, reset
 before each measured step) above the resident set at the step's start (Linux; CPU only). Targets:
 flexsp >= 0.95x the best plain loop's speed (ratio = other's time / flexsp's time), peak memory
-within 1.2x of the plain loop's; a miss prints MISSED. The losses of all contenders must agree.
+within 1.2x of the plain loop's; ``flexsp hf`` >= 0.95x the faster native HF path; a miss prints
+MISSED. The losses of all contenders must agree (asserted for the HF rows: fp32 tolerance).
 
     python experiments/step_benchmark.py            # 1K, 4K, 16K tokens; writes experiments/results/step_benchmark.md
     python experiments/step_benchmark.py --quick --out /tmp/step.md   # CI: 256 tokens, 2 rounds
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import ctypes
 import gc
 import os
@@ -42,6 +52,7 @@ from flexsp.runtime.models.plain import plain_loss  # noqa: E402
 from flexsp.runtime.models.protocol import loss_dtype  # noqa: E402
 from flexsp.runtime.models.tiny import Rotary, TinyLM  # noqa: E402
 from flexsp.runtime.pool import GroupPool  # noqa: E402
+from flexsp.runtime.sp.context import IGNORE_INDEX, AttentionContext  # noqa: E402
 from flexsp.runtime.step import StepExecutor  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -112,6 +123,60 @@ class Contender:
         return loss
 
 
+HF_NAMES = ("flexsp hf", "hf packed", "hf each")
+
+
+class HFContender(Contender):
+    """One way to run a transformers causal LM's step: the FlexSP adapter, or the model called natively."""
+
+    def __init__(self, name: str, model: torch.nn.Module, batch: list[torch.Tensor]) -> None:
+        self.name, self.model, self.batch = name, model, batch
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        lengths = [s.numel() for s in batch]
+        self.ids = torch.cat(batch)
+        self.positions = torch.cat([torch.arange(n) for n in lengths])
+        self.labels = torch.cat([torch.cat([s[1:], torch.tensor([IGNORE_INDEX])]) for s in batch])
+        self.ctx = AttentionContext.packed([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        self.count = sum(n - 1 for n in lengths)
+        self.seconds, self.cpu, self.losses, self.peak_mib = [], [], [], float("nan")
+
+    def loss(self) -> torch.Tensor:
+        """Mean next-token loss over the batch (a sum over tokens / their count, whatever the path)."""
+        if self.name == "flexsp hf":
+            return self.model.shard_loss(self.ids, self.positions, self.labels, self.ctx) / self.count
+        if self.name == "hf packed":
+            logits = self.model(input_ids=self.ids[None], position_ids=self.positions[None], use_cache=False).logits[0]
+            return F.cross_entropy(logits.to(loss_dtype(logits.dtype)), self.labels, reduction="sum") / self.count
+        total = 0.0
+        for s in self.batch:
+            logits = self.model(input_ids=s[None], use_cache=False).logits[0, :-1]
+            total = total + F.cross_entropy(logits.to(loss_dtype(logits.dtype)), s[1:], reduction="sum")
+        return total / self.count
+
+    def step(self) -> float:
+        start, cpu = time.perf_counter(), time.process_time()
+        self.optimizer.zero_grad(set_to_none=True)
+        value = self.loss()
+        value.backward()
+        self.optimizer.step()
+        loss = float(value.detach())
+        self.seconds.append(time.perf_counter() - start)
+        self.cpu.append(time.process_time() - cpu)
+        self.losses.append(loss)
+        return loss
+
+
+def hf_model(spec: ModelSpec) -> torch.nn.Module:
+    """A random-init transformers Llama of ``spec``'s shape, fp32, SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    from flexsp.hf import tiny_config
+    cfg = tiny_config("llama", vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                      max_position_embeddings=max(4096, 2 * MIX[0] * 8))
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -134,24 +199,41 @@ def _peak_mib(contender: Contender) -> float:
     return (_status_kib("VmHWM") - before) / 1024
 
 
-def run_size(total: int, repeats: int, spec: ModelSpec) -> dict:
+def _measure(contenders: list[Contender], repeats: int) -> list[float]:
+    """Warm-up (the first losses: same weights, same batch), interleaved rounds, then one step for peak memory."""
+    first = [c.step() for c in contenders]
+    for c in contenders:
+        c.seconds.clear()
+        c.cpu.clear()
+    n = len(contenders)
+    for r in range(repeats):
+        for c in contenders[r % n:] + contenders[:r % n]:                    # interleaved, rotating order
+            c.step()
+    for c in contenders:
+        c.peak_mib = _peak_mib(c)
+    return first
+
+
+def run_size(total: int, repeats: int, spec: ModelSpec, hf: bool = True) -> dict:
     lengths = lengths_for(total)
     g = torch.Generator().manual_seed(total)
     batch = [torch.randint(1, spec.vocab, (n,), generator=g) for n in lengths]
     torch.manual_seed(0)
     base = TinyLM(spec)
     contenders = [Contender(name, copy.deepcopy(base), batch) for name in ("flexsp", "plain loop", "4-D mask")]
-    first = [c.step() for c in contenders]                                   # warm-up, same weights: same loss
-    for c in contenders:
-        c.seconds.clear()
-        c.cpu.clear()
-    for r in range(repeats):
-        for c in contenders[r % 3:] + contenders[:r % 3]:                    # interleaved, rotating order
-            c.step()
-    for c in contenders:
-        c.peak_mib = _peak_mib(c)
-    return {"total": sum(lengths), "lengths": lengths, "first_losses": first,
-            "contenders": {c.name: c for c in contenders}}
+    out = {"total": sum(lengths), "lengths": lengths, "first_losses": _measure(contenders, repeats),
+           "contenders": {c.name: c for c in contenders}}
+    if hf:
+        from flexsp.hf import prepare_model
+        torch.manual_seed(0)
+        native = hf_model(spec)
+        models = {"flexsp hf": prepare_model(copy.deepcopy(native)), "hf packed": copy.deepcopy(native), "hf each": native}
+        hf_contenders = [HFContender(name, models[name], batch) for name in HF_NAMES]
+        first = _measure(hf_contenders, repeats)
+        if not all(math.isclose(x, first[0], rel_tol=1e-5) for x in first):   # fp32: the same step, other kernels
+            raise AssertionError(f"HF contenders' losses differ: {dict(zip(HF_NAMES, first))}")
+        out.update(hf_first_losses=first, hf_contenders={c.name: c for c in hf_contenders})
+    return out
 
 
 def report(results: list[dict], device: str, load: tuple[float, ...], threads: int) -> tuple[str, bool]:
@@ -185,9 +267,42 @@ def report(results: list[dict], device: str, load: tuple[float, ...], threads: i
         verdicts.append(f"- {res['total']} tokens: speed vs the best plain loop {speed:.2f}x (target >= "
                         f"{SPEED_TARGET}x) {'met' if s_ok else 'MISSED'}; memory vs the plain loop {memory:.2f}x "
                         f"(target <= {MEMORY_TARGET}x) {'met' if m_ok else 'MISSED'}")
-    lines += ["", "Ratios are the other's time over flexsp's (higher is better for flexsp). Targets:", *verdicts,
-              "", "Not measured here: HF native against the HF adapter (issue 30 point 3)."]
+    lines += ["", "Ratios are the other's time over flexsp's (higher is better for flexsp). Targets:", *verdicts]
+    hf_results = [res for res in results if "hf_contenders" in res]
+    if hf_results:
+        hf_lines, hf_ok = hf_report(hf_results)
+        lines += hf_lines
+        ok &= hf_ok
     return "\n".join(lines) + "\n", ok
+
+
+def hf_report(results: list[dict]) -> tuple[list[str], bool]:
+    """The HF rows: the adapter against the same transformers model run natively (packed / per sequence)."""
+    lines = ["", f"**The HF adapter against HF native.** A transformers Llama of the same shape ({SPEC.layers} layers / hidden {SPEC.hidden} / {SPEC.heads} q and "
+             f"{SPEC.kv_heads} kv heads / vocab {SPEC.vocab}, fp32, `attn_implementation=\"sdpa\"`), the same batch: "
+             "`flexsp hf` is `prepare_model(model).shard_loss` at degree 1 (`AttentionContext.packed`), `hf packed` the "
+             "model on the pack with per-sequence `position_ids` (transformers builds its block-causal mask), `hf each` "
+             "one native call per sequence. CPU seconds per step, wall seconds in brackets.\n",
+             "| tokens | flexsp hf s | hf packed s | hf each s | packed / flexsp hf | each / flexsp hf | "
+             "peak MiB flexsp hf / packed / each | loss spread |",
+             "|---|---|---|---|---|---|---|---|"]
+    ok, verdicts = True, []
+    for res in results:
+        c = res["hf_contenders"]
+        ms = {name: median(x.cpu) for name, x in c.items()}
+        wall = {name: median(x.seconds) for name, x in c.items()}
+        spread = max(res["hf_first_losses"]) - min(res["hf_first_losses"])
+        lines.append(f"| {res['total']} | " + " | ".join(f"{ms[n]:.2f} ({wall[n]:.1f})" for n in HF_NAMES) + " | "
+                     f"{ms['hf packed'] / ms['flexsp hf']:.2f}x | {ms['hf each'] / ms['flexsp hf']:.2f}x | "
+                     + " / ".join(f"{c[n].peak_mib:.0f}" for n in HF_NAMES) + f" | {spread:.1e} |")
+        faster = min(("hf packed", "hf each"), key=ms.get)
+        speed = ms[faster] / ms["flexsp hf"]
+        met = speed >= SPEED_TARGET
+        ok &= met
+        verdicts.append(f"- {res['total']} tokens: flexsp hf vs the faster native path ({faster}) {speed:.2f}x "
+                        f"(target >= {SPEED_TARGET}x) {'met' if met else 'MISSED'}")
+    return lines + ["", "Ratios are native time over the adapter's (higher is better for flexsp). Targets:",
+                    *verdicts], ok
 
 
 def main() -> None:

@@ -6,6 +6,12 @@ context in the forward kwargs (transformers passes them down to every attention 
 registry wrapper of ``attention.py`` picks them up) and an empty prepared 4-D mask, which
 transformers' mask builders return as is: no ``[tokens, tokens]`` mask is built for a shard whose
 real layout is ``ctx.cu_seqlens``. The loss goes through the LM head in chunks (``loss.py``).
+
+Why not a mask function in transformers' ``AttentionMaskInterface``: a mask function is chosen by
+the model's key and gets no forward kwargs, so one registered under the key FlexSP keeps (``sdpa``,
+...) would drop the mask of the same model's native calls too (the probe's reference, generation);
+a key of FlexSP's own would change the model's ``_attn_implementation``. The prepared 4-D mask is
+per call, covers every builder (causal, sliding, chunked) and costs nothing.
 """
 from __future__ import annotations
 
