@@ -20,10 +20,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, install
+from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, install
 from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
 from flexsp.hf.loss import linear_cross_entropy
 from flexsp.hf.route import route_context
+from flexsp.plan.memory import check_recompute
 from flexsp.runtime.sp.context import AttentionContext, check_heads
 
 
@@ -51,6 +52,20 @@ class HFCausalLM(nn.Module):
         except UnsupportedModelError:   # no decoder layers (a 0-layer base for profiling): nothing to route
             layers = []
         self.routed = route_context(layers, self.name)
+
+    def set_recompute(self, recompute: str) -> None:
+        """Activation checkpointing (``flexsp.plan.memory.RECOMPUTE``): "full" is transformers' own
+        per-layer gradient checkpointing (each decoder layer keeps only its input); "selective" recomputes
+        only the attention core (kernel and SP exchanges) in backward; "none" keeps everything."""
+        mode = check_recompute(recompute)
+        if mode == "full":
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif getattr(self.model, "is_gradient_checkpointing", False):
+            self.model.gradient_checkpointing_disable()
+        for layer in self.fsdp_units():
+            for module in layer.modules():
+                setattr(module, RECOMPUTE_ATTR, mode == "selective")
+        self.recompute = mode
 
     # --- SPModel -------------------------------------------------------------------------------
     def sp_heads(self) -> tuple[int, int]:

@@ -15,12 +15,14 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from flexsp.hf.features import UnsupportedModelError, check_call
 from flexsp.runtime.sp.attention import sp_attention
 from flexsp.runtime.sp.context import AttentionContext
 
 CONTEXT_KWARG = "flexsp_attention"   # the forward kwarg that carries the AttentionContext
+RECOMPUTE_ATTR = "flexsp_recompute_attention"   # set on a layer's modules: recompute the attention core in backward
 RECEIPT_KWARG = "flexsp_receipt"     # a list each FlexSP attention call appends to: proof SP really ran
 _MARK = "_flexsp_original"           # attribute of an installed wrapper: the function it wraps
 
@@ -113,5 +115,8 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     default = q.shape[-1] ** -0.5
     if scaling is not None and scaling != default:
         q = q * (scaling / default)   # the kernel scales by 1/sqrt(dim); fold the model's own scale into q
-    out = sp_attention(q, k, v, ctx)
+    if getattr(module, RECOMPUTE_ATTR, False) and torch.is_grad_enabled():   # selective recompute
+        out = checkpoint(sp_attention, q, k, v, ctx, use_reentrant=False)
+    else:
+        out = sp_attention(q, k, v, ctx)
     return out.unsqueeze(0).contiguous(), None   # as transformers' own functions return it (callers .view it)
