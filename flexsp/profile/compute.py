@@ -24,8 +24,8 @@ from torch import nn
 
 from flexsp.plan.specs import ModelSpec, spec_from_hf_config
 from flexsp.runtime.models.tiny import TinyLM
-from flexsp.runtime.shard import Shard, pack
-from flexsp.runtime.sp.context import IGNORE_INDEX, AttentionContext
+from flexsp.runtime.shard import pack
+from flexsp.runtime.sp.context import IGNORE_INDEX, AttentionContext, Shard
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # wall: what training sees (GPU: after a device sync). cpu: this process's CPU seconds, which leave out
@@ -81,9 +81,7 @@ def make_shard(lengths: Sequence[int], degree: int, local_rank: int, vocab: int,
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(1, vocab, (int(n),), generator=gen) for n in lengths]
     packed = pack(seqs, degree)
-    shard = packed.shard(local_rank)
-    shard = Shard(shard.input_ids.to(device), shard.position_ids.to(device), shard.labels.to(device),
-                  shard.real_tokens)
+    shard = packed.shard(local_rank).to(device)
     ctx = AttentionContext(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen, group=group, backend=backend)
     return shard, ctx
 

@@ -11,9 +11,14 @@ from flexsp.runtime.kernels import attend, attend_lse, flash_available, merge_pa
 from flexsp.runtime.models.protocol import SPModel, chunked_cross_entropy
 from flexsp.runtime.models.tiny import TinyLM
 from flexsp.runtime.pool import GroupPool, PoolStats, init_distributed
-from flexsp.runtime.shard import PackedGroup, Shard, loss_tokens, pack
+from flexsp.runtime.shard import PackedGroup, loss_tokens, pack
 from flexsp.runtime.sp.attention import sp_attention
-from flexsp.runtime.sp.context import IGNORE_INDEX, AttentionContext, ShardingError
+from flexsp.runtime.sp.context import (
+           IGNORE_INDEX,
+           AttentionContext,
+           Shard,
+           ShardingError,
+)
 from flexsp.runtime.sp.ring import RingContext, ring_attention
 from flexsp.runtime.sp.ulysses import ulysses_attention
 from flexsp.runtime.sp.ulysses_comm import all_to_all, head_to_seq, seq_to_head

@@ -63,23 +63,7 @@ class PackedGroup:
 
     def context(self, device: torch.device | str | None = None, *, group=None, backend: str = "auto"):
         """The group's ``AttentionContext``: ``cu_seqlens`` copied to ``device`` once, for every layer."""
-        from flexsp.runtime.sp.context import AttentionContext
         return AttentionContext.packed(self.cu_seqlens, device, group=group, backend=backend)
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One rank's part of a packed group; its first ``real_tokens`` tokens are data, the rest padding."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-    real_tokens: int
-
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "Shard":
-        """The shard on ``device`` (three copies per micro-batch, nothing per sequence)."""
-        move = lambda t: t.to(device, non_blocking=non_blocking)   # noqa: E731
-        return Shard(move(self.input_ids), move(self.position_ids), move(self.labels), self.real_tokens)
 
 
 def pack(sequences: Sequence[torch.Tensor], degree: int) -> PackedGroup:
