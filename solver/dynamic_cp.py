@@ -144,7 +144,9 @@ class _Batch:
 
 
 def make_buckets(pending: list[int], batch: _Batch) -> list[list[int]]:
-    """Upstream's ``make_buckets_equal``: consecutive runs of ``pending`` with about equal work.
+    """Upstream's ``make_buckets_equal``: consecutive runs of ``pending`` with about equal work. The
+    plain scan, kept as the reference ``_Pending.buckets`` (the block search the planner runs) is
+    tested against.
 
     As many buckets as there are sizes among ``pending``, give or take: a bucket closes before a
     sequence that would take it above 1.1x the mean, or when the sequences left are needed for the
@@ -402,6 +404,14 @@ class _Pending:
         """The live slot ``m`` places after live slot ``t`` (END past the last)."""
         return self._first_over(self.alive, self.blk_alive, t, m)
 
+    def singletons(self) -> list[tuple[int, int]]:
+        """Every live slot as a run of its own, in order."""
+        out, t = [], self.head
+        while t != self.END:
+            out.append((t, self.nxt[t]))
+            t = self.nxt[t]
+        return out
+
     def buckets(self) -> list[tuple[int, int]]:
         """Upstream's ``make_buckets_equal`` as (first slot, slot after the last) runs, exactly:
         a bucket closes before the sequence that takes its work above 1.1x the mean, or where the
@@ -425,11 +435,12 @@ class _Pending:
         return out
 
 
-def _iterate_buckets(pending: _Pending, batch: _Batch, num_gpus: int,
-                     tolerance: tuple[int, int]) -> tuple[GroupAssignment, ...]:
+def _iterate_buckets(pending: _Pending, batch: _Batch, num_gpus: int, tolerance: tuple[int, int],
+                     every_sequence: bool = False) -> tuple[GroupAssignment, ...]:
     """One micro-batch of upstream's bucketed rule; updates ``pending`` in place (placed sequences
-    leave it, trimmed ones go to its end)."""
-    runs = pending.buckets()
+    leave it, trimmed ones go to its end). ``every_sequence``: each pending sequence is its own bucket
+    (``lookahead="all"``, the measured deferral departure)."""
+    runs = pending.singletons() if every_sequence else pending.buckets()
     head = [start for start, _ in runs]
     stop = [end for _, end in runs]
     blocked = [False] * len(runs)
@@ -496,47 +507,6 @@ def _finish_fast(order: list[int], batch: _Batch, num_gpus: int) -> list[tuple[G
     return out
 
 
-def _iterate(pending: list[int], batch: _Batch, num_gpus: int, tolerance: tuple[int, int],
-             lookahead: str) -> tuple[tuple[GroupAssignment, ...], list[int]]:
-    """One micro-batch from ``pending`` (in upstream's order); returns it and the new pending list.
-    O(pending) per micro-batch: kept only for ``lookahead="all"``, the measured departure."""
-    buckets = make_buckets(pending, batch) if lookahead == "buckets" else [[i] for i in pending]
-    head = [0] * len(buckets)
-    blocked = [False] * len(buckets)
-    it = _Iteration(batch, num_gpus, tolerance)
-    remaining, first, first_degree, check = len(pending), 0, None, False
-    while True:
-        # the first bucket whose first pending sequence can go; a bucket blocked once stays blocked,
-        # as free GPUs and room only shrink until the trim, so the scan restarts where it stopped
-        chosen = None
-        b = first
-        while b < len(buckets):
-            if not blocked[b] and head[b] < len(buckets[b]):
-                g = it.target(buckets[b][head[b]])
-                if g is not None:
-                    chosen = g
-                    break
-                blocked[b] = True
-            if b == first:
-                first += 1
-            b += 1
-        if chosen is None:
-            break
-        seq = buckets[b][head[b]]
-        head[b] += 1
-        it.place(seq, chosen)
-        remaining -= 1
-        degree = batch.degrees[batch.size[seq]]
-        first_degree = degree if first_degree is None else first_degree
-        check = check or degree < first_degree
-        if check and remaining and it.balanced():
-            break
-    leftovers = [i for b, bucket in enumerate(buckets) for i in bucket[head[b]:]]
-    leftovers += it.trim()
-    it.fill_idle()
-    return it.groups(), leftovers
-
-
 def dynamic_cp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, *,
                max_seqlen_per_rank: float | None = None, tolerance: float = BALANCE_TOLERANCE,
                lookahead: str = "buckets", deadline: float | None = None) -> Schedule:
@@ -571,17 +541,12 @@ def dynamic_cp(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, *,
     order = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
     micro_batches: list[tuple[GroupAssignment, ...]] = []
     late = lambda: deadline is not None and time.perf_counter() > deadline  # noqa: E731
-    if lookahead == "buckets":
-        pending = _Pending(order, batch)
-        while pending.count and not late():
-            micro_batches.append(_iterate_buckets(pending, batch, num_gpus, frac))
-        order, t = [], pending.head
-        while t != _Pending.END:
-            order.append(pending.seq[t])
-            t = pending.nxt[t]
-    else:
-        while order and not late():
-            groups, order = _iterate(order, batch, num_gpus, frac, lookahead)
-            micro_batches.append(groups)
+    pending = _Pending(order, batch)
+    while pending.count and not late():
+        micro_batches.append(_iterate_buckets(pending, batch, num_gpus, frac, every_sequence=lookahead == "all"))
+    order, t = [], pending.head
+    while t != _Pending.END:
+        order.append(pending.seq[t])
+        t = pending.nxt[t]
     micro_batches += _finish_fast(order, batch, num_gpus)
     return Schedule(tuple(micro_batches))
