@@ -48,9 +48,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexsp import Group, MicroBatch, Plan  # noqa: E402
 from flexsp.plan.specs import ModelSpec  # noqa: E402
-from flexsp.runtime.models.plain import plain_loss  # noqa: E402
+from flexsp.runtime.models.plain import masked_loss, plain_loss  # noqa: E402
 from flexsp.runtime.models.protocol import loss_dtype  # noqa: E402
-from flexsp.runtime.models.tiny import Rotary, TinyLM  # noqa: E402
+from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
 from flexsp.runtime.pool import GroupPool  # noqa: E402
 from flexsp.runtime.sp.context import IGNORE_INDEX, AttentionContext  # noqa: E402
 from flexsp.runtime.step import StepExecutor  # noqa: E402
@@ -65,31 +65,6 @@ def lengths_for(total: int) -> list[int]:
     """The issue's length mix scaled to ``total`` tokens (each at least 2)."""
     scale = total / sum(MIX)
     return [max(2, round(n * scale)) for n in MIX]
-
-
-def masked_loss(model: TinyLM, sequences: list[torch.Tensor]) -> torch.Tensor:
-    """The whole pack in one forward, one SDPA call per layer under a 4-D block-causal mask."""
-    cfg = model.cfg
-    ids = torch.cat(sequences)
-    t = ids.numel()
-    seq = torch.repeat_interleave(torch.arange(len(sequences)), torch.tensor([s.numel() for s in sequences]))
-    pos = torch.cat([torch.arange(s.numel()) for s in sequences])
-    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
-    x = model.embed(ids)
-    rope = Rotary(pos, cfg.head_size, cfg.rope_theta, x.dtype)
-    for block in model.blocks:
-        attn = block.attn
-        h = block.attn_norm(x)
-        q = rope.apply(attn.q(h).view(t, cfg.heads, cfg.head_size))
-        k, v = attn.kv(h).view(t, 2, cfg.kv_heads, cfg.head_size).unbind(1)
-        k = rope.apply(k)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             attn_mask=mask[None, None], enable_gqa=True)
-        x = x + attn.out(out[0].transpose(0, 1).reshape(t, -1))
-        x = x + block.mlp(block.mlp_norm(x))
-    logits = model._project(model.norm(x))
-    labels = torch.cat([torch.cat([s[1:], torch.tensor([-100])]) for s in sequences])
-    return F.cross_entropy(logits.to(loss_dtype(logits.dtype)), labels, reduction="sum") / sum(s.numel() - 1 for s in sequences)
 
 
 class Contender:
@@ -237,7 +212,7 @@ def run_size(total: int, repeats: int, spec: ModelSpec, hf: bool = True) -> dict
 
 
 def report(results: list[dict], device: str, load: tuple[float, ...], threads: int) -> tuple[str, bool]:
-    lines = [f"# Degree-1 step benchmark\n",
+    lines = ["# Degree-1 step benchmark\n",
              f"Measured on {device}, {threads} torch threads, load average {load[0]:.1f} / {load[1]:.1f} / "
              f"{load[2]:.1f} at the end (a shared machine: times are noisy; medians of interleaved rounds). "
              f"TinyLM {SPEC.layers} layers / hidden {SPEC.hidden} / {SPEC.heads} q and {SPEC.kv_heads} kv heads / "
