@@ -1,6 +1,7 @@
 """The GPU topology a plan is made for: how many GPUs and how they are grouped into nodes."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -45,6 +46,106 @@ def is_aligned_block(ranks: Sequence[int]) -> bool:
     """Whether ``ranks`` is one aligned block ``aligned_block(k, len(ranks))`` of a power-of-two size."""
     ranks = tuple(int(r) for r in ranks)
     return is_power_of_two(len(ranks)) and not misaligned(np.asarray(ranks), np.asarray([len(ranks)])).any()
+
+
+# --- tiles: the placement rule for SP groups of any degree (non-power-of-two included) ---
+# A degree d has one fixed tiling of the ranks: inside a node when d <= the node size (node n holds
+# tiles n*g + k*d for k < g // d; the g % d ranks left over are not in any tile of d), or whole nodes
+# when d is a multiple of the node size (tiles k*d across the cluster). A group of degree d always
+# sits on one tile of d, so each rank holds at most one communicator per degree > 1, whatever the
+# plans; for power-of-two degrees on power-of-two nodes the tiles are the aligned blocks above.
+def node_size(num_gpus: int, gpus_per_node: int) -> int:
+    """GPUs in one node of this cluster (a single partial node is the whole cluster)."""
+    return min(int(gpus_per_node), int(num_gpus))
+
+
+def tileable(degree: int, num_gpus: int, gpus_per_node: int) -> bool:
+    """Whether a group of ``degree`` GPUs has a tile: inside a node, or a whole number of nodes."""
+    g = node_size(num_gpus, gpus_per_node)
+    return 1 <= degree <= num_gpus and (degree <= g or degree % g == 0)
+
+
+def tile_starts(degree: int, num_gpus: int, gpus_per_node: int) -> np.ndarray:
+    """First rank of every tile of ``degree``, ascending (empty when the degree has no tile)."""
+    if not tileable(degree, num_gpus, gpus_per_node):
+        return np.zeros(0, dtype=np.int64)
+    g = node_size(num_gpus, gpus_per_node)
+    if degree <= g:
+        per_node = np.arange(g // degree, dtype=np.int64) * degree
+        return (np.arange(num_gpus // g, dtype=np.int64)[:, None] * g + per_node[None, :]).ravel()
+    return np.arange(num_gpus // degree, dtype=np.int64) * degree
+
+
+def is_tile_start(first: np.ndarray, degree: np.ndarray, num_gpus: int, gpus_per_node: int) -> np.ndarray:
+    """Vectorised: whether a group of ``degree`` GPUs starting at rank ``first`` lies on a tile."""
+    first, degree = np.asarray(first, dtype=np.int64), np.asarray(degree, dtype=np.int64)
+    g = node_size(num_gpus, gpus_per_node)
+    inside = first % g
+    in_node = (degree <= g) & (inside % np.maximum(degree, 1) == 0) & (inside + degree <= g)
+    whole = (degree > g) & (degree % g == 0) & (first % np.maximum(degree, 1) == 0)
+    return (in_node | whole) & (degree >= 1) & (first >= 0) & (first + degree <= num_gpus)
+
+
+def nests(degrees: Iterable[int], num_gpus: int, gpus_per_node: int) -> bool:
+    """Whether ``degrees`` form a chain whose tiles nest (each degree divides the next, and every
+    degree inside a node divides the node size). Then ``place_groups`` succeeds whenever the degrees
+    of a micro-batch sum to at most ``num_gpus``: largest first, each group's start is a multiple of
+    its degree that no tile boundary of a larger degree cuts. Powers of two on power-of-two nodes nest."""
+    chain = sorted(set(int(d) for d in degrees))
+    g = node_size(num_gpus, gpus_per_node)
+    return (all(tileable(d, num_gpus, gpus_per_node) for d in chain)
+            and all(b % a == 0 for a, b in zip(chain, chain[1:]))
+            and all(g % d == 0 for d in chain if d <= g))
+
+
+def place_groups(degrees: Sequence[int], num_gpus: int, gpus_per_node: int) -> np.ndarray | None:
+    """First rank of each group's tile (in the order given), or None when they do not all fit.
+
+    Largest degree first, each group on the lowest free tile of its degree; groups of one degree are
+    placed together, vectorised over nodes, so the cost grows with distinct degrees and nodes, not
+    with groups. Always succeeds for degrees that ``nests`` accepts and that sum to at most N; for other
+    sets it may fail although the degrees sum to at most N (planners check it)."""
+    degrees = np.asarray(degrees, dtype=np.int64)
+    if len(degrees) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if (degrees < 1).any() or int(degrees.sum()) > num_gpus:
+        return None
+    g = node_size(num_gpus, gpus_per_node)
+    nodes = num_gpus // g
+    free = np.ones((nodes, g), dtype=bool)              # [node, local rank]
+    starts = np.empty(len(degrees), dtype=np.int64)
+    for d in sorted(set(degrees.tolist()), reverse=True):
+        who = np.flatnonzero(degrees == d)              # groups of this degree, in the order given
+        if not tileable(d, num_gpus, gpus_per_node):
+            return None
+        if d <= g:
+            per = g // d
+            tiles = free[:, :per * d].reshape(nodes, per, d).all(axis=2).ravel()     # node-major, tile-minor
+            chosen = np.flatnonzero(tiles)[:len(who)]
+            if len(chosen) < len(who):
+                return None
+            node, k = np.divmod(chosen, per)
+            for j in range(d):
+                free[node, k * d + j] = False
+            starts[who] = node * g + k * d
+        else:
+            m = d // g
+            blocks = free.all(axis=1)[:(nodes // m) * m].reshape(-1, m).all(axis=1)
+            chosen = np.flatnonzero(blocks)[:len(who)]
+            if len(chosen) < len(who):
+                return None
+            free[(chosen[:, None] * m + np.arange(m)[None, :]).ravel()] = False
+            starts[who] = chosen * d
+    return starts
+
+
+def ulysses_split(degree: int, heads: int | None) -> tuple[int, int]:
+    """(Ulysses part, ring part) of a group of ``degree`` GPUs for a model with ``heads`` query heads:
+    the Ulysses part is the largest divisor of the degree that divides the heads (``gcd``), the ring
+    takes the rest (rings run at any size). ``heads`` None: all Ulysses. For power-of-two degrees this
+    is ``min(degree, largest power of two dividing heads)``."""
+    ulysses = int(degree) if heads is None else math.gcd(int(degree), int(heads))
+    return ulysses, int(degree) // ulysses
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import numpy as np
 
 from flexsp.errors import CostModelError
 from flexsp.inputs import exact_sum, integer, number, read_json
-from flexsp.plan.cluster import is_power_of_two
+from flexsp.plan.cluster import is_power_of_two, ulysses_split
 from flexsp.plan.lengths import as_lengths
 from solver.types import DegreeCosts, seconds
 
@@ -171,9 +171,7 @@ class CostModel:
 
     def split(self, degree: int) -> tuple[int, int]:
         """(Ulysses degree, ring degree) of a group of ``degree`` GPUs."""
-        limit = self.ulysses_limit
-        ulysses = degree if limit is None else min(degree, limit)
-        return ulysses, degree // ulysses
+        return ulysses_split(degree, self.heads)
 
     def coefficients(self, degree: int) -> tuple[float, float, float]:
         """(s^2, s, ring) coefficients of one sequence's time at ``degree`` (see the module docstring)."""
