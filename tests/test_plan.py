@@ -31,9 +31,9 @@ def test_a_good_plan_validates_and_round_trips():
 
 
 @pytest.mark.parametrize("micro_batches, message", [
-    ([[(range(0, 3), (0, 1, 2, 3))]], "degree 3 is not a power of two"),
+    ([[(range(1, 4), (0, 1, 2, 3))]], "not a tile of degree 3"),
     ([[(range(0, 2), (1,)), (range(1, 2), (0, 2, 3))]], "rank 1 is used by two groups"),
-    ([[(range(1, 3), (1,)), (range(0, 1), (0, 2, 3))]], "not an aligned block"),
+    ([[(range(1, 3), (1,)), (range(0, 1), (0, 2, 3))]], "not a tile of degree 2"),
     ([[(range(16, 17), (0, 1, 2, 3))]], "rank 16 is outside 0..15"),
     ([[(range(0, 2), (1,)), (range(2, 3), (0,))]], r"sequences \[2, 3\] are not planned"),
     ([[(range(0, 2), (1, 0)), (range(2, 3), (0,)), (range(3, 4), (2, 3))]], "sequence 0 is planned twice"),

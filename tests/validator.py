@@ -21,9 +21,14 @@ def check_plan(plan_dict: dict, lengths, cost, num_gpus: int, gpus_per_node: int
         for group in mb["groups"]:
             ranks, seqs = list(group["ranks"]), list(group["seq_ids"])
             d = len(ranks)
-            assert d >= 1 and (d & (d - 1)) == 0, f"degree {d} not a power of two"
+            assert d >= 1
             assert seqs, "empty group"
-            assert ranks == list(range(ranks[0], ranks[0] + d)) and ranks[0] % d == 0, f"unaligned {ranks}"
+            assert ranks == list(range(ranks[0], ranks[0] + d)), f"not consecutive {ranks}"
+            node = min(gpus_per_node, num_gpus)        # tiles: inside a node, or whole nodes
+            if d <= node:
+                assert (ranks[0] % node) % d == 0 and ranks[0] % node + d <= node, f"not a tile {ranks}"
+            else:
+                assert d % node == 0 and ranks[0] % d == 0, f"not a tile {ranks}"
             assert all(0 <= r < num_gpus for r in ranks)
             assert not ranks_used & set(ranks), "rank used twice in a micro-batch"
             ranks_used |= set(ranks)
@@ -32,7 +37,7 @@ def check_plan(plan_dict: dict, lengths, cost, num_gpus: int, gpus_per_node: int
             tokens = sum(lengths[i] for i in seqs)
             assert tokens <= cost.token_capacity * d + 1e-9, f"{tokens} tokens overflow {d} GPUs"
             time = cost.beta1
-            u = d if cost.heads is None else min(d, cost.heads & -cost.heads)   # Ulysses part
+            u = d if cost.heads is None else math.gcd(d, cost.heads)            # Ulysses part
             r = d // u                                                          # ring part
             assert group.get("ring", 1) == r, f"group of {d} should record ring {r}"
             for i in seqs:

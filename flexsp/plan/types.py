@@ -17,7 +17,7 @@ import numpy as np
 
 from flexsp.errors import PlanError
 from flexsp.inputs import INT64_MAX, exact_sum, integer, limit, number, parse_json, read_json, too_large
-from flexsp.plan.cluster import is_power_of_two, misaligned
+from flexsp.plan.cluster import is_tile_start
 from flexsp.plan.lengths import as_lengths
 from solver.types import seconds
 
@@ -166,16 +166,14 @@ class Plan:
             seen.add(key)
             ring = integer(g.ring, f"micro-batch {m} group {j}: ring", PlanError)
             if g.degree % ring:
-                raise PlanError(f"micro-batch {m} group {j}: ring degree {ring} must be a power of two dividing "
+                raise PlanError(f"micro-batch {m} group {j}: ring degree {ring} must divide "
                                 f"the group's {g.degree} GPUs (Ulysses x ring = group size)")
             if cost is None:
                 continue
-            limit = cost.ulysses_limit
-            if limit is not None and g.ulysses > limit:
+            if cost.heads is not None and cost.heads % g.ulysses:
                 raise PlanError(
-                    f"micro-batch {m} group {j}: Ulysses degree {g.ulysses} (= {g.degree} GPUs / ring {ring}) exceeds "
-                    f"the model's {cost.heads} attention heads (at most {limit} ranks split them); "
-                    f"it needs ring = {g.degree // limit}")
+                    f"micro-batch {m} group {j}: Ulysses degree {g.ulysses} (= {g.degree} GPUs / ring {ring}) does not "
+                    f"divide the model's {cost.heads} attention heads; it needs ring = {cost.split(g.degree)[1]}")
             expected = cost.split(g.degree)
             if (g.ulysses, ring) != expected:
                 raise PlanError(f"micro-batch {m} group {j}: runs Ulysses {g.ulysses} x ring {ring}, but the cost model "
@@ -196,11 +194,10 @@ class Plan:
                 raise PlanError(f"micro-batch {m} group {j}: {message(j)}")
 
         fail(degrees < 1, lambda j: "group has no ranks")
-        fail(degrees & (degrees - 1) != 0, lambda j: f"degree {degrees[j]} is not a power of two")
         fail(np.array([not g.seq_ids for g in mb.groups]), lambda j: "group has no sequences")
-        fail(np.array([not isinstance(g.ring, int) or not is_power_of_two(g.ring) or g.ring > g.degree
+        fail(np.array([isinstance(g.ring, bool) or not isinstance(g.ring, int) or g.ring < 1 or g.degree % g.ring
                        for g in mb.groups]),
-             lambda j: f"ring degree {mb.groups[j].ring!r} must be a power of two dividing the group's {degrees[j]} GPUs")
+             lambda j: f"ring degree {mb.groups[j].ring!r} must be a whole number dividing the group's {degrees[j]} GPUs")
         first = ranks[starts][owner]        # every group has >= 1 rank from here on
         outside = (ranks < 0) | (ranks >= n)
         fail(np.bincount(owner, weights=outside, minlength=len(degrees)) > 0,
@@ -210,10 +207,13 @@ class Plan:
         fail(np.bincount(owner, weights=twice, minlength=len(degrees)) > 0,
              lambda j: f"rank {ranks[owner == j][twice[owner == j]][0]} is used by two groups of the same micro-batch")
         if aligned:
-            off = misaligned(ranks, degrees)
+            gpn = cluster.gpus_per_node if cluster is not None else (self.gpus_per_node or n)
+            off = (ranks != first + np.arange(len(ranks)) - starts[owner]) \
+                | ~is_tile_start(first, degrees[owner], n, gpn)
             fail(np.bincount(owner, weights=off, minlength=len(degrees)) > 0,
-                 lambda j: f"ranks {_short(mb.groups[j].ranks)} are not an aligned block "
-                           f"[k*{degrees[j]}, (k+1)*{degrees[j]})")
+                 lambda j: f"ranks {_short(mb.groups[j].ranks)} are not a tile of degree {degrees[j]} (consecutive "
+                           f"ranks from a multiple of {degrees[j]} inside a node of {min(gpn, n)}, or whole nodes "
+                           f"from a multiple of {degrees[j]})")
         if cluster is not None:
             gpn = cluster.gpus_per_node
             crosses = (ranks // gpn != first // gpn) & (degrees[owner] <= gpn)

@@ -183,7 +183,7 @@ def _replayer(spec=MICRO):
     (_plan([[((0, 1), (0,))]]), [10], _cost(MICRO, alltoall_bandwidth={4: 1e8}), CostModelError,
      "no all-to-all bandwidth for SP degree 2.*--bandwidth"),
     (_plan([[((0, 1), (0,))]]), [10000], _cost(MICRO), PlanError, "overflow 2 GPUs"),
-    (_plan([[((1, 2), (0,))]]), [10], _cost(MICRO), PlanError, "not an aligned block"),
+    (_plan([[((1, 2), (0,))]]), [10], _cost(MICRO), PlanError, "not a tile of degree"),
 ])
 def test_bad_plans_are_refused_before_running(plan, lengths, cost, error, match):
     replayer = _replayer()

@@ -154,7 +154,7 @@ def _bad_plan_worker(rank, world_size):
         (pool, model, _plan([((0, 1, 2, 3), tuple(range(9)))]), r"sequences \[9\] are not planned"),
         (pool, model, Plan(num_gpus=2, predicted_time=0.0, micro_batches=ok.micro_batches),
          r"plan is for 2 GPUs but the process group has 4 ranks"),
-        (pool, model, _plan([((1, 2), tuple(range(10)))]), r"ranks \[1, 2\] are not an aligned block"),
+        (pool, model, _plan([((1, 2), tuple(range(10)))]), r"ranks \[1, 2\] are not a tile of degree 2"),
         (only_1_and_4, model, _plan([((0, 1), tuple(range(10)))]), r"ranks \[0, 1\] is not in the pool"),
         (pool, two_heads, ok, r"degree 4 does not divide the 2 attention heads.*\[1, 2\]"),
         (pool, model, Plan(num_gpus=4, predicted_time=0.0, micro_batches=(MicroBatch((
