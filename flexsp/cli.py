@@ -12,7 +12,7 @@ from flexsp.errors import FlexSPError, PlanError
 from flexsp.inputs import LIMITS, limit, parse_tokens, set_limit, writable_file
 from flexsp.plan.analytic import cost_from_hardware
 from flexsp.plan.cluster import Cluster
-from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, reserve_communicators
+from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, pool_degrees, reserve_communicators
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel, describe_sources
 from flexsp.plan.lengths import OVER_CONTEXT, bound_context, get_distribution, load_lengths
@@ -57,6 +57,19 @@ def _megabytes(text: str) -> float:
     return value
 
 
+def _degree_set(text: str) -> tuple[int, ...] | str:
+    """--degrees: "any" or a comma list of SP degrees (which have tiles is checked with the cluster)."""
+    if text.strip().lower() == "any":
+        return "any"
+    try:
+        out = tuple(int(d) for d in text.split(",") if d.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected any or SP degrees >= 1 like 1,2,3,6,12, got {text!r}")
+    return out
+
+
 def _cost_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--model", default="gpt-7b", help="paper preset: gpt-7b, gpt-13b, gpt-30b (default gpt-7b)")
@@ -68,6 +81,9 @@ def _cost_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=_count(1), default=64, help="number of GPUs (default 64)")
     parser.add_argument("--gpus-per-node", type=_count(1), default=8)
     parser.add_argument("--context", type=parse_tokens, default=384 * 1024, help="context limit (default 384K)")
+    parser.add_argument("--degrees", type=_degree_set, default=PlanConfig.degrees, metavar="any|D,D,...",
+                        help="SP degrees groups may have: any (every size with a tile, inside a node or whole "
+                             "nodes, that the cost model can cost) or a list like 1,2,3,6,12 (default: powers of two)")
     parser.add_argument("--time-limit", type=_seconds, default=PlanConfig.time_limit,
                         help=f"solver seconds per batch (default {PlanConfig.time_limit:g})")
     parser.add_argument("--sharding", default=PlanConfig.sharding, choices=SHARDINGS,
@@ -81,7 +97,7 @@ def _cost_args(parser: argparse.ArgumentParser) -> None:
 
 def _plan_config(args, **strategy: object) -> PlanConfig:
     """The one place the command line's planning settings become a ``PlanConfig``."""
-    return PlanConfig(time_limit=args.time_limit, sharding=args.sharding, **strategy)
+    return PlanConfig(time_limit=args.time_limit, sharding=args.sharding, degrees=args.degrees, **strategy)
 
 
 def _cost(args) -> CostModel:
@@ -92,7 +108,8 @@ def _cost(args) -> CostModel:
         model, _, gpu = args.analytic.partition(":")
         return cost_from_hardware(model, gpu or "h100-80gb", num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                                   sharding=config.sharding, recompute=config.recompute)
-    return cost_from_preset(args.model, context=args.context, num_gpus=args.gpus, sharding=config.sharding)
+    return cost_from_preset(args.model, context=args.context, num_gpus=args.gpus, sharding=config.sharding,
+                            gpus_per_node=args.gpus_per_node)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,10 +227,12 @@ def run_plan(args) -> int:
     if cut:
         print(f"cut {cut} sequence(s) to the context limit {args.context:,} tokens (--over-context truncate)")
     cost = _cost(args)
+    config = _plan_config(args, strategy=args.strategy, sp_degree=args.sp_degree)
     if args.communicator_memory is not None:
-        cost = reserve_communicators(cost, cluster.degrees, _communicator_bytes(args))
+        pool = pool_degrees(cluster, "flexsp", config.degrees, None, cost)     # every degree plans may use
+        cost = reserve_communicators(cost, pool, _communicator_bytes(args))
         print(describe_reservation(cost))
-    plan = plan_batch(lengths, cost, cluster, config=_plan_config(args, strategy=args.strategy, sp_degree=args.sp_degree))
+    plan = plan_batch(lengths, cost, cluster, config=config)
     print(f"{args.strategy}: {len(lengths)} sequences -> {len(plan.micro_batches)} micro-batches, "
           f"groups {plan.degree_histogram()}, predicted {plan.predicted_time:.3f} s, solved in {plan.solve_time:.2f} s")
     _write(args.output, plan.to_json() + "\n")

@@ -3,7 +3,7 @@
 Both pack with the same machinery so the comparison with FlexSP is about heterogeneity, not about a
 weaker packer: the fewest micro-batches whose groups can hold every sequence (longest first, each to
 the least-loaded group with room), then groups sorted by load and cut into micro-batches of
-``N / d`` groups, which minimises the sum of per-micro-batch maxima for those groups.
+``N / d`` groups (or as many as ``d`` has tiles, for a degree that does not divide the nodes), which minimises the sum of per-micro-batch maxima for those groups.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def single_degree(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, degree
     if lengths.max() > capacity:
         raise InfeasibleDegree(f"SP degree {degree} holds at most {capacity:.0f} tokens per group, "
                                f"but a sequence has {int(lengths.max())}")
-    per_mb = num_gpus // degree
+    per_mb = costs.max_groups(k, num_gpus)               # N // d, or the tiles of d (non-power-of-two degrees)
     if per_mb < 1:
         raise InfeasibleDegree(f"SP degree {degree} is larger than the cluster ({num_gpus} GPUs)")
     times = costs.seq_time(lengths, k)
@@ -122,7 +122,7 @@ def _schedule(groups: list[np.ndarray], times: np.ndarray, degree: int, per_mb: 
 def _estimate(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, k: int) -> float:
     """A quick bound on a single-degree plan: its GPU-seconds spread over the cluster plus beta1
     for each micro-batch memory needs; orders the degrees so the likely best is planned first."""
-    per_mb = num_gpus // costs.degrees[k]
+    per_mb = costs.max_groups(k, num_gpus)
     area = float(costs.seq_time(lengths, k).sum()) / per_mb
     return area + costs.beta1 * min_micro_batches(float(lengths.sum()), costs.capacity[k] * per_mb)
 

@@ -7,7 +7,9 @@ at most a few per bucket). For a target makespan ``T`` each bucket goes to the d
 fewest GPUs for it within ``T`` and the memory limit; buckets are placed longest first, topping up
 groups that already have room (fullest first, i.e. best fit) before opening new ones. ``T`` is
 bisected between a lower bound and the memory-only packing; the smallest ``T`` whose packing needs
-at most ``N`` GPUs wins.
+at most ``N`` GPUs wins. With degrees whose tiles do not nest (``DegreeCosts.placeable`` given), a
+packing must also place: one whose group counts per degree get no ranks counts as not fitting (the
+check is cached by those counts, a handful of numbers, so it costs per distinct degree mix).
 """
 from __future__ import annotations
 
@@ -81,12 +83,18 @@ class MicroBatchPacker:
         self.order = [int(b) for b in np.argsort(-self.lengths, kind="stable")]  # longest first
         # plain-Python copies: the packing loop touches a handful of numbers at a time
         self._degrees = [int(d) for d in costs.degrees]
+        # GPUs a group is charged when choosing its degree: its degree, or where tiles do not nest the
+        # share of the cluster one tile takes (N / tiles: a 5 in a node of 8 leaves 3 GPUs only small
+        # groups can use, so it is charged 8); the budget itself still counts degrees, plus placement
+        self._charge = (self._degrees if costs.placeable is None or not costs.tiles
+                        else [num_gpus / max(1, int(t)) for t in costs.tiles])
         self._capacity = [float(c) for c in costs.capacity]
         self._lengths = self.lengths.tolist()
         self._times = self.times.tolist()
         self._min_time = self.min_time.tolist()
         self._fits = [[k for k in range(len(degrees)) if math.isfinite(row[k])] for row in self._times]
         self._cache: dict[bytes, BinPacking | None] = {}
+        self._placeable: dict[bytes, bool] = {}
 
     # --- bounds -------------------------------------------------------------------------------
     def lower_bound(self, counts: np.ndarray) -> float:
@@ -110,7 +118,7 @@ class MicroBatchPacker:
         target = makespan - self.costs.beta1
         if target <= 0:
             return None
-        degrees, capacity = self._degrees, self._capacity
+        degrees, capacity, charge = self._degrees, self._capacity, self._charge
         classes: list[_GroupClass] = []
         gpus = 0
         for b in self.order:
@@ -123,8 +131,8 @@ class MicroBatchPacker:
             k_new, best_gpus, per_new = -1, math.inf, 0
             for k in self._fits[b]:
                 per = math.floor(min(budget / t_b[k], capacity[k] / length))
-                if per > 0 and -(-left // per) * degrees[k] < best_gpus:
-                    k_new, best_gpus, per_new = k, -(-left // per) * degrees[k], per
+                if per > 0 and -(-left // per) * charge[k] < best_gpus:
+                    k_new, best_gpus, per_new = k, -(-left // per) * charge[k], per
             if k_new < 0:
                 return None                   # this bucket alone exceeds the budget everywhere
             for cls in sorted((c for c in classes if c.k >= k_new), key=lambda c: -c.time):
@@ -158,7 +166,19 @@ class MicroBatchPacker:
                     if mult:
                         classes.append(_GroupClass(k_new, mult, count * t_b[k_new], count * length, [(b, count)], budget))
         classes = [c for c in classes if c.mult]
+        if self.costs.placeable is not None and max_gpus <= self.num_gpus and not self._places(classes):
+            return None
         return self._expand(classes, len(counts))
+
+    def _places(self, classes: list[_GroupClass]) -> bool:
+        """Whether groups of these classes get ranks in one micro-batch (``DegreeCosts.placeable``), cached."""
+        per_degree = np.zeros(len(self._degrees), dtype=np.int64)
+        for c in classes:
+            per_degree[c.k] += c.mult
+        key = per_degree.tobytes()
+        if key not in self._placeable:
+            self._placeable[key] = bool(self.costs.placeable(per_degree))
+        return self._placeable[key]
 
     def _expand(self, classes: list[_GroupClass], num_buckets: int) -> BinPacking:
         mult = np.array([c.mult for c in classes], dtype=np.int64)

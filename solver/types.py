@@ -8,6 +8,11 @@ the sum over its sequences plus ``beta1``; a group of degree ``d`` holds at most
 tokens. Any model of that shape plugs in (the paper's alpha-beta model, an analytic one, a
 profiled one, a Ulysses x ring hybrid) without the solver knowing which.
 
+Placement: for degrees whose tiles nest (powers of two on power-of-two nodes), a micro-batch whose
+degrees sum to at most N always gets ranks. For other sets (3 and 2 in a node of 8, 16 and 24 on
+8-GPU nodes) it may not, so ``DegreeCosts.placeable`` (given by the planner) says whether one
+micro-batch's group counts per degree place, and ``tiles`` how many groups of each degree fit at most.
+
 Schedules: what the solver returns, micro-batches of (degree, sequence ids) groups with no ranks
 attached (``flexsp.plan.planner.place`` gives them ranks).
 
@@ -16,8 +21,8 @@ sequence does not fit one group of the degree a baseline insists on).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -32,19 +37,25 @@ def seconds(s, quad, lin, ring=0.0, hops=0.0):
 
 @dataclass(frozen=True)
 class DegreeCosts:
-    degrees: tuple[int, ...]        # ascending powers of two
+    degrees: tuple[int, ...]        # ascending SP degrees (powers of two by default; any with a tile)
     quad: tuple[float, ...]         # seconds per token^2, per degree
     lin: tuple[float, ...]          # seconds per token, per degree
     capacity: tuple[float, ...]     # tokens one group of this degree can hold
     beta1: float                    # seconds per group per micro-batch
     ring: tuple[float, ...] = ()    # seconds per token of ring KV passing (empty: no ring axis)
     hops: tuple[float, ...] = ()    # seconds of ring per-hop latency per sequence (empty: none)
+    tiles: tuple[int, ...] = ()     # most groups of each degree one micro-batch holds (empty: N // degree)
+    # whether a micro-batch with these group counts per degree index gets ranks; None: whenever the
+    # degrees sum to at most N (the degrees nest). Not compared: two costs differ only in numbers.
+    placeable: Callable[[np.ndarray], bool] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.degrees)
         for name in ("ring", "hops"):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0.0,) * n)
+        if self.tiles and len(self.tiles) != n:
+            raise ValueError("DegreeCosts.tiles needs one entry per degree (or none)")
         if n == 0 or not (len(self.quad) == len(self.lin) == len(self.capacity) == len(self.ring) == len(self.hops) == n):
             raise ValueError("DegreeCosts needs one quad, lin, ring, hops and capacity entry per degree")
         if list(self.degrees) != sorted(set(self.degrees)):
@@ -55,6 +66,10 @@ class DegreeCosts:
     def seconds(self, lengths, k) -> np.ndarray:
         """Seconds of sequences at degree index ``k`` (an int or an array broadcast with ``lengths``)."""
         return seconds(lengths, self._quad[k], self._lin[k], self._ring[k], self._hops[k])
+
+    def max_groups(self, k: int, num_gpus: int) -> int:
+        """Most groups of degree index ``k`` one micro-batch of ``num_gpus`` GPUs can hold."""
+        return int(self.tiles[k]) if self.tiles else num_gpus // self.degrees[k]
 
     @property
     def num_degrees(self) -> int:

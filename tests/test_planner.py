@@ -120,7 +120,7 @@ def test_bad_batches_are_named(lengths, error, message):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_gpus=0), "num_gpus must be >= 1"),
     (dict(num_gpus=12, gpus_per_node=8), "not a multiple of gpus_per_node=8"),
-    (dict(num_gpus=8, gpus_per_node=6), "gpus_per_node must be a power of two"),
+    (dict(num_gpus=8, gpus_per_node=6), "not a multiple of gpus_per_node=6"),
     (dict(num_gpus=2.5), "num_gpus must be an integer"),
 ])
 def test_bad_clusters_are_named(kwargs, message):

@@ -79,7 +79,7 @@ class Simulation:
 class StrategySpec:
     strategy: str
     sp_degree: int | None = None
-    degrees: tuple[int, ...] | None = None
+    degrees: tuple[int, ...] | str | None = None
 
 
 def parse_strategy_list(text: str) -> list[str]:
@@ -94,9 +94,9 @@ def parse_strategy(name: str) -> StrategySpec:
     if name.endswith("]") and "[" in name:
         name, inside = name[:-1].split("[", 1)
         try:
-            degrees = tuple(int(d) for d in inside.split(",") if d.strip())
+            degrees = "any" if inside.strip().lower() == "any" else tuple(int(d) for d in inside.split(",") if d.strip())
         except ValueError:
-            raise PlanError(f"degrees in [{inside}] must be integers, e.g. flexsp[1,8,64]") from None
+            raise PlanError(f"degrees in [{inside}] must be integers or any, e.g. flexsp[1,8,64] or flexsp[any]") from None
     if ":" in name:
         base, degree = name.split(":", 1)
         if not get_strategy(base).accepts_sp_degree:
@@ -140,7 +140,8 @@ def plan_step(lengths: np.ndarray, costs: tuple[CostModel, ...], cluster: Cluste
         spec = parse_strategy(name)
         try:
             plan = plan_batch(lengths, cost, cluster, config=config.replace(
-                strategy=spec.strategy, sp_degree=spec.sp_degree, degrees=spec.degrees))
+                strategy=spec.strategy, sp_degree=spec.sp_degree,
+                degrees=spec.degrees if spec.degrees is not None else config.degrees))
         except PlanError as exc:
             restricted = spec.sp_degree is not None or spec.strategy == "static" or spec.degrees is not None
             out.append(Outcome(error=str(exc)) if restricted else Outcome(fatal=exc))
@@ -196,12 +197,13 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     if pool.size == 0:
         raise FlexSPError(f"no sequence of {distribution.name} fits the context limit {context}")
     dropped_share = 1.0 - pool.size / distribution.lengths.size
-    runs = {name: StrategyRun(name, cost=_strategy_cost(cost, cluster, name, communicator_bytes)) for name in strategies}
+    runs = {name: StrategyRun(name, cost=_strategy_cost(cost, cluster, name, communicator_bytes, config.degrees))
+            for name in strategies}
     rng = np.random.default_rng(seed)
     batches = [preprocess(pool[rng.integers(0, pool.size, size=batch_size)], context, cluster.num_gpus)[0]
                for _ in range(steps)]
-    bounds = [lower_bound(lengths, cost, cluster) for lengths in batches]
-    coupled = [coupled_lower_bound(lengths, cost, cluster) for lengths in batches]
+    bounds = [lower_bound(lengths, cost, cluster, degrees=config.degrees) for lengths in batches]
+    coupled = [coupled_lower_bound(lengths, cost, cluster, degrees=config.degrees) for lengths in batches]
     bar = tqdm(total=steps * len(strategies), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
     planned = plan_steps(batches, cost, cluster, strategies, config=config, workers=workers,
                          keep_plans=steps if keep_plans else 1, strategy_costs=[runs[name].cost for name in strategies])
@@ -228,11 +230,13 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
                       dropped_share, runs, bounds, batches[0], coupled, communicator_bytes)
 
 
-def _strategy_cost(cost: CostModel, cluster: Cluster, name: str, communicator_bytes: float | None) -> CostModel:
+def _strategy_cost(cost: CostModel, cluster: Cluster, name: str, communicator_bytes: float | None,
+                   degrees: tuple[int, ...] | str | None = None) -> CostModel:
     if communicator_bytes is None:
         return cost
     spec = parse_strategy(name)
-    return reserve_communicators(cost, pool_degrees(cluster, spec.strategy, spec.degrees, spec.sp_degree),
+    chosen = spec.degrees if spec.degrees is not None else degrees
+    return reserve_communicators(cost, pool_degrees(cluster, spec.strategy, chosen, spec.sp_degree, cost),
                                  communicator_bytes)
 
 

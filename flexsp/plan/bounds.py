@@ -41,12 +41,21 @@ EXTRA_COUNTS = 8
 SAFETY = 1e-6
 
 
+def _degree_costs(cost: CostModel, cluster: Cluster, max_degree: int | None, degrees) -> DegreeCosts:
+    """Costs of the degrees a plan may use: ``degrees`` (a set, ``"any"`` or None for the powers of two).
+    Bounds ignore where groups sit (tiles), a relaxation, so they hold for non-nesting sets too."""
+    if isinstance(degrees, str):
+        from flexsp.plan.config import PlanConfig   # the config imports the strategies: only when asked
+        degrees = PlanConfig(degrees=degrees, max_degree=max_degree).checked(cost, cluster).degrees
+    return cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
+
+
 def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None,
                 degrees=None) -> float:
     """Every sequence at its cheapest degree (GPU-seconds) spread perfectly over all GPUs, plus
     beta1 for each of the fewest micro-batches whose memory could hold the batch."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    costs = cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
+    costs = _degree_costs(cost, cluster, max_degree, degrees)
     area = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
     micro_batches = max(1, math.ceil(lengths.sum() / (cost.token_capacity * cluster.num_gpus) - 1e-12))
     return float(area.sum()) / cluster.num_gpus + cost.beta1 * micro_batches
@@ -58,7 +67,7 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     ``lower_bound`` (nor below the slowest sequence at its fastest degree plus the micro-batches'
     beta1)."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    costs = cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
+    costs = _degree_costs(cost, cluster, max_degree, degrees)
     n = cluster.num_gpus
     times = costs.times(lengths)                                     # inf where it cannot fit
     area = (times * np.asarray(costs.degrees)[None, :]).min(axis=1)
@@ -171,7 +180,7 @@ def _solve(rate_at: float, upper: float, count: int, per_token: np.ndarray, seq_
     return float(res.x[-1])
 
 
-def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster) -> dict[str, float]:
+def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster, degrees=None) -> dict[str, float]:
     """What a plan's time is made of, in seconds that sum to ``plan.time``:
 
     * ``area``: every sequence at its cheapest degree, spread perfectly over all GPUs (the simple
@@ -185,7 +194,7 @@ def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster) -> dict[str,
     coupled bound sits above ``area + fewest micro-batches x beta1`` where long sequences force it."""
     lengths = np.asarray(lengths, dtype=np.float64)
     n = cluster.num_gpus
-    costs = cost.degree_costs(cluster.usable_degrees())
+    costs = _degree_costs(cost, cluster, None, degrees)
     cheapest = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
     area = float(cheapest.sum()) / n
     used, idle = 0.0, 0.0

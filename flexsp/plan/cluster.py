@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -98,6 +98,41 @@ def nests(degrees: Iterable[int], num_gpus: int, gpus_per_node: int) -> bool:
             and all(g % d == 0 for d in chain if d <= g))
 
 
+def _place(counts: Mapping[int, int], num_gpus: int, gpus_per_node: int, partial: bool) -> dict[int, np.ndarray] | None:
+    """First ranks of the tiles chosen for ``counts[d]`` groups of each degree ``d``: largest degree
+    first, each on the lowest free tile of its degree, vectorised over nodes. ``partial``: place as
+    many of each degree as have a free tile (possibly fewer); else None when one does not fit."""
+    g = node_size(num_gpus, gpus_per_node)
+    nodes = num_gpus // g
+    free = np.ones((nodes, g), dtype=bool)              # [node, local rank]
+    out: dict[int, np.ndarray] = {}
+    for d in sorted((d for d, c in counts.items() if c > 0), reverse=True):
+        want = int(counts[d])
+        if not tileable(d, num_gpus, gpus_per_node):
+            if not partial:
+                return None
+            out[d] = np.zeros(0, dtype=np.int64)
+            continue
+        if d <= g:
+            per = g // d
+            tiles = free[:, :per * d].reshape(nodes, per, d).all(axis=2).ravel()     # node-major, tile-minor
+            chosen = np.flatnonzero(tiles)[:want]
+            node, k = np.divmod(chosen, per)
+            for j in range(d):
+                free[node, k * d + j] = False
+            starts = node * g + k * d
+        else:
+            m = d // g
+            blocks = free.all(axis=1)[:(nodes // m) * m].reshape(-1, m).all(axis=1)
+            chosen = np.flatnonzero(blocks)[:want]
+            free[(chosen[:, None] * m + np.arange(m)[None, :]).ravel()] = False
+            starts = chosen * d
+        if len(chosen) < want and not partial:
+            return None
+        out[d] = starts.astype(np.int64)
+    return out
+
+
 def place_groups(degrees: Sequence[int], num_gpus: int, gpus_per_node: int) -> np.ndarray | None:
     """First rank of each group's tile (in the order given), or None when they do not all fit.
 
@@ -110,33 +145,54 @@ def place_groups(degrees: Sequence[int], num_gpus: int, gpus_per_node: int) -> n
         return np.zeros(0, dtype=np.int64)
     if (degrees < 1).any() or int(degrees.sum()) > num_gpus:
         return None
-    g = node_size(num_gpus, gpus_per_node)
-    nodes = num_gpus // g
-    free = np.ones((nodes, g), dtype=bool)              # [node, local rank]
+    values, counts = np.unique(degrees, return_counts=True)
+    chosen = _place(dict(zip(values.tolist(), counts.tolist())), num_gpus, gpus_per_node, partial=False)
+    if chosen is None:
+        return None
     starts = np.empty(len(degrees), dtype=np.int64)
-    for d in sorted(set(degrees.tolist()), reverse=True):
-        who = np.flatnonzero(degrees == d)              # groups of this degree, in the order given
-        if not tileable(d, num_gpus, gpus_per_node):
-            return None
-        if d <= g:
-            per = g // d
-            tiles = free[:, :per * d].reshape(nodes, per, d).all(axis=2).ravel()     # node-major, tile-minor
-            chosen = np.flatnonzero(tiles)[:len(who)]
-            if len(chosen) < len(who):
-                return None
-            node, k = np.divmod(chosen, per)
-            for j in range(d):
-                free[node, k * d + j] = False
-            starts[who] = node * g + k * d
-        else:
-            m = d // g
-            blocks = free.all(axis=1)[:(nodes // m) * m].reshape(-1, m).all(axis=1)
-            chosen = np.flatnonzero(blocks)[:len(who)]
-            if len(chosen) < len(who):
-                return None
-            free[(chosen[:, None] * m + np.arange(m)[None, :]).ravel()] = False
-            starts[who] = chosen * d
+    for d, first in chosen.items():
+        starts[degrees == d] = first                    # groups of one degree, in the order given
     return starts
+
+
+def places(counts: Mapping[int, int], num_gpus: int, gpus_per_node: int) -> bool:
+    """Whether ``counts[d]`` groups of each degree ``d`` get ranks together: ``place_groups`` on the
+    counts, without building one entry per group (the solver asks this of every packing it tries)."""
+    counts = {int(d): int(c) for d, c in counts.items() if c > 0}
+    if any(d < 1 for d in counts) or sum(d * c for d, c in counts.items()) > num_gpus:
+        return False
+    return _place(counts, num_gpus, gpus_per_node, partial=False) is not None
+
+
+def place_partial(degrees: Sequence[int], num_gpus: int, gpus_per_node: int) -> np.ndarray:
+    """Like ``place_groups`` but never fails: each group gets the first rank of its tile, or -1 when no
+    tile of its degree is left (largest degrees first, then the order given within a degree)."""
+    degrees = np.asarray(degrees, dtype=np.int64)
+    starts = np.full(len(degrees), -1, dtype=np.int64)
+    if len(degrees) == 0:
+        return starts
+    values, counts = np.unique(degrees, return_counts=True)
+    chosen = _place(dict(zip(values.tolist(), counts.tolist())), num_gpus, gpus_per_node, partial=True)
+    for d, first in chosen.items():
+        starts[np.flatnonzero(degrees == d)[:len(first)]] = first
+    return starts
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``DegreeCosts.placeable`` for one cluster: whether group counts per degree index (of ``degrees``)
+    place on ``num_gpus`` GPUs in nodes of ``gpus_per_node`` (a picklable callable, for worker processes)."""
+
+    degrees: tuple[int, ...]
+    num_gpus: int
+    gpus_per_node: int
+
+    def __call__(self, counts: np.ndarray) -> bool:
+        return places(dict(zip(self.degrees, np.asarray(counts).tolist())), self.num_gpus, self.gpus_per_node)
+
+    def tiles(self) -> tuple[int, ...]:
+        """Tiles of each degree: the most groups of it one micro-batch holds."""
+        return tuple(len(tile_starts(d, self.num_gpus, self.gpus_per_node)) for d in self.degrees)
 
 
 def ulysses_split(degree: int, heads: int | None) -> tuple[int, int]:
@@ -148,13 +204,42 @@ def ulysses_split(degree: int, heads: int | None) -> tuple[int, int]:
     return ulysses, int(degree) // ulysses
 
 
+def tileable_degrees(num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
+    """Every degree with a tile, ascending: 1..g inside a node, then each whole number of nodes."""
+    g = node_size(num_gpus, gpus_per_node)
+    return tuple(range(1, g + 1)) + tuple(range(2 * g, num_gpus + 1, g))
+
+
+def untileable_reason(degree: int, num_gpus: int, gpus_per_node: int) -> str:
+    """Why ``degree`` has no tile, in words (``""`` when it has one)."""
+    g = node_size(num_gpus, gpus_per_node)
+    if degree < 1:
+        return f"{degree} GPUs: an SP degree must be >= 1"
+    if degree > num_gpus:
+        return f"{degree} GPUs: more than the cluster's {num_gpus}"
+    if degree > g and degree % g:
+        return f"{degree} GPUs: not inside a node of {g} nor whole nodes"
+    return ""
+
+
+def nesting_subset(degrees: Iterable[int], num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
+    """A chain of ``degrees`` that ``nests`` (built from the smallest up, keeping each degree the last
+    kept one divides and that divides the node size when inside a node): the fallback set of a
+    non-nesting one, for which ``place_groups`` never fails. Powers of two on power-of-two nodes keep all."""
+    g = node_size(num_gpus, gpus_per_node)
+    chain: list[int] = []
+    for d in sorted(set(int(d) for d in degrees)):
+        if tileable(d, num_gpus, gpus_per_node) and (not chain or d % chain[-1] == 0) and (d > g or g % d == 0):
+            chain.append(d)
+    return tuple(chain)
+
+
 @dataclass(frozen=True)
 class Cluster:
-    """``num_gpus`` GPUs in nodes of ``gpus_per_node``.
+    """``num_gpus`` GPUs in nodes of ``gpus_per_node`` (any size: 6- or 12-GPU nodes too).
 
-    SP groups are power-of-two blocks of ranks; a group that fits in a node must stay in one, which
-    aligned blocks guarantee when the node size is a power of two and the GPU count is a whole number
-    of nodes (or one partial node). The GPU count itself need not be a power of two (48 = 6 nodes).
+    SP groups sit on tiles (above): inside one node, or whole nodes. The GPU count is a whole number
+    of nodes or one partial node, and need not be a power of two (48 = 6 nodes of 8).
     """
 
     num_gpus: int
@@ -163,10 +248,6 @@ class Cluster:
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpus_per_node"):
             object.__setattr__(self, name, integer(getattr(self, name), name, ClusterError, maximum=MAX_GPUS))
-        if not is_power_of_two(self.gpus_per_node):
-            raise ClusterError(
-                f"gpus_per_node must be a power of two so aligned SP groups stay inside nodes, "
-                f"got {self.gpus_per_node}")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ClusterError(
                 f"num_gpus={self.num_gpus} spans several nodes but is not a multiple of "
@@ -178,19 +259,37 @@ class Cluster:
 
     @property
     def degrees(self) -> tuple[int, ...]:
-        """Every power-of-two SP degree that fits in the cluster, ascending."""
-        return power_of_two_degrees(self.num_gpus)
+        """The default SP degrees: every power of two with a tile, ascending (all powers of two up to N
+        on power-of-two nodes; 1, 2, 4 on 6-GPU nodes)."""
+        return tuple(d for d in power_of_two_degrees(self.num_gpus)
+                     if tileable(d, self.num_gpus, self.gpus_per_node))
+
+    @property
+    def all_degrees(self) -> tuple[int, ...]:
+        """Every SP degree with a tile (``tileable_degrees``): 1..node size, then whole nodes."""
+        return tileable_degrees(self.num_gpus, self.gpus_per_node)
+
+    def nests(self, degrees: Iterable[int]) -> bool:
+        """Whether any micro-batch of these degrees that fits the GPU count also places (``nests``)."""
+        return nests(degrees, self.num_gpus, self.gpus_per_node)
+
+    def check_degrees(self, degrees: Iterable[int]) -> tuple[int, ...]:
+        """``degrees`` sorted and deduplicated; a ``PlanError`` naming each one without a tile."""
+        wanted = sorted(set(int(d) for d in degrees))
+        if not wanted:
+            raise PlanError("degrees is empty: give at least one SP degree, e.g. (1, 8, 64), or \"any\"")
+        bad = [untileable_reason(d, self.num_gpus, self.gpus_per_node) for d in wanted]
+        bad = [b for b in bad if b]
+        if bad:
+            raise PlanError(f"degrees not usable on {self.num_gpus} GPUs in nodes of {self.gpus_per_node}: "
+                            f"{'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} (a group sits inside one node "
+                            f"or on whole nodes)")
+        return tuple(wanted)
 
     def usable_degrees(self, max_degree: int | None = None, degrees: Iterable[int] | None = None) -> tuple[int, ...]:
-        """The SP degrees a plan may use: powers of two up to N, optionally at most ``max_degree`` and
-        only those in ``degrees`` (each degree in use costs every member rank a communicator)."""
-        usable = self.degrees
-        if degrees is not None:
-            wanted = sorted(set(int(d) for d in degrees))
-            bad = [d for d in wanted if d not in self.degrees]
-            if bad or not wanted:
-                raise PlanError(f"degrees {bad or wanted} are not usable: choose powers of two from {list(self.degrees)}")
-            usable = tuple(wanted)
+        """The SP degrees a plan may use: ``degrees`` (any with a tile; default ``self.degrees``, the powers
+        of two), optionally at most ``max_degree`` (each degree in use costs every member rank a communicator)."""
+        usable = self.degrees if degrees is None else self.check_degrees(degrees)
         if max_degree is not None:
             usable = tuple(d for d in usable if d <= max_degree)
             if not usable:

@@ -1,8 +1,13 @@
 """Memory the SP communicators take, and the token capacity left for activations once it is paid.
 
-A ``GroupPool`` gives every rank one communicator per SP degree above 1 it holds (the groups of a
-degree are aligned blocks, so each rank is in exactly one of them; degree 1 needs none, and a
-Ulysses x ring degree reuses its Ulysses block and adds one ring communicator). NCCL allocates
+A ``GroupPool`` gives every rank at most one communicator per SP degree above 1 it holds: a degree's
+groups sit on its tiles (``flexsp.plan.cluster``: inside a node or whole nodes, one fixed tiling per
+degree, powers of two included), so each rank is in at most one of them; degree 1 needs none. A
+Ulysses x ring degree (``ulysses_split``: Ulysses over ``gcd(d, heads)`` ranks, a ring over the rest)
+adds one ring communicator, and one Ulysses sub-group communicator unless that Ulysses size is a pooled
+degree itself. The bound per rank is therefore
+``#{pooled d > 1} + #{hybrid splits} + #{distinct Ulysses sizes > 1 of hybrid splits not pooled}``,
+at most three per pooled degree, whatever the plans (``communicators_per_rank``). NCCL allocates
 buffers per communicator, and the total grows with the count: NVIDIA/nccl#964 measured 544 MB for
 a 2-GPU and 688 MB for a 4-GPU communicator on 4 x A100 (NVLink) after one all-reduce, and
 NVIDIA/nccl#2363 reports a 512 MiB shared network buffer per communicator (NCCL 2.28). The default
@@ -23,20 +28,31 @@ from typing import Iterable, Mapping
 
 from flexsp.errors import CostModelError
 from flexsp.inputs import number
-from flexsp.plan.cluster import Cluster
+from flexsp.plan.cluster import Cluster, ulysses_split
 from flexsp.plan.cost import CostModel
 
 COMMUNICATOR_BYTES = 512 * 2**20
 
 
-def communicators_per_rank(degrees: Iterable[int]) -> int:
-    """Communicators each rank holds in a pool of these SP degrees: one per degree above 1."""
-    return sum(1 for d in set(int(d) for d in degrees) if d > 1)
+def communicators_per_rank(degrees: Iterable[int], heads: int | None = None) -> int:
+    """Most communicators a rank holds in a pool of these SP degrees (the bound of the module
+    docstring): one per degree above 1, plus, for a model with ``heads`` query heads, one ring per
+    Ulysses x ring degree and one Ulysses sub-group per distinct Ulysses size that is not pooled."""
+    pooled = {int(d) for d in degrees if int(d) > 1}
+    hybrid = [ulysses_split(d, heads) for d in pooled]
+    hybrid = [(u, r) for u, r in hybrid if u > 1 and r > 1]       # u == 1: the ring is the group itself
+    return len(pooled) + len(hybrid) + len({u for u, _ in hybrid} - pooled)
 
 
-def pool_degrees(cluster: Cluster, strategy: str = "flexsp", degrees: Iterable[int] | None = None,
-                 sp_degree: int | None = None) -> tuple[int, ...]:
-    """The degrees a pool must hold to run every plan of ``strategy`` (what ``plan_batch`` may use)."""
+def pool_degrees(cluster: Cluster, strategy: str = "flexsp", degrees: Iterable[int] | str | None = None,
+                 sp_degree: int | None = None, cost: CostModel | None = None) -> tuple[int, ...]:
+    """The degrees a pool must hold to run every plan of ``strategy`` (what ``plan_batch`` may use);
+    ``degrees="any"`` needs ``cost`` (every degree with a tile it can cost)."""
+    if isinstance(degrees, str):
+        if cost is None:
+            raise CostModelError(f"degrees={degrees!r} needs the cost model to say which degrees it can cost")
+        from flexsp.plan.config import PlanConfig   # the config imports the strategies: only when asked
+        degrees = PlanConfig(degrees=degrees).checked(cost, cluster).degrees
     usable = tuple(sorted(set(degrees))) if degrees is not None else cluster.degrees
     from flexsp.plan.strategies import get_strategy  # the registry imports the solver: only when asked
     if get_strategy(strategy).accepts_sp_degree:    # one degree for every group
@@ -59,7 +75,7 @@ def reserve_communicators(cost: CostModel, degrees: Iterable[int], bytes_each: f
                              "'activation_bytes_per_token'); pass activation_bytes_per_token=... to reserve "
                              "communicator memory")
     per_token = number(per_token, "activation_bytes_per_token", CostModelError, positive=True)
-    count = communicators_per_rank(degrees)
+    count = communicators_per_rank(degrees, cost.heads)
     previous = cost.meta.get("communicators")
     before = previous["capacity_before"] if isinstance(previous, Mapping) and "capacity_before" in previous \
         else cost.token_capacity

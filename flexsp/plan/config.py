@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from flexsp.errors import CostModelError, PlanError
-from flexsp.inputs import integer, number, power_of_two
+from flexsp.inputs import integer, number
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import DEFAULT as DEFAULT_SHARDING
@@ -30,7 +30,9 @@ from solver.search import SearchOptions
 class PlanConfig:
     """How to plan a batch. ``time_limit``: wall-clock seconds every strategy may search (the best plan
     by then is returned); ``degrees``: the only SP degrees groups may have (e.g. ``(1, 8, 64)``: fewer
-    communicators per rank); ``max_degree``: no group above it; ``ulysses_only``: keep every group within
+    communicators per rank; ``(1, 2, 3, 6, 12)``: any degree with a tile, inside a node or whole nodes;
+    ``"any"``: every degree with a tile that the cost model can cost; default None: the cluster's powers
+    of two, ``Cluster.degrees``); ``max_degree``: no group above it; ``ulysses_only``: keep every group within
     the model's head limit (no ring axis); ``sp_degree``: the degree of a strategy that takes one
     (``static``); ``sharding``/``recompute``: the memory setting cost models are built for
     (``flexsp.plan.memory``); ``validate``: check every plan with ``Plan.validate``."""
@@ -40,7 +42,7 @@ class PlanConfig:
     num_buckets: int = SearchOptions.num_buckets
     sp_degree: int | None = None
     max_degree: int | None = None
-    degrees: tuple[int, ...] | None = None
+    degrees: tuple[int, ...] | str | None = None     # None: powers of two; "any"; or a set of degrees
     ulysses_only: bool = False
     sharding: str = DEFAULT_SHARDING
     recompute: str = "none"                   # "none", "selective" (attention), "full"; a bool means full/none
@@ -61,7 +63,7 @@ class PlanConfig:
             set_("max_degree", integer(self.max_degree, "max_degree (the largest SP degree a group may have; or None)",
                                        PlanError))
         if self.sp_degree is not None:
-            set_("sp_degree", power_of_two(self.sp_degree, "sp_degree", PlanError))
+            set_("sp_degree", integer(self.sp_degree, "sp_degree", PlanError, maximum=2**40))
         if self.degrees is not None:
             set_("degrees", _degrees(self.degrees))
         try:
@@ -79,7 +81,8 @@ class PlanConfig:
 
     def checked(self, cost: CostModel, cluster: Cluster) -> "PlanConfig":
         """This config against ``cost`` and ``cluster``: the strategy exists, ``sp_degree`` only where the
-        strategy takes one, ``degrees`` are the cluster's; ``ulysses_only`` folded into ``max_degree``."""
+        strategy takes one, ``degrees`` have tiles on the cluster (``"any"`` resolved to a tuple: every degree
+        with a tile the cost model can cost, within ``max_degree``); ``ulysses_only`` folded into ``max_degree``."""
         if not isinstance(cluster, Cluster):
             raise PlanError(f"cluster must be a flexsp.Cluster, got {type(cluster).__name__}")
         if not isinstance(cost, CostModel):
@@ -89,23 +92,32 @@ class PlanConfig:
             takers = [s.name for s in strategies() if s.accepts_sp_degree]
             raise PlanError(f"sp_degree={self.sp_degree!r} is used only by strategy={' or '.join(map(repr, takers))} "
                             f"(got {self.strategy!r}); to restrict other strategies pass degrees=(...) or max_degree")
-        if self.degrees is not None:
-            bad = [d for d in self.degrees if d not in cluster.degrees]
-            if bad:
-                raise PlanError(f"degrees {bad} are not usable on {cluster.num_gpus} GPUs; choose powers of two from "
-                                f"{list(cluster.degrees)}")
         max_degree = self.max_degree
         if self.ulysses_only and cost.ulysses_limit is not None:
             max_degree = cost.ulysses_limit if max_degree is None else min(max_degree, cost.ulysses_limit)
-        return dataclasses.replace(self, max_degree=max_degree)
+        degrees = self.degrees
+        if degrees == "any":
+            degrees = tuple(d for d in cluster.all_degrees if (max_degree is None or d <= max_degree)
+                            and (d == 1 or cost.costs_degree(d))
+                            and not (self.ulysses_only and cost.split(d)[1] > 1))
+        elif degrees is not None:
+            degrees = cluster.check_degrees(degrees)      # PlanError naming each degree without a tile
+        if self.sp_degree is not None:
+            cluster.check_degrees([self.sp_degree])
+            if degrees is None and self.sp_degree not in cluster.degrees:
+                degrees = tuple(sorted({*cluster.degrees, self.sp_degree}))   # static at 6: 6 is usable
+        return dataclasses.replace(self, max_degree=max_degree, degrees=degrees)
 
 
-def _degrees(degrees: Any) -> tuple[int, ...]:
-    """``degrees``: a collection of power-of-two SP degrees, e.g. (1, 8, 64)."""
-    valid = "a collection of power-of-two SP degrees, e.g. degrees=(1, 8, 64)"
+def _degrees(degrees: Any) -> tuple[int, ...] | str:
+    """``degrees``: "any", or a collection of SP degrees, e.g. (1, 8, 64) or (1, 2, 3, 6, 12) (which
+    have tiles on the cluster is checked by ``checked``)."""
+    valid = "\"any\" or a collection of SP degrees, e.g. degrees=(1, 8, 64) or (1, 2, 3, 6, 12)"
+    if isinstance(degrees, str) and degrees.strip().lower() == "any":
+        return "any"
     if isinstance(degrees, (str, bytes, Mapping)) or not isinstance(degrees, Iterable):
         raise PlanError(f"degrees must be {valid}; got {degrees!r}")
-    out = sorted({power_of_two(d, "each of degrees", PlanError) for d in degrees})
+    out = sorted({integer(d, "each of degrees", PlanError, maximum=2**40) for d in degrees})
     if not out:
         raise PlanError(f"degrees is empty; it must be {valid}")
     return tuple(out)

@@ -4,11 +4,13 @@
     group_time(S, d) = sum(seq_time(s, d) for s in S) + beta1
     fits(S, d)       = sum(S)/d <= token_capacity
 
-Ulysses cannot split a sequence over more ranks than the model has attention heads. When the model
-knows its ``heads``, a degree ``d`` above the Ulysses limit ``U`` (the largest power of two dividing
-``heads``) is costed as the USP-style hybrid practitioners run: Ulysses over ``u = U`` ranks (the
-all-to-all at ``bandwidth[u]`` on a ``s/d`` payload) times a ring of ``r = d/u`` ranks passing K/V
-blocks point to point, overlapped with the attention compute:
+Ulysses cannot split a sequence over more ranks than the model has attention heads, and its part must
+divide them. When the model knows its ``heads``, a degree ``d`` is split by ``ulysses_split``: Ulysses
+over ``u = gcd(d, heads)`` ranks (for a power of two ``d``: ``min(d, U)``, ``U`` the largest power of
+two dividing ``heads``; for ``d = 6`` and 32 heads, ``u = 2``). Where ``u < d`` the group is costed as
+the USP-style hybrid practitioners run: the all-to-all at ``bandwidth[u]`` on a ``s/d`` payload, times
+a ring of ``r = d/u`` ranks (any size, 3 included) passing K/V blocks point to point, overlapped with
+the attention compute:
 
     seq_time(s, d) = alpha2*s/d + comm_bytes_per_token*s/d / bandwidth[u]
                      + max(alpha1*s^2/d,  ring_bytes_per_token*s*(r-1) / (r*min(u, kv_heads)) / ring_bandwidth
@@ -41,7 +43,7 @@ import numpy as np
 
 from flexsp.errors import CostModelError
 from flexsp.inputs import exact_sum, integer, number, read_json
-from flexsp.plan.cluster import is_power_of_two, ulysses_split
+from flexsp.plan.cluster import ulysses_split
 from flexsp.plan.lengths import as_lengths
 from solver.types import DegreeCosts, seconds
 
@@ -57,14 +59,18 @@ def _as_array(lengths: Iterable[int]) -> np.ndarray:
 _COEFFICIENTS = ("alpha1", "alpha2", "beta1", "comm_bytes_per_token", "token_capacity")
 
 
+MAX_BANDWIDTH_DEGREES = 2**16  # entries an alltoall_bandwidth table may have (every degree of 16,384 GPUs: 2,055)
+
+
 def _degree_key(key: Any) -> int:
-    """An alltoall_bandwidth key: an integer power of two, or its decimal string (JSON keys are strings)."""
+    """An alltoall_bandwidth key: a positive integer SP degree (any size: 3, 6, 24 ...), or its decimal
+    string (JSON keys are strings)."""
     if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 20:
         key = int(key)
     if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
         raise CostModelError(f"alltoall_bandwidth keys must be integer SP degrees, got {key!r}")
-    if not is_power_of_two(int(key)) or key > 2**40:
-        raise CostModelError(f"alltoall_bandwidth has degree {key}, which is not a power of two (1, 2, 4, ...)")
+    if not 1 <= int(key) <= 2**40:
+        raise CostModelError(f"alltoall_bandwidth has degree {key}, which is not an SP degree (1 to 2**40 GPUs)")
     return int(key)
 
 
@@ -99,6 +105,9 @@ class CostModel:
         table = self.alltoall_bandwidth if self.alltoall_bandwidth is not None else {}
         if not isinstance(table, Mapping):
             raise CostModelError(f"alltoall_bandwidth must map SP degree -> bytes/s, got {type(table).__name__}")
+        if len(table) > MAX_BANDWIDTH_DEGREES:
+            raise CostModelError(f"alltoall_bandwidth has {len(table)} degrees, more than the {MAX_BANDWIDTH_DEGREES} a "
+                                 f"cost model may list")
         bandwidth: dict[int, float] = {}
         for key, value in table.items():
             degree = _degree_key(key)
@@ -175,20 +184,29 @@ class CostModel:
 
     def coefficients(self, degree: int) -> tuple[float, float, float]:
         """(s^2, s, ring) coefficients of one sequence's time at ``degree`` (see the module docstring)."""
-        if not is_power_of_two(int(degree)):
-            raise CostModelError(f"SP degree must be a power of two, got {degree}")
+        if isinstance(degree, (bool, np.bool_)) or not isinstance(degree, (int, np.integer)) or degree < 1:
+            raise CostModelError(f"SP degree must be a whole number >= 1, got {degree!r}")
         ulysses, ring = self.split(degree)
         comm = 0.0 if ulysses == 1 else self.comm_bytes_per_token / self.bandwidth(ulysses)
         ring_coefficient = 0.0
         if ring > 1:
             if self.ring_bandwidth is None:
                 raise CostModelError(
-                    f"SP degree {degree} exceeds the Ulysses limit of {self.ulysses_limit} ({self.heads} heads) and "
-                    f"needs a ring axis: give ring_bandwidth (and ring_bytes_per_token), or keep plans within the "
-                    f"limit (plan_batch(..., ulysses_only=True))")
+                    f"SP degree {degree} exceeds the Ulysses limit of {ulysses} for {self.heads} heads (Ulysses takes "
+                    f"gcd(degree, heads)) and needs a ring axis of {ring}: give ring_bandwidth (and "
+                    f"ring_bytes_per_token), or keep plans within the limit (plan_batch(..., ulysses_only=True))")
             width = min(ulysses, self.kv_heads or ulysses)
             ring_coefficient = self.ring_bytes_per_token * (ring - 1) / (ring * width) / self.ring_bandwidth
         return self.alpha1 / degree, (self.alpha2 + comm) / degree, ring_coefficient
+
+    def costs_degree(self, degree: int) -> bool:
+        """Whether this model can cost ``degree``: the all-to-all bandwidth of its Ulysses part is known,
+        and the ring bandwidth where its split needs a ring (``PlanConfig(degrees="any")`` keeps only these)."""
+        try:
+            self.coefficients(degree)
+        except CostModelError:
+            return False
+        return True
 
     def ring_hops(self, degree: int) -> float:
         """Seconds of ring latency per sequence at ``degree``: ``(r - 1) * ring_hop_latency`` for a ring of
@@ -209,7 +227,7 @@ class CostModel:
     # --- memory -------------------------------------------------------------------------------
     def group_capacity(self, degree: int) -> int:
         """Tokens a group of ``degree`` GPUs can hold, as an integer (lengths are compared exactly)."""
-        return math.floor(self.token_capacity * degree)   # a power-of-two multiple of a float is exact
+        return math.floor(self.token_capacity * degree)   # exact for whole-token capacities; the one rule validate uses too
 
     def fits(self, lengths: Iterable[int], degree: int) -> bool:
         return exact_sum(as_lengths(lengths)) <= self.group_capacity(degree)

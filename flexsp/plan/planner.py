@@ -1,12 +1,18 @@
 """``plan_batch``: the front door from a batch of lengths to a placed, validated ``Plan``.
 
 It turns the cost model into per-degree numbers for the solver, runs a strategy, and places each
-micro-batch's groups on aligned rank blocks: largest group first, each on the next free block of
-its size, which always succeeds when the degrees sum to at most N (they are powers of two) and
-keeps every group of at most a node's size inside one node.
+micro-batch's groups on tiles (``flexsp.plan.cluster.place_groups``): largest group first, each on the
+lowest free tile of its degree, inside one node or on whole nodes. For degrees that nest (powers of
+two, the default) that always succeeds when the degrees sum to at most N, and the tiles are the
+aligned blocks ``[k*d, (k+1)*d)``. For other sets (``degrees="any"``, ``(1, 2, 3, 6, 12)``) the solver's
+packer checks placement itself (``DegreeCosts.placeable``); a micro-batch a strategy still returns
+unplaceable (a strategy that counts GPUs only) is repaired: the groups without a tile move to extra
+micro-batches, and when that happens the same strategy also plans on the nesting subset of the
+degrees, and the faster plan wins, so a non-power-of-two set never loses to its nesting part by repair.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from typing import Any, Iterable
@@ -15,28 +21,111 @@ import numpy as np
 
 from flexsp.errors import PlanError
 from flexsp.plan import strategies as registry
-from flexsp.plan.cluster import Cluster, aligned_block
+from flexsp.plan.cluster import Cluster, Placement, nesting_subset, place_groups, place_partial, places
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel
 from flexsp.plan.lengths import as_lengths
 from flexsp.plan.types import Group, MicroBatch, Plan
 from solver.search import SearchOptions
-from solver.types import Infeasible, InfeasibleDegree, Schedule
+from solver.types import DegreeCosts, GroupAssignment, Infeasible, InfeasibleDegree, Schedule
 
 
-def place(schedule: Schedule, cost: CostModel | None = None) -> tuple[MicroBatch, ...]:
-    """Aligned rank blocks, largest group first: block ``[k*d, (k+1)*d)`` for a group of degree ``d``.
-    With ``cost``, each group records its Ulysses x ring split."""
+def _ordered(groups) -> list[GroupAssignment]:
+    """Largest group first, then by first sequence id: the order groups are placed and listed in."""
+    return sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0))
+
+
+def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | None = None) -> tuple[MicroBatch, ...]:
+    """Each micro-batch's groups on tiles (``place_groups``; default cluster: one node of N GPUs, where
+    powers of two land on the aligned blocks ``[k*d, (k+1)*d)``). With ``cost``, each group records its
+    Ulysses x ring split. A ``PlanError`` if a micro-batch does not place (``repair`` first)."""
+    n = schedule_gpus(schedule) if cluster is None else cluster.num_gpus
+    per_node = n if cluster is None else cluster.gpus_per_node
     micro_batches = []
     rings = {d: 1 if cost is None else cost.split(d)[1] for d in {g.degree for mb in schedule.micro_batches for g in mb}}
-    for groups in schedule.micro_batches:
-        offset, placed = 0, []
-        for g in sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0)):
-            placed.append(Group(ranks=aligned_block(offset // g.degree, g.degree), seq_ids=tuple(g.seq_ids.tolist()),
-                                ring=rings[g.degree]))
-            offset += g.degree
-        micro_batches.append(MicroBatch(tuple(placed)))
+    for m, groups in enumerate(schedule.micro_batches):
+        ordered = _ordered(groups)
+        starts = place_groups([g.degree for g in ordered], n, per_node)
+        if starts is None:
+            raise PlanError(f"micro-batch {m}: groups of degrees {[g.degree for g in ordered]} do not place on "
+                            f"{n} GPUs in nodes of {per_node}")
+        micro_batches.append(MicroBatch(tuple(
+            Group(ranks=tuple(range(int(s), int(s) + g.degree)), seq_ids=tuple(g.seq_ids.tolist()), ring=rings[g.degree])
+            for g, s in zip(ordered, starts))))
     return tuple(micro_batches)
+
+
+def schedule_gpus(schedule: Schedule) -> int:
+    """GPUs the busiest micro-batch of ``schedule`` uses."""
+    return max((sum(g.degree for g in mb) for mb in schedule.micro_batches), default=1)
+
+
+def repair(schedule: Schedule, cluster: Cluster, lengths: np.ndarray, costs: DegreeCosts) -> tuple[Schedule, int]:
+    """``schedule`` with every micro-batch placeable, and how many groups moved.
+
+    In a micro-batch that does not place, the groups left without a tile (``place_partial``: largest
+    first, lowest free tile) are taken out and, slowest first, each put where it adds the least step
+    time: into any micro-batch (its own included) at any degree that holds its tokens and still
+    places there (``places``), or into a new micro-batch of its own. Candidates are tried cheapest
+    first, so each group costs a sort of (micro-batches x degrees) numbers and a few placement checks.
+    A group always places alone, so this ends; for nesting degrees nothing moves."""
+    n, per_node = cluster.num_gpus, cluster.gpus_per_node
+    kept: list[list[GroupAssignment]] = []
+    moved: list[GroupAssignment] = []
+    for groups in schedule.micro_batches:
+        ordered = _ordered(groups)
+        starts = place_partial([x.degree for x in ordered], n, per_node)
+        kept.append([x for x, s in zip(ordered, starts) if s >= 0])
+        moved += [x for x, s in zip(ordered, starts) if s < 0]
+    if not moved:
+        return schedule, 0
+    degrees = np.asarray(costs.degrees)
+    index = {int(d): k for k, d in enumerate(degrees)}
+    counts = np.zeros((len(kept), len(degrees)), dtype=np.int64)
+    span = np.zeros(len(kept))
+    for m, mb in enumerate(kept):
+        for x in mb:
+            counts[m, index[x.degree]] += 1
+        span[m] = max((x.time(lengths, costs) for x in mb), default=0.0)
+
+    def group_times(x: GroupAssignment) -> np.ndarray:          # [D] seconds at every degree; inf: no room
+        tokens = float(lengths[x.seq_ids].sum())
+        t = costs.times(lengths[x.seq_ids]).sum(axis=0) + costs.beta1
+        return np.where(tokens <= np.asarray(costs.capacity), t, np.inf)
+
+    timed = sorted(((group_times(x), x) for x in moved), key=lambda p: -float(p[0][index[p[1].degree]]))
+    for times, x in timed:
+        extra = np.maximum(times[None, :] - span[:, None], 0.0)         # [M, D] step time it adds
+        order = np.argsort(np.concatenate([extra.ravel(), times]), kind="stable")
+        for c in order:
+            m, k = divmod(int(c), len(degrees))
+            if m == len(kept) or not np.isfinite(times[k]):             # a new micro-batch of its own
+                k = int(np.argmin(times)) if m == len(kept) else k
+                if not np.isfinite(times[k]):
+                    continue
+                kept.append([])
+                counts = np.vstack([counts, np.zeros(len(degrees), dtype=np.int64)])
+                span = np.append(span, 0.0)
+            trial = counts[m].copy()
+            trial[k] += 1
+            if places(dict(zip(degrees.tolist(), trial.tolist())), n, per_node):
+                kept[m].append(GroupAssignment(int(degrees[k]), x.seq_ids))
+                counts[m], span[m] = trial, max(span[m], float(times[k]))
+                break
+    return Schedule(tuple(tuple(mb) for mb in kept if mb)), len(moved)
+
+
+def solver_costs(cost: CostModel, cluster: Cluster, degrees) -> tuple[DegreeCosts, DegreeCosts | None]:
+    """The solver's per-degree costs for ``degrees`` and, when they do not nest, the costs of their
+    nesting subset (the fallback; None when they nest). Non-nesting costs carry the placement check
+    and the tile counts; nesting ones carry neither, so power-of-two planning is unchanged."""
+    costs = cost.degree_costs(degrees)
+    if cluster.nests(costs.degrees):
+        return costs, None
+    placement = Placement(costs.degrees, cluster.num_gpus, cluster.gpus_per_node)
+    costs = dataclasses.replace(costs, tiles=placement.tiles(), placeable=placement)
+    subset = nesting_subset(costs.degrees, cluster.num_gpus, cluster.gpus_per_node)
+    return costs, cost.degree_costs(subset)
 
 
 class TimeLimitWarning(UserWarning):
@@ -76,7 +165,7 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     if strategy is not _FROM_CONFIG:
         settings["strategy"] = strategy
     config = (config.replace(**settings) if settings else config).checked(cost, cluster)
-    costs = cost.degree_costs(cluster.usable_degrees(config.max_degree, config.degrees))   # CostModelError names a degree without bandwidth
+    costs, fallback = solver_costs(cost, cluster, cluster.usable_degrees(config.max_degree, config.degrees))   # CostModelError names a degree without bandwidth
     longest = int(lengths.argmax())
     if int(lengths[longest]) > cost.group_capacity(costs.degrees[-1]):      # integers: exact at any size
         raise PlanError(
@@ -85,11 +174,32 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
             + ("" if costs.degrees[-1] == cluster.degrees[-1] else " (largest allowed degree)"))
     options = SearchOptions(num_buckets=config.num_buckets)
     strategy = config.strategy
+    meta: dict[str, Any] = {}
+
+    def run(with_costs: DegreeCosts) -> Schedule:
+        return registry.run_strategy(strategy, registry.PlanRequest(
+            lengths, with_costs, cluster.num_gpus, options, started + config.time_limit, config.sp_degree,
+            fallback=fallback if with_costs is costs else None))
     try:
-        schedule = registry.run_strategy(strategy, registry.PlanRequest(lengths, costs, cluster.num_gpus, options,
-                                                                        started + config.time_limit, config.sp_degree))
+        schedule = run(costs)
     except (InfeasibleDegree, Infeasible) as exc:
-        raise PlanError(f"{strategy}: {exc}") from None
+        if fallback is None or (config.sp_degree is not None and config.sp_degree not in fallback.degrees):
+            raise PlanError(f"{strategy}: {exc}") from None
+        try:
+            schedule, costs, meta["fallback"] = run(fallback), fallback, list(fallback.degrees)
+        except (InfeasibleDegree, Infeasible):
+            raise PlanError(f"{strategy}: {exc}") from None
+    if fallback is not None and "fallback" not in meta:
+        schedule, moved = repair(schedule, cluster, lengths, costs)
+        if moved:
+            meta["repaired_groups"] = moved
+            if config.sp_degree is None or config.sp_degree in fallback.degrees:
+                try:
+                    other = run(fallback)
+                except (InfeasibleDegree, Infeasible):
+                    other = None
+                if other is not None and other.time(lengths, fallback) < schedule.time(lengths, costs):
+                    schedule, costs, meta["fallback"] = other, fallback, list(fallback.degrees)
     searched = time.perf_counter() - started
     hit = searched > config.time_limit
     if hit:
@@ -97,14 +207,16 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
             f"{strategy}: the time limit of {config.time_limit:g} s passed while planning ({searched:.2f} s); the "
             f"search was cut short and the plan may depend on machine load (raise time_limit to reproduce it)"),
             stacklevel=2)
-    micro_batches = place(schedule, cost)
+    micro_batches = place(schedule, cost, cluster)
+    if hit:
+        meta["time_limit_hit"] = True
     plan = Plan(num_gpus=cluster.num_gpus, micro_batches=micro_batches,
                 predicted_time=schedule.time(lengths, costs), strategy=strategy,
                 gpus_per_node=cluster.gpus_per_node, solve_time=time.perf_counter() - started,
-                meta={"time_limit_hit": True} if hit else {})
+                meta=meta)
     if config.validate:
         plan.validate(lengths, cost, cluster)
     return plan
 
 
-__all__ = ["plan_batch", "place", "TimeLimitWarning"]
+__all__ = ["plan_batch", "place", "repair", "solver_costs", "TimeLimitWarning"]

@@ -7,11 +7,19 @@ reference's "MB per ms" (a time in ms is MB / v), so bytes/s = v * 2**20 * 1000.
 Parameters were published at 192K and 384K context only; other contexts interpolate linearly between the two (labelled in ``meta``). The bandwidth table stops at 64 GPUs;
 bigger clusters reuse the 64-GPU value for every larger degree (inter-node all-to-all bandwidth per
 GPU flattens once most peers are off-node), also labelled in ``meta``.
+
+The paper measured powers of two only. Every other degree with a tile (3, 5, 6, 7 inside its 8-GPU
+nodes; 24, 40, 48, 56 on whole nodes) is interpolated between the nearest measured degrees on the same
+side of the node boundary, with the time per byte ``1 / bw`` linear in ``1 / d`` (the shape of the
+analytic model, ``flexsp.plan.analytic``: inside a node ``1/bw = (1 - 1/d) / intra``, across nodes
+``(1 - g/d) / inter``), and flat beyond the last measured degree of its side; ``meta["bandwidth"]``
+lists the interpolated degrees.
 """
 from __future__ import annotations
 
 from flexsp.errors import CostModelError
 from flexsp.inputs import integer
+from flexsp.plan.cluster import is_power_of_two, tileable_degrees
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import check as check_sharding
 from flexsp.plan.memory import model_state_bytes, token_capacity
@@ -22,25 +30,54 @@ MEMORY_LIMIT_MB = 30 * 1024
 PAPER_BANDWIDTH_MB_PER_MS = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
 
 
-def paper_bandwidth(num_gpus: int = 64) -> dict[int, float]:
+PAPER_GPUS_PER_NODE = 8
+
+
+def paper_bandwidth(num_gpus: int = 64, gpus_per_node: int = PAPER_GPUS_PER_NODE) -> dict[int, float]:
     """The paper's measured all-to-all bandwidth in bytes/s for degrees 2..64, extended to
-    ``num_gpus`` with the 64-GPU value."""
+    ``num_gpus`` with the 64-GPU value, plus every other degree with a tile on nodes of
+    ``gpus_per_node`` GPUs, interpolated (``interpolate_bandwidth``)."""
     table = {d: v * MB * 1000 for d, v in PAPER_BANDWIDTH_MB_PER_MS.items()}
     degree = 128
     while degree <= num_gpus:
         table[degree] = table[64]
         degree *= 2
-    return table
+    measured = dict(table)
+    for d in tileable_degrees(num_gpus, gpus_per_node)[1:]:
+        if d not in measured:
+            table[d] = interpolate_bandwidth(measured, d, PAPER_GPUS_PER_NODE)
+    return dict(sorted(table.items()))
 
 
-def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *, sharding: str = "full") -> CostModel:
+def interpolate_bandwidth(measured: dict[int, float], degree: int, gpus_per_node: int) -> float:
+    """Bandwidth at ``degree`` from ``measured`` ones (degree -> bytes/s): ``1/bw`` linear in ``1/d``
+    between the nearest measured degrees on the same side of the node boundary (inside a node of
+    ``gpus_per_node``, or across nodes), flat beyond the last one of that side."""
+    inside = degree <= gpus_per_node
+    side = sorted(d for d in measured if d > 1 and (d <= gpus_per_node) == inside)
+    if not side:
+        raise CostModelError(f"no measured all-to-all bandwidth {'inside' if inside else 'across'} nodes to "
+                             f"interpolate SP degree {degree} from")
+    lower = [d for d in side if d < degree]
+    upper = [d for d in side if d > degree]
+    if not lower or not upper:
+        return measured[(lower or upper)[-1 if lower else 0]]
+    a, b = lower[-1], upper[0]
+    w = (1 / a - 1 / degree) / (1 / a - 1 / b)
+    return 1.0 / ((1 - w) / measured[a] + w / measured[b])
+
+
+def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *, sharding: str = "full",
+                     gpus_per_node: int = PAPER_GPUS_PER_NODE) -> CostModel:
     """The paper's cost model for ``name`` (gpt-7b, gpt-13b, gpt-30b) at ``context`` tokens, model states
-    sharded ``sharding`` (``flexsp.plan.memory``; the paper ran ZeRO-3, ``"full"``) over ``num_gpus`` GPUs."""
+    sharded ``sharding`` (``flexsp.plan.memory``; the paper ran ZeRO-3, ``"full"``) over ``num_gpus`` GPUs;
+    ``gpus_per_node`` says which non-power-of-two degrees get an (interpolated) bandwidth."""
     papers = model_names(paper=True)
     if not isinstance(name, str) or name.lower() not in papers:
         raise CostModelError(f"unknown preset {name!r}; choose one of {sorted(papers)}")
     context = integer(context, "context (tokens, e.g. 393216; the CLI also reads 384K)", CostModelError)
     num_gpus = integer(num_gpus, "num_gpus", CostModelError)
+    gpus_per_node = integer(gpus_per_node, "gpus_per_node", CostModelError)
     check_sharding(sharding)
     key = name.lower()
     spec = get_model(key)
@@ -54,11 +91,21 @@ def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *
         alpha2=model.alpha2_ms / 1000,
         beta1=model.beta1_ms / 1000,
         comm_bytes_per_token=4 * 2 * spec.layers * spec.hidden * 2,
-        alltoall_bandwidth=paper_bandwidth(num_gpus),
+        alltoall_bandwidth=(bandwidth := paper_bandwidth(num_gpus, gpus_per_node)),
         token_capacity=capacity,
         meta={"source": "FlexSP paper (arXiv 2412.01523), 64 x A100-40GB", "preset": key, "context": context,
               "num_gpus": num_gpus, "sharding": sharding, "params_b": round(model.params_b(context), 4),
               "activation_bytes_per_token": model.act_mb_per_token * MB,
               "params": "published" if exact_params else "interpolated between 192K and 384K",
-              "bandwidth": "published" if num_gpus <= 64 else "published to 64 GPUs, 64-GPU value above"},
+              "bandwidth": ("published" if num_gpus <= 64 else "published to 64 GPUs, 64-GPU value above")
+              + _interpolated(bandwidth)},
     )
+
+
+def _interpolated(bandwidth: dict[int, float]) -> str:
+    """The meta note on interpolated degrees (empty when there are none)."""
+    others = [d for d in bandwidth if not is_power_of_two(d)]
+    if not others:
+        return ""
+    shown = ", ".join(map(str, others[:8])) + (f", ... ({len(others)} degrees)" if len(others) > 8 else "")
+    return f"; interpolated at non-power-of-two degrees {shown}"

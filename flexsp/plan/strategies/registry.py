@@ -26,7 +26,9 @@ class PlanRequest:
     """What a planning function sees: lengths, per-degree costs (only the usable degrees), the GPU
     count, search options, the strategy-specific ``sp_degree``, the wall-clock ``deadline``
     (``time.perf_counter()`` seconds) and, for a strategy with ``candidates``, one thunk per
-    candidate strategy that plans the same request with it."""
+    candidate strategy that plans the same request with it. ``fallback``: the costs of the nesting subset
+    of ``costs.degrees`` when those do not nest (non-power-of-two sets; None otherwise), for a strategy
+    whose rule assumes a degree ladder (dynamic-cp doubles group sizes)."""
 
     lengths: np.ndarray
     costs: DegreeCosts
@@ -35,6 +37,7 @@ class PlanRequest:
     deadline: float
     sp_degree: int | None = None
     candidates: tuple[Callable[[], Schedule], ...] = ()
+    fallback: DegreeCosts | None = None
 
 
 @dataclass(frozen=True)
@@ -118,11 +121,12 @@ def run_strategy(name: str, request: PlanRequest) -> Schedule:
     strategy = get_strategy(name)
     thunks = tuple((lambda c=c: run_strategy(c, _without_candidates(request))) for c in strategy.candidates)
     return strategy.plan(PlanRequest(request.lengths, request.costs, request.num_gpus, request.options,
-                                     request.deadline, request.sp_degree, thunks))
+                                     request.deadline, request.sp_degree, thunks, request.fallback))
 
 
 def _without_candidates(request: PlanRequest) -> PlanRequest:
-    return PlanRequest(request.lengths, request.costs, request.num_gpus, request.options, request.deadline)
+    return PlanRequest(request.lengths, request.costs, request.num_gpus, request.options, request.deadline,
+                       fallback=request.fallback)
 
 
 def describe_strategies(indent: str = "") -> str:
