@@ -230,7 +230,7 @@ def run_plan(args) -> int:
     config = _plan_config(args, strategy=args.strategy, sp_degree=args.sp_degree)
     if args.communicator_memory is not None:
         pool = pool_degrees(cluster, "flexsp", config.degrees, None, cost)     # every degree plans may use
-        cost = reserve_communicators(cost, pool, _communicator_bytes(args))
+        cost = reserve_communicators(cost, pool, _communicator_bytes(args), gpus_per_node=cluster.gpus_per_node)
         print(describe_reservation(cost))
     plan = plan_batch(lengths, cost, cluster, config=config)
     print(f"{args.strategy}: {len(lengths)} sequences -> {len(plan.micro_batches)} micro-batches, "

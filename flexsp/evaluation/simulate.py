@@ -237,7 +237,7 @@ def _strategy_cost(cost: CostModel, cluster: Cluster, name: str, communicator_by
     spec = parse_strategy(name)
     chosen = spec.degrees if spec.degrees is not None else degrees
     return reserve_communicators(cost, pool_degrees(cluster, spec.strategy, chosen, spec.sp_degree, cost),
-                                 communicator_bytes)
+                                 communicator_bytes, gpus_per_node=cluster.gpus_per_node)
 
 
 def format_communicator_memory(sim: Simulation) -> str:

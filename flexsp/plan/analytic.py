@@ -21,7 +21,8 @@ Formulas (bf16 training, fwd + bwd = 3x the forward FLOPs, FlashAttention so no 
   costs ``inter_node_latency`` per layer and pass (``ring_hop_latency = 3 * layers * latency``; 5 us
   assumed, ``GPUSpec.inter_node_latency``).
 * All-to-all bandwidth for every degree with a tile (``flexsp.plan.cluster.tileable_degrees``: inside
-  a node, or whole nodes; non-powers of two included), per degree ``d`` (bytes of a rank's payload per second): each rank keeps
+  a node, or whole nodes; non-powers of two included) and for the Ulysses part of each (``gcd(d, heads)``:
+  8 of a 24-GPU group on 6-GPU nodes, which spans two nodes), per degree ``d`` (bytes of a rank's payload per second): each rank keeps
   ``1/d`` of its payload and sends the rest. Inside a node all of it crosses NVLink:
   ``bw[d] = intra_bw * d / (d - 1)``. Across nodes (``d > g``, ``g`` GPUs per node), the share
   ``(d - g) / d`` leaves the node over the GPU's NIC while ``(g - 1) / d`` stays on NVLink, and the
@@ -35,7 +36,7 @@ from typing import Any
 
 from flexsp.errors import CostModelError
 from flexsp.inputs import integer, number
-from flexsp.plan.cluster import tileable_degrees
+from flexsp.plan.cluster import tileable_degrees, ulysses_split
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import check as check_sharding
 from flexsp.plan.memory import activation_bytes_per_token, check_recompute, model_state_bytes, recompute_work, token_capacity
@@ -78,6 +79,7 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
                               usable_fraction=gpu.usable_memory,
                               what=f"{model.name} on {num_gpus} x {gpu.name} with sharding {sharding!r}:")
     degrees = tileable_degrees(num_gpus, gpus_per_node)[1:]      # every degree a group may have, 3 and 6 too
+    degrees = sorted({*degrees, *(ulysses_split(d, model.heads)[0] for d in degrees)} - {1})   # and their Ulysses parts
     return CostModel(
         alpha1=attention_work * 3 * model.layers * 2 * model.hidden / flops,
         alpha2=linear_work * 3 * 2 * model.linear_params / flops,

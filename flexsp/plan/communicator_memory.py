@@ -4,9 +4,10 @@ A ``GroupPool`` gives every rank at most one communicator per SP degree above 1 
 groups sit on its tiles (``flexsp.plan.cluster``: inside a node or whole nodes, one fixed tiling per
 degree, powers of two included), so each rank is in at most one of them; degree 1 needs none. A
 Ulysses x ring degree (``ulysses_split``: Ulysses over ``gcd(d, heads)`` ranks, a ring over the rest)
-adds one ring communicator, and one Ulysses sub-group communicator unless that Ulysses size is a pooled
-degree itself. The bound per rank is therefore
-``#{pooled d > 1} + #{hybrid splits} + #{distinct Ulysses sizes > 1 of hybrid splits not pooled}``,
+adds one ring communicator, and one Ulysses sub-group communicator (consecutive blocks of ``u`` ranks,
+the same blocks for every degree with that ``u``) unless those blocks are tiles of a pooled degree
+``u``. The bound per rank is therefore
+``#{pooled d > 1} + #{hybrid splits} + #{distinct Ulysses sizes u > 1 of hybrid splits whose blocks are not pooled tiles}``,
 at most three per pooled degree, whatever the plans (``communicators_per_rank``). NCCL allocates
 buffers per communicator, and the total grows with the count: NVIDIA/nccl#964 measured 544 MB for
 a 2-GPU and 688 MB for a 4-GPU communicator on 4 x A100 (NVLink) after one all-reduce, and
@@ -34,14 +35,25 @@ from flexsp.plan.cost import CostModel
 COMMUNICATOR_BYTES = 512 * 2**20
 
 
-def communicators_per_rank(degrees: Iterable[int], heads: int | None = None) -> int:
+def communicators_per_rank(degrees: Iterable[int], heads: int | None = None, gpus_per_node: int | None = None) -> int:
     """Most communicators a rank holds in a pool of these SP degrees (the bound of the module
     docstring): one per degree above 1, plus, for a model with ``heads`` query heads, one ring per
-    Ulysses x ring degree and one Ulysses sub-group per distinct Ulysses size that is not pooled."""
+    Ulysses x ring degree and one Ulysses sub-group per distinct Ulysses size ``u`` whose blocks are not
+    tiles of a pooled degree (they are when ``u`` is pooled and divides the node size or is whole nodes;
+    ``gpus_per_node`` None: assume they are)."""
     pooled = {int(d) for d in degrees if int(d) > 1}
-    hybrid = [ulysses_split(d, heads) for d in pooled]
-    hybrid = [(u, r) for u, r in hybrid if u > 1 and r > 1]       # u == 1: the ring is the group itself
-    return len(pooled) + len(hybrid) + len({u for u, _ in hybrid} - pooled)
+    hybrid = {(d, *ulysses_split(d, heads)) for d in pooled}
+    hybrid = {(d, u) for d, u, r in hybrid if u > 1 and r > 1}     # u == 1: the ring is the group itself
+
+    def reused(d: int, u: int) -> bool:
+        if u not in pooled:
+            return False
+        g = gpus_per_node
+        return g is None or d <= g or (g % u == 0 if u <= g else u % g == 0)
+    def family(d: int, u: int):      # blocks of u from each node's start, or from rank 0 (the same when u | g)
+        g = gpus_per_node
+        return u if g is None or g % u == 0 or u % g == 0 else (u, d <= g)
+    return len(pooled) + len(hybrid) + len({family(d, u) for d, u in hybrid if not reused(d, u)})
 
 
 def pool_degrees(cluster: Cluster, strategy: str = "flexsp", degrees: Iterable[int] | str | None = None,
@@ -61,9 +73,10 @@ def pool_degrees(cluster: Cluster, strategy: str = "flexsp", degrees: Iterable[i
 
 
 def reserve_communicators(cost: CostModel, degrees: Iterable[int], bytes_each: float = COMMUNICATOR_BYTES, *,
-                          activation_bytes_per_token: float | None = None) -> CostModel:
+                          activation_bytes_per_token: float | None = None, gpus_per_node: int | None = None) -> CostModel:
     """``cost`` with ``token_capacity`` lowered by the memory of a pool of ``degrees``' communicators.
 
+    The count is ``communicators_per_rank(degrees, cost.heads, gpus_per_node)`` (hybrid sub-groups included).
     ``activation_bytes_per_token`` defaults to what the cost model records (presets, analytic models
     and profiles do). Applying it again replaces the earlier reservation rather than adding to it.
     ``meta["communicators"]`` records the count, bytes each, tokens given up and the capacity before.
@@ -75,7 +88,7 @@ def reserve_communicators(cost: CostModel, degrees: Iterable[int], bytes_each: f
                              "'activation_bytes_per_token'); pass activation_bytes_per_token=... to reserve "
                              "communicator memory")
     per_token = number(per_token, "activation_bytes_per_token", CostModelError, positive=True)
-    count = communicators_per_rank(degrees, cost.heads)
+    count = communicators_per_rank(degrees, cost.heads, gpus_per_node)
     previous = cost.meta.get("communicators")
     before = previous["capacity_before"] if isinstance(previous, Mapping) and "capacity_before" in previous \
         else cost.token_capacity

@@ -1,0 +1,275 @@
+"""Non-power-of-two SP degrees, planning side: degree sets, cost models, the packer's placement check,
+repair, every strategy's plans (checked by the independent validator) and the communicator bound."""
+import itertools
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+import flexsp
+from flexsp.cli import main
+from flexsp.errors import CostModelError, PlanError
+from flexsp.plan.analytic import cost_from_hardware
+from flexsp.plan.cluster import (Placement, nesting_subset, nests, place_groups, place_partial, places, tile_starts,
+                                 tileable, ulysses_split)
+from flexsp.plan.communicator_memory import communicators_per_rank, pool_degrees, reserve_communicators
+from flexsp.plan.planner import repair, solver_costs
+from flexsp.plan.presets import cost_from_preset
+from solver.group_packing import MicroBatchPacker
+from solver.types import GroupAssignment, Schedule
+from tests.validator import check_plan
+
+STRATEGIES = ("flexsp", "greedy", "batchada", "dynamic-cp", "static")
+
+
+def long_tail(n: int, seed: int, scale: int = 2000, top: int = 200_000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.pareto(1.2, n) * scale + 300).astype(np.int64).clip(1, top)
+
+
+# --- clusters and degree sets ----------------------------------------------------------------------
+def test_any_node_size_and_the_degree_lists():
+    assert flexsp.Cluster(12, 6).degrees == (1, 2, 4)                        # powers of two with a tile
+    assert flexsp.Cluster(12, 6).all_degrees == (1, 2, 3, 4, 5, 6, 12)
+    assert flexsp.Cluster(64, 8).degrees == (1, 2, 4, 8, 16, 32, 64)          # unchanged on power-of-two nodes
+    assert flexsp.Cluster(48, 8).all_degrees == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48)
+    for n, g in ((12, 6), (48, 8), (9, 3), (5, 8)):
+        cluster = flexsp.Cluster(n, g)
+        assert cluster.all_degrees == tuple(d for d in range(1, n + 1) if tileable(d, n, g))
+
+
+@pytest.mark.parametrize("degrees, message", [
+    ((1, 7, 12), "12 GPUs: not inside a node of 8 nor whole nodes"),
+    ((1, 100), "100 GPUs: more than the cluster's 64"),
+    ((), "degrees is empty"),
+])
+def test_degrees_without_a_tile_are_named(degrees, message):
+    with pytest.raises(PlanError, match=message):
+        flexsp.plan_batch([1000, 2000], cost_from_preset("gpt-7b"), flexsp.Cluster(64, 8), degrees=degrees)
+
+
+def test_any_resolves_to_the_degrees_the_cost_model_can_cost():
+    cluster = flexsp.Cluster(64, 8)
+    preset = cost_from_preset("gpt-7b")
+    assert flexsp.PlanConfig(degrees="any").checked(preset, cluster).degrees == cluster.all_degrees
+    assert flexsp.PlanConfig(degrees="ANY", max_degree=8).checked(preset, cluster).degrees == tuple(range(1, 9))
+    # a profile of powers of two with no ring: 3 (Ulysses 1 x ring 3 for 32 heads) and 6 need a ring
+    profile = flexsp.CostModel(alpha1=5e-9, alpha2=1.8e-4, beta1=0.1, comm_bytes_per_token=2e6, heads=32,
+                               alltoall_bandwidth={2: 1e11, 4: 1e11, 8: 1e11}, token_capacity=6000)
+    assert flexsp.PlanConfig(degrees="any").checked(profile, flexsp.Cluster(8, 8)).degrees == (1, 2, 4, 8)
+    with pytest.raises(CostModelError, match="SP degree 6 exceeds the Ulysses limit of 2 .* ring axis of 3"):
+        flexsp.plan_batch([1000, 9000], profile, flexsp.Cluster(8, 8), degrees=(1, 2, 6))
+    ring = flexsp.CostModel(**{**profile.to_dict(), "ring_bandwidth": 2e10, "ring_bytes_per_token": 1e5})
+    assert flexsp.PlanConfig(degrees="any").checked(ring, flexsp.Cluster(8, 8)).degrees == tuple(range(1, 9))
+    assert ring.split(6) == ulysses_split(6, 32) == (2, 3)
+    # no bandwidth for a degree's Ulysses part: the existing named error
+    plain = flexsp.CostModel(alpha1=5e-9, alpha2=1.8e-4, beta1=0.1, comm_bytes_per_token=2e6,
+                             alltoall_bandwidth={2: 1e11, 4: 1e11, 8: 1e11}, token_capacity=6000)
+    with pytest.raises(CostModelError, match="no all-to-all bandwidth for SP degree 3"):
+        flexsp.plan_batch([1000, 9000], plain, flexsp.Cluster(8, 8), degrees=(1, 3))
+
+
+# --- cost models -------------------------------------------------------------------------------------
+def test_preset_interpolates_non_powers_of_two_between_measured_neighbours():
+    cost = cost_from_preset("gpt-7b", num_gpus=64)
+    bw = cost.alltoall_bandwidth
+    assert set(bw) == set(flexsp.Cluster(64, 8).all_degrees) - {1}
+    for d, (a, b) in {3: (2, 4), 6: (4, 8), 24: (16, 32), 40: (32, 64)}.items():
+        assert min(bw[a], bw[b]) <= bw[d] <= max(bw[a], bw[b])
+        w = (1 / a - 1 / d) / (1 / a - 1 / b)                               # 1/bw linear in 1/d
+        assert 1 / bw[d] == pytest.approx((1 - w) / bw[a] + w / bw[b])
+    assert "interpolated at non-power-of-two degrees 3, 5, 6, 7, 24" in cost.meta["bandwidth"]
+    small = cost_from_preset("gpt-7b", num_gpus=12, gpus_per_node=6)
+    assert {2, 3, 4, 5, 6, 12} <= set(small.alltoall_bandwidth)               # plus the published table
+    assert small.alltoall_bandwidth[12] == cost_from_preset("gpt-7b", num_gpus=16).alltoall_bandwidth[16]  # flat
+
+
+def test_analytic_costs_every_tiled_degree_by_its_side_of_the_node():
+    cost = cost_from_hardware("llama-7b", "h100-80gb", num_gpus=48, gpus_per_node=8)
+    assert set(cost.alltoall_bandwidth) == set(flexsp.Cluster(48, 8).all_degrees) - {1}
+    intra = cost.alltoall_bandwidth
+    assert intra[3] == pytest.approx(intra[2] * (3 / 2) / 2)                # intra * d/(d-1)
+    assert intra[24] < intra[8]                                              # across nodes: slower
+    assert cost.split(6) == (2, 3) and cost.coefficients(6)[2] > 0          # 32 heads: Ulysses 2 x ring 3
+    odd = cost_from_hardware("llama-7b", "h100-80gb", num_gpus=24, gpus_per_node=6)
+    assert odd.split(24) == (8, 3) and 8 in odd.alltoall_bandwidth          # a Ulysses part across nodes
+
+
+def test_cost_json_round_trips_non_power_of_two_keys(tmp_path):
+    cost = cost_from_preset("gpt-7b", num_gpus=48)
+    cost.save(tmp_path / "c.json")
+    again = flexsp.CostModel.load(tmp_path / "c.json")
+    assert again.alltoall_bandwidth == cost.alltoall_bandwidth and 24 in again.alltoall_bandwidth
+    data = json.loads((tmp_path / "c.json").read_text())
+    data["alltoall_bandwidth"]["-3"] = 1e9
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(CostModelError, match="bad.json: alltoall_bandwidth keys must be integer SP degrees"):
+        flexsp.CostModel.load(tmp_path / "bad.json")
+
+
+# --- placement ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,g,pool", [(12, 6, (1, 2, 3, 4, 5, 6, 12)), (16, 8, (1, 3, 5, 6, 7, 8, 16)),
+                                      (24, 8, (2, 3, 8, 16, 24))])
+def test_places_and_place_partial_agree_with_place_groups(n, g, pool):
+    for size in range(1, 6):
+        for degrees in itertools.combinations_with_replacement(pool, size):
+            whole = place_groups(degrees, n, g)
+            counts = {d: degrees.count(d) for d in set(degrees)}
+            assert places(counts, n, g) == (whole is not None)
+            assert Placement(tuple(sorted(counts)), n, g)(np.array([counts[d] for d in sorted(counts)])) == places(counts, n, g)
+            part = place_partial(degrees, n, g)
+            if whole is not None:
+                assert (part == whole).all()
+            kept = [(s, d) for s, d in zip(part, degrees) if s >= 0]
+            used = [r for s, d in kept for r in range(s, s + d)]
+            assert len(used) == len(set(used)) and all(s in tile_starts(d, n, g) for s, d in kept)
+            for s, d in zip(part, degrees):              # a group left out had no free tile left
+                if s < 0:
+                    free = set(range(n)) - set(used)
+                    assert not any(set(range(t, t + d)) <= free for t in tile_starts(d, n, g))
+
+
+def test_nesting_subset_nests_and_keeps_powers_of_two():
+    assert nesting_subset(flexsp.Cluster(64, 8).all_degrees, 64, 8) == (1, 2, 4, 8, 16, 32, 64)
+    assert nesting_subset((1, 2, 3, 6, 12), 12, 6) == (1, 2, 6, 12)
+    for n, g in ((12, 6), (48, 8), (24, 12)):
+        chain = nesting_subset(flexsp.Cluster(n, g).all_degrees, n, g)
+        assert nests(chain, n, g) and chain[0] == 1
+
+
+def test_the_packer_returns_only_placeable_packings():
+    cluster, cost = flexsp.Cluster(16, 8), cost_from_preset("gpt-7b", num_gpus=16)
+    costs, _ = solver_costs(cost, cluster, cluster.all_degrees)
+    plain = type(costs)(**{**{f: getattr(costs, f) for f in ("degrees", "quad", "lin", "capacity", "beta1")}})
+    lengths = np.array([500, 2000, 6000, 12000, 30000, 60000])
+    checked, blind = MicroBatchPacker(lengths, costs, 16), MicroBatchPacker(lengths, plain, 16)
+    rng = np.random.default_rng(0)
+    refused = 0
+    for _ in range(300):
+        counts = rng.integers(0, 4, size=len(lengths))
+        for makespan in (2.0, 5.0, math.inf):
+            got = checked.pack(counts, makespan)
+            if got is not None:
+                degrees = np.repeat(np.asarray(costs.degrees)[got.degree_idx], got.multiplicity())
+                assert place_groups(degrees, 16, 8) is not None
+            unchecked = blind.pack(counts, makespan)
+            if unchecked is not None and place_groups(np.repeat(np.asarray(costs.degrees)[unchecked.degree_idx],
+                                                                unchecked.multiplicity()), 16, 8) is None:
+                refused += 1
+    assert refused > 0          # the check matters on this set: without it some packings do not place
+
+
+def test_repair_makes_every_micro_batch_place_and_keeps_every_sequence():
+    cluster, cost = flexsp.Cluster(64, 8), cost_from_preset("gpt-7b", num_gpus=64)
+    costs, _ = solver_costs(cost, cluster, cluster.all_degrees)
+    lengths = np.full(14, 3000, dtype=np.int64)
+    # 12 groups of 5 fit 64 GPUs by count, but a node holds one tile of 5: 4 cannot place
+    groups = tuple(GroupAssignment(5, np.array([i])) for i in range(12)) + (GroupAssignment(3, np.array([12])),
+                                                                           GroupAssignment(1, np.array([13])))
+    fixed, moved = repair(Schedule((groups,)), cluster, lengths, costs)
+    assert moved == 5              # the 3 too: a 5 at a node's rank 0 overlaps both tiles of 3
+    for mb in fixed.micro_batches:
+        assert place_groups([g.degree for g in mb], 64, 8) is not None
+    assert sorted(i for mb in fixed.micro_batches for g in mb for i in g.seq_ids) == list(range(14))
+    nesting = Schedule(((GroupAssignment(8, np.array([0])),) * 8,))
+    assert repair(nesting, cluster, lengths, costs) == (nesting, 0)
+
+
+# --- plans from every strategy, checked independently -------------------------------------------------
+@pytest.mark.parametrize("n,g,degrees", [(12, 6, (1, 2, 3, 6, 12)), (24, 12, (1, 2, 3, 6, 12, 24)),
+                                         (64, 8, "any"), (48, 8, "any"), (24, 6, (1, 3, 6, 24))])
+def test_every_strategy_plans_placeable_valid_plans(n, g, degrees):
+    cluster = flexsp.Cluster(n, g)
+    cost = cost_from_hardware("llama-7b", "h100-80gb", num_gpus=n, gpus_per_node=g)
+    for seed in range(2):
+        lengths = long_tail(96, seed, top=int(cost.token_capacity * n * 0.9))
+        for strategy in STRATEGIES:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = flexsp.plan_batch(lengths, cost, cluster, strategy, degrees=degrees, time_limit=30)
+            t = check_plan(plan.to_dict(), lengths, cost, n, g)
+            assert t == pytest.approx(plan.predicted_time, rel=1e-9)
+            used = set(plan.degree_histogram())
+            allowed = set(cluster.all_degrees if degrees == "any" else degrees)
+            assert used <= allowed, (strategy, used - allowed)
+
+
+def test_any_degree_is_never_slower_than_its_nesting_part_after_repair():
+    """With a fallback, a plan that needed repair is compared with the nesting subset's plan."""
+    cluster = flexsp.Cluster(64, 8)
+    cost = cost_from_preset("gpt-7b", num_gpus=64)
+    for seed in range(3):
+        lengths = long_tail(256, seed)
+        pow2 = flexsp.plan_batch(lengths, cost, cluster, "flexsp", time_limit=30)
+        plan = flexsp.plan_batch(lengths, cost, cluster, "flexsp", degrees="any", time_limit=30)
+        if "repaired_groups" in plan.meta:
+            assert plan.predicted_time <= pow2.predicted_time * (1 + 1e-9)
+
+
+def test_static_takes_a_non_power_of_two_degree():
+    cluster, cost = flexsp.Cluster(48, 8), cost_from_preset("gpt-7b", num_gpus=48)
+    lengths = long_tail(64, 0, top=40_000)
+    plan = flexsp.plan_batch(lengths, cost, cluster, "static", sp_degree=24)
+    assert plan.degree_histogram() == {24: len(lengths)} or set(plan.degree_histogram()) == {24}
+    assert max(len(mb.groups) for mb in plan.micro_batches) == 2            # two tiles of 24 in 48 GPUs
+    check_plan(plan.to_dict(), lengths, cost, 48, 8)
+
+
+def test_bounds_over_any_degrees_stay_below_the_plans():
+    from flexsp.plan.bounds import coupled_lower_bound, lower_bound
+    cluster, cost = flexsp.Cluster(12, 6), cost_from_preset("gpt-7b", num_gpus=12, gpus_per_node=6)
+    lengths = long_tail(64, 1, top=40_000)
+    plan = flexsp.plan_batch(lengths, cost, cluster, degrees="any", time_limit=30)
+    bound = coupled_lower_bound(lengths, cost, cluster, degrees="any")
+    assert lower_bound(lengths, cost, cluster, degrees="any") * (1 - 1e-5) <= bound <= plan.predicted_time   # (shaved 1e-6)
+    assert bound <= coupled_lower_bound(lengths, cost, cluster)            # more degrees: a lower bound
+
+
+# --- communicators -----------------------------------------------------------------------------------
+def brute_communicators(degrees, heads, n, g) -> int:
+    """Most distinct rank sets any rank belongs to: each pooled degree's tiles, and for a hybrid split
+    its Ulysses blocks (consecutive u ranks) and rings (stride u) inside each tile."""
+    sets = set()
+    for d in degrees:
+        if d == 1:
+            continue
+        u, r = ulysses_split(d, heads)
+        for s in tile_starts(d, n, g):
+            sets.add(frozenset(range(s, s + d)))
+            if u > 1 and r > 1:
+                for j in range(r):
+                    sets.add(frozenset(range(s + j * u, s + (j + 1) * u)))
+                for i in range(u):
+                    sets.add(frozenset(range(s + i, s + d, u)))
+    return max((sum(rank in x for x in sets) for rank in range(n)), default=0)
+
+
+@pytest.mark.parametrize("n,g", [(12, 6), (48, 8), (24, 12), (64, 8)])
+@pytest.mark.parametrize("heads", [None, 2, 4, 12, 32])
+def test_communicator_bound_matches_the_pool_groups(n, g, heads):
+    cluster = flexsp.Cluster(n, g)
+    for degrees in (cluster.degrees, cluster.all_degrees, nesting_subset(cluster.all_degrees, n, g)):
+        assert communicators_per_rank(degrees, heads, g) == brute_communicators(degrees, heads, n, g)
+        assert communicators_per_rank(degrees, heads, g) <= 3 * sum(1 for d in degrees if d > 1)
+
+
+def test_reserved_memory_counts_every_pooled_degree():
+    cluster, cost = flexsp.Cluster(64, 8), cost_from_preset("gpt-7b", num_gpus=64)
+    few = reserve_communicators(cost, pool_degrees(cluster), gpus_per_node=8)
+    many = reserve_communicators(cost, pool_degrees(cluster, degrees="any", cost=cost), gpus_per_node=8)
+    assert few.meta["communicators"]["count"] == 6 and many.meta["communicators"]["count"] == 14
+    assert many.token_capacity < few.token_capacity
+
+
+# --- command line ------------------------------------------------------------------------------------
+def test_cli_degrees(tmp_path, capsys):
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(map(str, long_tail(48, 0, top=40_000))))
+    assert main(["plan", str(lengths), "--gpus", "12", "--gpus-per-node", "6", "--degrees", "any",
+                 "-o", str(tmp_path / "p.json")]) == 0
+    plan = flexsp.Plan.from_json((tmp_path / "p.json").read_text())
+    assert set(plan.degree_histogram()) <= {1, 2, 3, 4, 5, 6, 12}
+    assert main(["plan", str(lengths), "--degrees", "1,7,12", "-o", str(tmp_path / "q.json")]) == 2
+    assert "12 GPUs: not inside a node of 8 nor whole nodes" in capsys.readouterr().err
