@@ -8,7 +8,7 @@
 | ``cost`` | ``CostModel``: the paper's alpha-beta time model and the capacity rule |
 | ``analytic`` / ``presets`` | cost models from a model + GPU description / the paper's constants |
 | ``communicator_memory`` | memory the SP communicators take from the capacity |
-| ``cluster`` | ``Cluster`` and the aligned-block placement rule |
+| ``cluster`` | ``Cluster`` and the tile placement rule (any degree: inside a node or whole nodes) |
 | ``types`` | ``Plan``, ``MicroBatch``, ``Group``: JSON form and validation |
 | ``strategies/`` | the strategy registry and one module per strategy |
 | ``planner`` | ``plan_batch``: the front door (calls ``solver``, places groups on ranks) |
