@@ -71,6 +71,14 @@ def test_any_resolves_to_the_degrees_the_cost_model_can_cost():
         flexsp.plan_batch([1000, 9000], plain, flexsp.Cluster(8, 8), degrees=(1, 3))
 
 
+def test_ulysses_only_refuses_explicit_ring_degrees():
+    cost = cost_from_hardware("llama-7b", "h100-80gb", num_gpus=8)
+    with pytest.raises(PlanError, match=r"ulysses_only=True but degrees \[3, 6\] need a ring axis"):
+        flexsp.plan_batch([1000, 2000], cost, flexsp.Cluster(8, 8), degrees=(1, 2, 3, 6), ulysses_only=True)
+    config = flexsp.PlanConfig(degrees="any", ulysses_only=True).checked(cost, flexsp.Cluster(8, 8))
+    assert config.degrees == (1, 2, 4, 8)
+
+
 # --- cost models -------------------------------------------------------------------------------------
 def test_preset_interpolates_non_powers_of_two_between_measured_neighbours():
     cost = cost_from_preset("gpt-7b", num_gpus=64)
@@ -129,6 +137,28 @@ def test_places_and_place_partial_agree_with_place_groups(n, g, pool):
                 if s < 0:
                     free = set(range(n)) - set(used)
                     assert not any(set(range(t, t + d)) <= free for t in tile_starts(d, n, g))
+
+
+def test_power_of_two_placement_is_the_aligned_blocks():
+    """For nesting sets ``place`` gives what the aligned-block placement gave: largest first, blocks in a row."""
+    from flexsp.plan.cluster import aligned_block
+    from flexsp.plan.planner import place
+    rng = np.random.default_rng(0)
+    for n, g in ((64, 8), (48, 8), (16, 4), (8, 8)):
+        cluster = flexsp.Cluster(n, g)
+        for _ in range(50):
+            groups, left, seq = [], n, 0
+            while left:
+                d = int(rng.choice([d for d in cluster.degrees if d <= left]))
+                groups.append(GroupAssignment(d, np.array([seq])))
+                left, seq = left - d, seq + 1
+            rng.shuffle(groups)
+            placed = place(Schedule((tuple(groups),)), None, cluster)[0].groups
+            offset, expected = 0, []
+            for x in sorted(groups, key=lambda x: (-x.degree, int(x.seq_ids[0]))):
+                expected.append((aligned_block(offset // x.degree, x.degree), tuple(x.seq_ids.tolist())))
+                offset += x.degree
+            assert [(p.ranks, p.seq_ids) for p in placed] == expected
 
 
 def test_nesting_subset_nests_and_keeps_powers_of_two():

@@ -102,6 +102,10 @@ class PlanConfig:
                             and not (self.ulysses_only and cost.split(d)[1] > 1))
         elif degrees is not None:
             degrees = cluster.check_degrees(degrees)      # PlanError naming each degree without a tile
+            rings = [d for d in degrees if self.ulysses_only and cost.split(d)[1] > 1]
+            if rings:
+                raise PlanError(f"ulysses_only=True but degrees {rings} need a ring axis ({cost.heads} heads: Ulysses "
+                                f"takes gcd(degree, heads)); drop them or allow rings")
         if self.sp_degree is not None:
             cluster.check_degrees([self.sp_degree])
             if degrees is None and self.sp_degree not in cluster.degrees:
