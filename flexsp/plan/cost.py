@@ -193,7 +193,7 @@ class CostModel:
             if self.ring_bandwidth is None:
                 raise CostModelError(
                     f"SP degree {degree} exceeds the Ulysses limit of {ulysses} for {self.heads} heads (Ulysses takes "
-                    f"gcd(degree, heads)) and needs a ring axis of {ring}: give ring_bandwidth (and "
+                    f"gcd(degree, heads), a ring of {ring} the rest) and needs a ring axis: give ring_bandwidth (and "
                     f"ring_bytes_per_token), or keep plans within the limit (plan_batch(..., ulysses_only=True))")
             width = min(ulysses, self.kv_heads or ulysses)
             ring_coefficient = self.ring_bytes_per_token * (ring - 1) / (ring * width) / self.ring_bandwidth
