@@ -95,23 +95,23 @@ def repair(schedule: Schedule, cluster: Cluster, lengths: np.ndarray, costs: Deg
 
     timed = sorted(((group_times(x), x) for x in moved), key=lambda p: -float(p[0][index[p[1].degree]]))
     for times, x in timed:
-        extra = np.maximum(times[None, :] - span[:, None], 0.0)         # [M, D] step time it adds
-        order = np.argsort(np.concatenate([extra.ravel(), times]), kind="stable")
-        for c in order:
+        extra = np.maximum(times[None, :] - span[:, None], 0.0).ravel()    # [M x D] step time it adds
+        placed = False
+        for c in np.argsort(extra, kind="stable"):
             m, k = divmod(int(c), len(degrees))
-            if m == len(kept) or not np.isfinite(times[k]):             # a new micro-batch of its own
-                k = int(np.argmin(times)) if m == len(kept) else k
-                if not np.isfinite(times[k]):
-                    continue
-                kept.append([])
-                counts = np.vstack([counts, np.zeros(len(degrees), dtype=np.int64)])
-                span = np.append(span, 0.0)
+            if not np.isfinite(extra[c]) or extra[c] >= times.min():        # a micro-batch of its own is cheaper
+                break
             trial = counts[m].copy()
             trial[k] += 1
             if places(dict(zip(degrees.tolist(), trial.tolist())), n, per_node):
                 kept[m].append(GroupAssignment(int(degrees[k]), x.seq_ids))
-                counts[m], span[m] = trial, max(span[m], float(times[k]))
+                counts[m], span[m], placed = trial, max(span[m], float(times[k])), True
                 break
+        if not placed:                                                   # alone: any tile of its best degree
+            k = int(np.argmin(times))
+            kept.append([GroupAssignment(int(degrees[k]), x.seq_ids)])
+            counts = np.vstack([counts, np.eye(len(degrees), dtype=np.int64)[k]])
+            span = np.append(span, float(times[k]))
     return Schedule(tuple(tuple(mb) for mb in kept if mb)), len(moved)
 
 
