@@ -50,6 +50,16 @@ def test_degrees_without_a_tile_are_named(degrees, message):
         flexsp.plan_batch([1000, 2000], cost_from_preset("gpt-7b"), flexsp.Cluster(64, 8), degrees=degrees)
 
 
+def test_usable_degrees_checks_its_input():
+    cluster = flexsp.Cluster(48, 8)
+    assert cluster.usable_degrees(degrees="any", max_degree=16) == (1, 2, 3, 4, 5, 6, 7, 8, 16)
+    assert cluster.usable_degrees(degrees=[24, 3, 3]) == (3, 24)
+    for bad, message in (("18", "degrees must be"), (["a"], "each of degrees must be an integer"),
+                         ([20], "20 GPUs: not inside a node of 8 nor whole nodes")):
+        with pytest.raises(PlanError, match=message):
+            cluster.usable_degrees(degrees=bad)
+
+
 def test_any_resolves_to_the_degrees_the_cost_model_can_cost():
     cluster = flexsp.Cluster(64, 8)
     preset = cost_from_preset("gpt-7b")
@@ -303,3 +313,15 @@ def test_cli_degrees(tmp_path, capsys):
     assert set(plan.degree_histogram()) <= {1, 2, 3, 4, 5, 6, 12}
     assert main(["plan", str(lengths), "--degrees", "1,7,12", "-o", str(tmp_path / "q.json")]) == 2
     assert "12 GPUs: not inside a node of 8 nor whole nodes" in capsys.readouterr().err
+
+
+def test_cli_simulate_with_any_degrees(capsys):
+    from flexsp.evaluation.simulate import parse_strategy
+    assert parse_strategy("flexsp[any]").degrees == "any" and parse_strategy("flexsp[1,3,6]").degrees == (1, 3, 6)
+    assert main(["simulate", "--quiet", "--steps", "1", "--batch-size", "64", "--gpus", "12", "--gpus-per-node", "6",
+                 "--degrees", "any", "--strategies", "flexsp,greedy,flexsp[1,2,4]", "--communicator-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "| flexsp |" in out and "| flexsp[1,2,4] |" in out
+    with pytest.raises(SystemExit) as exc:                                   # argparse: usage error, status 2
+        main(["simulate", "--quiet", "--steps", "1", "--degrees", "3,x"])
+    assert exc.value.code == 2 and "expected any or SP degrees >= 1 like 1,2,3,6,12" in capsys.readouterr().err

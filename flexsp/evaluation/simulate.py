@@ -143,7 +143,8 @@ def plan_step(lengths: np.ndarray, costs: tuple[CostModel, ...], cluster: Cluste
                 strategy=spec.strategy, sp_degree=spec.sp_degree,
                 degrees=spec.degrees if spec.degrees is not None else config.degrees))
         except PlanError as exc:
-            restricted = spec.sp_degree is not None or spec.strategy == "static" or spec.degrees is not None
+            restricted = (spec.sp_degree is not None or spec.strategy == "static" or spec.degrees is not None
+                          or config.degrees is not None)
             out.append(Outcome(error=str(exc)) if restricted else Outcome(fatal=exc))
             continue
         out.append(Outcome(plan.predicted_time, plan.solve_time, len(plan.micro_batches),

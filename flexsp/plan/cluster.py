@@ -273,9 +273,14 @@ class Cluster:
         """Whether any micro-batch of these degrees that fits the GPU count also places (``nests``)."""
         return nests(degrees, self.num_gpus, self.gpus_per_node)
 
-    def check_degrees(self, degrees: Iterable[int]) -> tuple[int, ...]:
-        """``degrees`` sorted and deduplicated; a ``PlanError`` naming each one without a tile."""
-        wanted = sorted(set(int(d) for d in degrees))
+    def check_degrees(self, degrees: Iterable[int] | str) -> tuple[int, ...]:
+        """``degrees`` sorted and deduplicated (``"any"``: ``all_degrees``, whatever a cost model can cost;
+        ``PlanConfig`` filters those); a ``PlanError`` naming each one without a tile."""
+        if isinstance(degrees, str) and degrees.strip().lower() == "any":
+            return self.all_degrees
+        if isinstance(degrees, (str, bytes)) or not isinstance(degrees, Iterable):
+            raise PlanError(f"degrees must be \"any\" or a collection of SP degrees, got {degrees!r}")
+        wanted = sorted({integer(d, "each of degrees", PlanError, maximum=MAX_GPUS) for d in degrees})
         if not wanted:
             raise PlanError("degrees is empty: give at least one SP degree, e.g. (1, 8, 64), or \"any\"")
         bad = [untileable_reason(d, self.num_gpus, self.gpus_per_node) for d in wanted]
@@ -286,7 +291,7 @@ class Cluster:
                             f"or on whole nodes)")
         return tuple(wanted)
 
-    def usable_degrees(self, max_degree: int | None = None, degrees: Iterable[int] | None = None) -> tuple[int, ...]:
+    def usable_degrees(self, max_degree: int | None = None, degrees: Iterable[int] | str | None = None) -> tuple[int, ...]:
         """The SP degrees a plan may use: ``degrees`` (any with a tile; default ``self.degrees``, the powers
         of two), optionally at most ``max_degree`` (each degree in use costs every member rank a communicator)."""
         usable = self.degrees if degrees is None else self.check_degrees(degrees)
