@@ -18,6 +18,10 @@ LAYOUTS = [  # (lengths, ulysses, ring): divisible, not divisible, shorter than 
     ([3, 1, 7, 2], 1, 4),
     ([1], 2, 4),
     ([11, 6], 4, 2),
+    ([17, 4, 2], 2, 3),        # rings and Ulysses parts of any size (non-power-of-two degrees)
+    ([20, 9], 3, 2),
+    ([1, 12, 31], 1, 5),
+    ([7, 3], 3, 3),
 ]
 
 
@@ -74,19 +78,21 @@ def test_blocks_tile_the_causal_mask(lengths, ulysses, ring):
         assert (seen.astype(bool) == truth[rows_i]).all()    # and none missed
 
 
-def test_zigzag_balances_causal_work():
-    lay = zigzag_layout([64, 128, 32], 1, 4)
+@pytest.mark.parametrize("ring", [4, 3, 5])
+def test_zigzag_balances_causal_work(ring):
+    lay = zigzag_layout([16 * ring, 32 * ring, 8 * ring], 1, ring)   # whole chunks: rounding aside
     truth = _true_mask(lay.lengths)
-    work = [truth[lay.order(j)].sum() for j in range(4)]
+    work = [truth[lay.order(j)].sum() for j in range(ring)]
     assert max(work) / min(work) < 1.05
     one = _true_mask([256])                  # for contrast: each sequence cut into 4 contiguous chunks
     contiguous = [one[a:a + 64].sum() for a in range(0, 256, 64)]
     assert max(contiguous) / min(contiguous) > 6
 
 
-def test_ring_recurrence_equals_full_attention_forward_and_backward():
+@pytest.mark.parametrize("ring", [4, 3, 5])
+def test_ring_recurrence_equals_full_attention_forward_and_backward(ring):
     """The ring's forward merge and backward share-passing, with the hops replaced by indexing."""
-    lengths, ring = [13, 5, 9], 4
+    lengths = [13, 5, 9]
     lay = zigzag_layout(lengths, 1, ring)
     g = torch.Generator().manual_seed(0)
     total = sum(lengths)
