@@ -195,15 +195,6 @@ class GroupPool:
         """The most communicators one rank of this pool can hold (``stats.per_rank`` is at most this)."""
         return communicator_bound(self.degrees, self.splits)
 
-    def tile_of(self, rank: int, degree: int) -> tuple[int, ...] | None:
-        """The pooled tile of ``degree`` holding ``rank``, or None (degree not pooled, or rank in no tile)."""
-        if degree not in self.degrees:
-            return None
-        for start in tile_starts(degree, self.world_size, self.gpus_per_node):
-            if start <= rank < start + degree:
-                return tuple(range(int(start), int(start) + degree))
-        return None
-
     def ring_groups(self, ranks: Iterable[int], ring: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup]:
         """This rank's (Ulysses sub-group or None for ulysses 1, ring group) in the hybrid group on ``ranks``."""
         ranks = tuple(ranks)

@@ -7,6 +7,8 @@ One 12-rank run builds the pools and takes one planned step; the tests read its 
   Ulysses 3 x ring 2 and, on all 12 ranks, Ulysses 6 x ring 2 gives the loss and every gradient of the
   one-process step (fp64, 6 query heads over 2 kv heads: kv heads replicated under Ulysses 3 and 6).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -66,8 +68,11 @@ def _spans(rank, groups):
 
 
 def _worker(rank, world_size):
-    # A pool where no sub-group coincides with a tile: the bound is met exactly (heads=4 derives 1x3 and 2x3).
-    tight = GroupPool(degrees=(1, 3, 6), heads=4, gpus_per_node=NODE)
+    # A pool where no sub-group coincides with a tile: the bound is met exactly (heads=4 derives 1x3 and 2x3);
+    # its node size comes from torchrun's variable.
+    os.environ["LOCAL_WORLD_SIZE"] = str(NODE)
+    tight = GroupPool(degrees=(1, 3, 6), heads=4)
+    del os.environ["LOCAL_WORLD_SIZE"]
     pool = GroupPool(degrees=DEGREES, splits=SPLITS, gpus_per_node=NODE)
     subs, rings = split_blocks(WORLD, pool.splits, NODE)
     spans = _spans(rank, [(t, pool.get(t) if rank in t else None) for t in tiles(WORLD, DEGREES, NODE) if len(t) > 1])
@@ -93,7 +98,8 @@ def _worker(rank, world_size):
     result = executor.run_plan(_plan(), _batch())
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     executor.close()
-    return {"tight": (tight.stats.count, tight.stats.per_rank, tight.communicator_bound, tight.splits),
+    return {"tight": (tight.stats.count, tight.stats.per_rank, tight.communicator_bound, tight.splits,
+                      tight.gpus_per_node),
             "count": pool.stats.count, "per_rank": pool.stats.per_rank, "bound": pool.communicator_bound,
             "spans": spans, "hybrid": hybrid_sums, "subs": subs, "rings": rings,
             "errors": errors, "loss": result.loss, "tokens": result.tokens_processed, "degrees": result.degrees,
@@ -107,7 +113,8 @@ def runs():
 
 def test_pool_holds_tiles_of_any_degree_within_the_bound(runs):
     for rank, run in enumerate(runs):
-        count, per_rank, bound, splits = run["tight"]
+        count, per_rank, bound, splits, node = run["tight"]
+        assert node == NODE
         assert splits == ((1, 3), (2, 3))                 # gcd(3, 4) = 1 -> ring 3; gcd(6, 4) = 2 -> 2 x 3
         assert count == 4 + 2 + 6 + 4                    # tiles of 3 and 6, Ulysses pairs, rings of stride 2
         assert per_rank == bound == communicator_bound((1, 3, 6), splits) == 4
@@ -133,12 +140,39 @@ def test_pool_holds_tiles_of_any_degree_within_the_bound(runs):
 def test_non_power_of_two_step_equals_one_process(runs):
     model = _model()
     batch = _batch()
-    loss = sum(F.cross_entropy(model(s)[:-1], s[1:], reduction="sum") for s in batch if s.numel() > 1)
-    loss = loss / loss_tokens(LENGTHS)
-    loss.backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # a tiny model: one thread, not two spinning ones on a shared, loaded machine
+    try:
+        loss = sum(F.cross_entropy(model(s)[:-1], s[1:], reduction="sum") for s in batch if s.numel() > 1)
+        loss = loss / loss_tokens(LENGTHS)
+        loss.backward()
+    finally:
+        torch.set_num_threads(threads)
     want = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
     for run in runs:
         assert run["loss"] == pytest.approx(loss.item(), rel=1e-12)
         np.testing.assert_allclose(run["grads"], want, rtol=1e-9, atol=1e-12)
     assert sum(r["tokens"] for r in runs) == sum(LENGTHS)     # every token once, none twice
     assert runs[0]["degrees"] == (6, 3, 6, 12) and runs[9]["degrees"] == (3, 6, 6, 12)
+
+
+def test_tiles_and_refusals_without_a_process_group(monkeypatch):
+    assert tiles(12, (3, 4, 12), 6) == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11), (0, 1, 2, 3), (6, 7, 8, 9),
+                                        tuple(range(12))]
+    assert tiles(8, (2, 4)) == [(0, 1), (2, 3), (4, 5), (6, 7), (0, 1, 2, 3), (4, 5, 6, 7)]   # one node: aligned
+    assert communicator_bound((1, 3, 6, 12), [(1, 3), (2, 3), (6, 2)]) == 3 + 2 + 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert GroupPool().gpus_per_node == 8                       # a world of one in a node of 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    with pytest.raises(PlanError, match="LOCAL_WORLD_SIZE='eight' is not a whole number"):
+        GroupPool()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(PlanError, match=r"pool degrees \[3\] have no tile in a world size 1"):
+        GroupPool(degrees=(3,))
+    with pytest.raises(PlanError, match="gpus_per_node must be a whole number >= 1"):
+        GroupPool(gpus_per_node=0)
+    with pytest.raises(PlanError, match="the cluster has 8 GPUs but the process group has 1 ranks"):
+        from flexsp import Cluster
+        GroupPool(cluster=Cluster(num_gpus=8, gpus_per_node=8))
+    with pytest.raises(PlanError, match="heads must be a whole number"):
+        GroupPool(heads=0)
