@@ -118,9 +118,9 @@ class GroupPool:
                 raise PlanError(f"pool degrees must be whole numbers, got {degrees!r}") from None
             bad = [d for d in chosen if not tileable(d, self.world_size, g)]
             if bad or not chosen:
-                raise PlanError(f"pool degrees {bad or list(chosen)} have no tile in a world size {self.world_size} "
-                                f"of nodes of {node_size(self.world_size, g)}: a degree is at most the node size or a "
-                                f"multiple of it, and at most the world size")
+                raise PlanError(f"pool degrees {bad or list(chosen)} have no tile (world size {self.world_size}, "
+                                f"nodes of {node_size(self.world_size, g)} GPUs): a degree must be at most the node "
+                                f"size or a multiple of it, and at most the world size")
         self.degrees: tuple[int, ...] = chosen
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._created: set[tuple[int, ...]] = set()

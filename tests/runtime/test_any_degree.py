@@ -167,7 +167,7 @@ def test_tiles_and_refusals_without_a_process_group(monkeypatch):
     with pytest.raises(PlanError, match="LOCAL_WORLD_SIZE='eight' is not a whole number"):
         GroupPool()
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    with pytest.raises(PlanError, match=r"pool degrees \[3\] have no tile in a world size 1"):
+    with pytest.raises(PlanError, match=r"pool degrees \[3\] have no tile \(world size 1, nodes of 1 GPUs\)"):
         GroupPool(degrees=(3,))
     with pytest.raises(PlanError, match="gpus_per_node must be a whole number >= 1"):
         GroupPool(gpus_per_node=0)
