@@ -1,11 +1,12 @@
-"""SP groups of non-power-of-two degrees (3, 6, 12) on 12 gloo ranks in nodes of 6 equal one process.
+"""SP groups of non-power-of-two degrees (3, 5, 6, 12) on 12 gloo ranks in nodes of 6 equal one process.
 
 One 12-rank run builds the pools and takes one planned step; the tests read its results:
-- the pool holds exactly the tiles of 3, 6 and 12 plus the hybrid sub-groups and rings, each spanning
+- the pool holds exactly the tiles of 3, 5, 6 and 12 plus the hybrid sub-groups and rings, each spanning
   the ranks it says, and a rank holds as many communicators as the stated bound where nothing is shared;
 - a hand-built plan whose micro-batches mix Ulysses 6, Ulysses 3, a pure ring of 3, Ulysses 2 x ring 3,
-  Ulysses 3 x ring 2 and, on all 12 ranks, Ulysses 6 x ring 2 gives the loss and every gradient of the
-  one-process step (fp64, 6 query heads over 2 kv heads: kv heads replicated under Ulysses 3 and 6).
+  Ulysses 3 x ring 2, on all 12 ranks Ulysses 6 x ring 2, and two rings of 5 beside idle ranks gives the
+  loss and every gradient of the one-process step (fp64, 6 query heads over 2 kv heads: kv heads
+  replicated under Ulysses 3 and 6).
 """
 import os
 
@@ -27,10 +28,10 @@ from flexsp.runtime.step import StepExecutor  # noqa: E402
 from .distributed import run_distributed  # noqa: E402
 
 WORLD, NODE = 12, 6
-DEGREES = (1, 3, 6, 12)
-SPLITS = [(1, 3), (2, 3), (3, 2), (6, 2)]
+DEGREES = (1, 3, 5, 6, 12)
+SPLITS = [(1, 3), (1, 5), (2, 3), (3, 2), (6, 2)]
 # lengths shorter than 2 x ring, not divisible by the degree, and a single token
-LENGTHS = [23, 3, 17, 9, 1, 12, 7, 30, 5, 2, 14, 6, 11, 4, 19, 8, 25, 13]
+LENGTHS = [23, 3, 17, 9, 1, 12, 7, 30, 5, 2, 14, 6, 11, 4, 19, 8, 25, 13, 21, 9, 4]
 VOCAB = 64
 CFG = dict(vocab=VOCAB, hidden=24, layers=2, heads=6, kv_heads=2, ffn=32, tie_embeddings=True)
 
@@ -43,6 +44,7 @@ def _plan() -> Plan:
         mb((range(0, 3), (6,), 1), (range(3, 6), (7, 8), 3), (range(6, 12), (9, 10, 11), 3)),  # U3 | ring 3 | 2x3
         mb((range(0, 6), (12, 13), 2), (range(6, 12), (14, 15), 1)),                          # 3x2 | U6
         mb((range(0, 12), (16, 17), 2)),                                                        # 6x2 on two nodes
+        mb((range(0, 5), (18,), 5), (range(6, 11), (19, 20), 5)),          # rings of 5; ranks 5 and 11 idle
     ))
 
 
@@ -119,8 +121,11 @@ def test_pool_holds_tiles_of_any_degree_within_the_bound(runs):
         assert count == 4 + 2 + 6 + 4                    # tiles of 3 and 6, Ulysses pairs, rings of stride 2
         assert per_rank == bound == communicator_bound((1, 3, 6), splits) == 4
         # main pool: 7 tiles; 2x3 adds 6 pairs + 4 rings; 3x2 and 6x2 reuse tiles as sub-groups, add 6 + 6 rings
-        assert run["count"] == 7 + 10 + 6 + 6
-        assert run["per_rank"] == 7 <= run["bound"] == 9
+        # main pool: 9 tiles (3: 4, 5: 2, 6: 2, 12: 1); rings of 3 and 5 are tiles; 2x3 adds 6 pairs + 4 rings;
+        # 3x2 and 6x2 reuse tiles as their Ulysses sub-groups and add 6 + 6 rings
+        assert run["count"] == 9 + 10 + 6 + 6
+        in_five = rank % NODE < 5                        # a node of 6 holds one tile of 5
+        assert run["per_rank"] == 7 + in_five <= run["bound"] == 4 + 2 * 3
         assert set(run["spans"]) == {t for t in tiles(WORLD, DEGREES, NODE) if rank in t and len(t) > 1}
         for ranks, total in run["spans"].items():
             assert total == sum(ranks)                   # each communicator spans exactly its ranks
@@ -133,7 +138,7 @@ def test_pool_holds_tiles_of_any_degree_within_the_bound(runs):
             assert sub_sums == ({sub: sum(sub)} if u > 1 else {}) and ring_sums == {mine: sum(mine)}
     first = runs[0]["errors"]
     assert len(first) == 5
-    assert all("is not in the pool" in e for e in first[:3]) and "tiles of degrees [1, 3, 6, 12]" in first[0]
+    assert all("is not in the pool" in e for e in first[:3]) and "tiles of degrees [1, 3, 5, 6, 12]" in first[0]
     assert "runs 1 x 6" in first[3] and "runs 4 x 3" in first[4]
 
 
@@ -153,7 +158,8 @@ def test_non_power_of_two_step_equals_one_process(runs):
         assert run["loss"] == pytest.approx(loss.item(), rel=1e-12)
         np.testing.assert_allclose(run["grads"], want, rtol=1e-9, atol=1e-12)
     assert sum(r["tokens"] for r in runs) == sum(LENGTHS)     # every token once, none twice
-    assert runs[0]["degrees"] == (6, 3, 6, 12) and runs[9]["degrees"] == (3, 6, 6, 12)
+    assert runs[0]["degrees"] == (6, 3, 6, 12, 5) and runs[9]["degrees"] == (3, 6, 6, 12, 5)
+    assert runs[11]["degrees"][-1] is None and runs[11]["tokens"] > 0     # idle in the last micro-batch only
 
 
 def test_tiles_and_refusals_without_a_process_group(monkeypatch):
