@@ -36,8 +36,8 @@ def parse_bandwidth_table(data: Any, where: str = "bandwidth table") -> dict[int
         except (TypeError, ValueError, OverflowError):
             raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} is not "
                                  f"degree: bytes/s") from None
-        if degree < 2 or degree & (degree - 1) or not (math.isfinite(bandwidth) and bandwidth > 0):
-            raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} needs a power-of-two degree "
+        if not 2 <= degree <= 2**40 or not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} needs a degree "
                                  f">= 2 and bytes/s > 0")
         table[degree] = bandwidth
     return dict(sorted(table.items()))
