@@ -64,7 +64,7 @@ class FlexSPLoader:
     process group; without it the loader stands in for ``rank`` of the cluster. ``planner``, if
     given, replaces ``plan_batch``: ``planner(lengths) -> Plan``. Plans use only ``pool.degrees``, and a
     degree the cost model runs as Ulysses x ring only when the pool holds that split
-    (``GroupPool(ulysses_limit=cost.ulysses_limit)``); ``config.plan.ulysses_only`` keeps every group within
+    (``GroupPool(heads=cost.heads)``); ``config.plan.ulysses_only`` keeps every group within
     the model's Ulysses limit. Call ``close()`` (or use ``with``).
     With a pool of several ranks, build it on every rank at the same point: it creates a gloo side group
     for plans and load outcomes (``config.failure_timeout``).

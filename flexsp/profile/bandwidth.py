@@ -1,12 +1,12 @@
 """Communication profile: time ``all_to_all_single`` on every pooled SP group size of this world.
 
 Run under ``torchrun`` (or any initialised process group). For each degree ``d > 1`` of the
-``GroupPool``, every aligned block of ``d`` ranks exchanges at the same moment - as in a real step,
+``GroupPool``, every tile of ``d`` ranks (``flexsp.plan.cluster.tile_starts``) exchanges at the same moment - as in a real step,
 where the whole cluster communicates at once - and a run's time is the slowest rank's. ``bytes`` is
 one rank's send buffer, the unit of ``CostModel.alltoall_bandwidth``. Whether a degree crosses nodes
-follows from the topology: ``d <= gpus_per_node`` is intra-node (aligned blocks stay inside a node).
-On a world that is not a multiple of ``d`` (3, 6, 24, 48 ranks) the ranks past the last aligned block
-sit degree ``d`` out: they join the barriers and the max-reduction with nothing to time, and every rank
+follows from the topology: ``d <= gpus_per_node`` is intra-node (tiles stay inside a node).
+Ranks in no tile of ``d`` (the tail of a world of 3, 6, 24 or 48 ranks at a power of two; a node's
+leftover ranks at a degree that does not divide it) sit degree ``d`` out: they join the barriers and the max-reduction with nothing to time, and every rank
 checks that all agree on who takes part before the first exchange.
 
 GPU path (NCCL; not exercised in CI): the device is synchronised around each timed exchange.
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flexsp.errors import CostModelError
-from flexsp.plan.cluster import aligned_block
+from flexsp.plan.cluster import tile_starts
 from flexsp.profile.compute import DeviceSetup
 from flexsp.runtime.pool import GroupPool
 
@@ -37,27 +37,30 @@ def link_kind(degree: int, gpus_per_node: int) -> str:
     return "intra-node" if degree <= gpus_per_node else "inter-node"
 
 
-def block_of(rank: int, world_size: int, degree: int) -> tuple[int, ...] | None:
-    """The aligned block ``[k*d, (k+1)*d)`` holding ``rank``, or None if ``rank`` is past the last full block."""
+def block_of(rank: int, world_size: int, degree: int, gpus_per_node: int | None = None) -> tuple[int, ...] | None:
+    """The tile of ``degree`` holding ``rank`` (the pool's group), or None if ``rank`` is in none.
+    ``gpus_per_node`` None: one node of ``world_size``."""
     if degree < 1 or world_size < 1 or not 0 <= rank < world_size:
         raise CostModelError(f"no block for rank {rank} of a world of {world_size} at degree {degree}")
-    index = rank // degree
-    return aligned_block(index, degree) if (index + 1) * degree <= world_size else None
+    starts = tile_starts(degree, world_size, world_size if gpus_per_node is None else gpus_per_node)
+    k = int(starts.searchsorted(rank, side="right")) - 1
+    return tuple(range(int(starts[k]), int(starts[k]) + degree)) if k >= 0 and rank < starts[k] + degree else None
 
 
-def participants(world_size: int, degree: int) -> int:
-    """How many ranks take part in degree ``degree``: every full aligned block's."""
-    return world_size // degree * degree
+def participants(world_size: int, degree: int, gpus_per_node: int | None = None) -> int:
+    """How many ranks take part in degree ``degree``: every tile's."""
+    return len(tile_starts(degree, world_size, world_size if gpus_per_node is None else gpus_per_node)) * degree
 
 
 def agree_on_blocks(pool: GroupPool, degree: int, device: torch.device) -> tuple[int, ...] | None:
-    """This rank's block of ``degree`` after every rank has confirmed the same split (one all-reduce)."""
-    block = block_of(pool.rank, pool.world_size, degree)
+    """This rank's tile of ``degree`` after every rank has confirmed the same split (one all-reduce)."""
+    block = block_of(pool.rank, pool.world_size, degree, pool.gpus_per_node)
     count = torch.tensor([0 if block is None else 1], dtype=torch.int64, device=device)
     dist.all_reduce(count)
-    if int(count.item()) != participants(pool.world_size, degree):
+    expected = participants(pool.world_size, degree, pool.gpus_per_node)
+    if int(count.item()) != expected:
         raise CostModelError(f"ranks disagree on who takes part in degree {degree}: {int(count.item())} say they "
-                             f"do, {participants(pool.world_size, degree)} should (world of {pool.world_size})")
+                             f"do, {expected} should (world of {pool.world_size})")
     return block
 
 
@@ -88,9 +91,9 @@ def alltoall_sweep(pool: GroupPool, setup: DeviceSetup, sizes: Sequence[int], *,
                 samples.append(CommSample(degree, numel * element, float(slowest.item())))
             if progress is not None:
                 mine = sorted(s.seconds for s in samples[-repeats:])
-                sat_out = pool.world_size - participants(pool.world_size, degree)
+                sat_out = pool.world_size - participants(pool.world_size, degree, pool.gpus_per_node)
                 if sat_out and size == sizes[0]:
-                    progress(f"all-to-all: degree {degree}: ranks {participants(pool.world_size, degree)}.."
-                             f"{pool.world_size - 1} are past the last aligned block and sit it out")
+                    progress(f"all-to-all: degree {degree}: {sat_out} of {pool.world_size} ranks are in no tile "
+                             f"of it and sit it out")
                 progress(f"all-to-all: degree {degree:>3}  {numel * element:>11} B  median {mine[len(mine) // 2] * 1e3:8.3f} ms")
     return samples

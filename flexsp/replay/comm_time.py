@@ -36,9 +36,9 @@ def parse_bandwidth_table(data: Any, where: str = "bandwidth table") -> dict[int
         except (TypeError, ValueError, OverflowError):
             raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} is not "
                                  f"degree: bytes/s") from None
-        if degree < 2 or degree > 2**40 or not (math.isfinite(bandwidth) and bandwidth > 0):
-            raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} needs an SP degree "
-                                 f">= 2 (any size: cost models list non-powers of two too) and bytes/s > 0")
+        if not 2 <= degree <= 2**40 or not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} needs a degree "
+                                 f">= 2 and bytes/s > 0")
         table[degree] = bandwidth
     return dict(sorted(table.items()))
 

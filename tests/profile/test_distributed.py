@@ -104,6 +104,18 @@ def test_every_rank_of_a_world_agrees_who_sits_out_of_each_degree(world):
     assert participants(24, 16) == 16 and block_of(16, 24, 16) is None and block_of(23, 24, 8) == tuple(range(16, 24))
 
 
+def test_profiled_blocks_are_the_pools_tiles_for_any_degree():
+    from flexsp.profile.bandwidth import block_of, participants
+    from flexsp.runtime.pool import tiles
+    for world, node in ((12, 6), (16, 8), (24, 8), (9, 3)):
+        for degree in range(2, world + 1):
+            blocks = [block_of(r, world, degree, node) for r in range(world)]
+            assert sorted({b for b in blocks if b}) == tiles(world, [degree], node)
+            assert sum(b is not None for b in blocks) == participants(world, degree, node)
+            assert all(b is None or r in b for r, b in enumerate(blocks))
+    assert block_of(7, 16, 3, 8) is None and block_of(9, 16, 3, 8) == (8, 9, 10)   # a node's leftover ranks sit out
+
+
 def test_planning_cluster_for_partial_and_multi_node_worlds():
     from flexsp.errors import ClusterError
     from flexsp.profile.cli import planning_cluster

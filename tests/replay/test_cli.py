@@ -57,7 +57,7 @@ def test_replay_command_refuses_another_model_shape_and_batch(files, capsys):
     assert "another batch" in capsys.readouterr().err
     (tmp / "bw.json").write_text('{"1": 1e9}')
     assert main(common + ["--lengths", str(tmp / "lengths.txt"), "--bandwidth", str(tmp / "bw.json")]) == 2
-    assert "needs an SP degree >= 2" in capsys.readouterr().err
+    assert "needs a degree >= 2" in capsys.readouterr().err
     (tmp / "bad.json").write_text('{"num_gpus": 4}')
     assert main(["replay", str(tmp / "bad.json"), "--lengths", str(tmp / "lengths.txt"), "--cost",
                  str(tmp / "cost.json")]) == 2

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from flexsp.runtime.kernels import attend_lse, lse_backward, lse_forward, merge_partials  # noqa: E402
 from flexsp.runtime.sp.ring import _block  # noqa: E402
-from flexsp.runtime.sp.ring_comm import place, ring_blocks  # noqa: E402
+from flexsp.runtime.sp.ring_comm import place, ring_blocks, split_blocks  # noqa: E402
 from flexsp.runtime.sp.zigzag import RingTensors, zigzag_layout, zigzag_pack  # noqa: E402
 
 LAYOUTS = [  # (lengths, ulysses, ring): divisible, not divisible, shorter than the ring, single tokens
@@ -18,6 +18,10 @@ LAYOUTS = [  # (lengths, ulysses, ring): divisible, not divisible, shorter than 
     ([3, 1, 7, 2], 1, 4),
     ([1], 2, 4),
     ([11, 6], 4, 2),
+    ([17, 4, 2], 2, 3),        # rings and Ulysses parts of any size (non-power-of-two degrees)
+    ([20, 9], 3, 2),
+    ([1, 12, 31], 1, 5),
+    ([7, 3], 3, 3),
 ]
 
 
@@ -74,19 +78,21 @@ def test_blocks_tile_the_causal_mask(lengths, ulysses, ring):
         assert (seen.astype(bool) == truth[rows_i]).all()    # and none missed
 
 
-def test_zigzag_balances_causal_work():
-    lay = zigzag_layout([64, 128, 32], 1, 4)
+@pytest.mark.parametrize("ring", [4, 3, 5])
+def test_zigzag_balances_causal_work(ring):
+    lay = zigzag_layout([16 * ring, 32 * ring, 8 * ring], 1, ring)   # whole chunks: rounding aside
     truth = _true_mask(lay.lengths)
-    work = [truth[lay.order(j)].sum() for j in range(4)]
+    work = [truth[lay.order(j)].sum() for j in range(ring)]
     assert max(work) / min(work) < 1.05
     one = _true_mask([256])                  # for contrast: each sequence cut into 4 contiguous chunks
     contiguous = [one[a:a + 64].sum() for a in range(0, 256, 64)]
     assert max(contiguous) / min(contiguous) > 6
 
 
-def test_ring_recurrence_equals_full_attention_forward_and_backward():
+@pytest.mark.parametrize("ring", [4, 3, 5])
+def test_ring_recurrence_equals_full_attention_forward_and_backward(ring):
     """The ring's forward merge and backward share-passing, with the hops replaced by indexing."""
-    lengths, ring = [13, 5, 9], 4
+    lengths = [13, 5, 9]
     lay = zigzag_layout(lengths, 1, ring)
     g = torch.Generator().manual_seed(0)
     total = sum(lengths)
@@ -153,6 +159,20 @@ def test_ring_placement_and_fixed_order():
     assert place(6, (4, 5, 6, 7), 1) == ((6,), (4, 5, 6, 7), 2)
 
 
+def test_hybrid_blocks_of_any_size_sit_on_tiles():
+    """Ulysses sub-groups are consecutive from each tile's start, rings stride the Ulysses part; tiles of
+    6 on nodes of 6 and of 3 inside them, whatever the sizes."""
+    subs, rings = split_blocks(12, [(2, 3), (1, 3)], 6)
+    assert subs == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
+    assert rings == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11), (0, 2, 4), (1, 3, 5), (6, 8, 10), (7, 9, 11)]
+    assert split_blocks(12, [(3, 2)], 6)[1] == [(0, 3), (1, 4), (2, 5), (6, 9), (7, 10), (8, 11)]
+    assert ring_blocks(10, [(1, 5)], 10) == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]
+    for rank in range(12):   # place() agrees with the blocks: this rank's sub-group and ring are listed
+        tile = tuple(range(rank // 6 * 6, rank // 6 * 6 + 6))
+        sub, ring, index = place(rank, tile, 2)
+        assert sub in subs and ring in rings and ring[index] == rank
+
+
 def test_pool_splits_follow_the_ulysses_limit_and_the_degrees():
     from flexsp import PlanError
     from flexsp.runtime.sp.ring_comm import pool_splits as _splits
@@ -162,8 +182,13 @@ def test_pool_splits_follow_the_ulysses_limit_and_the_degrees():
     assert _splits((1, 2, 4, 8), None, 16) == ()
     with pytest.raises(PlanError, match=r"split 2 x 8 is a group of 16 GPUs, not a pooled degree"):
         _splits((1, 2, 4, 8), [(2, 8)], None)
-    with pytest.raises(PlanError, match="must be powers of two"):
+    assert _splits((1, 3, 6, 12), [(3, 2), (1, 3)], None) == ((1, 3), (3, 2))   # any sizes whose product is pooled
+    assert _splits((1, 3, 6, 12), None, None, heads=4) == ((1, 3), (2, 3), (4, 3))   # gcd(d, heads) x the rest
+    assert _splits((1, 2, 4, 8), None, None, heads=2) == _splits((1, 2, 4, 8), None, 2)   # the limit, for powers of two
+    with pytest.raises(PlanError, match=r"split 3 x 2 is a group of 6 GPUs, not a pooled degree"):
         _splits((1, 2, 4, 8), [(3, 2)], None)
+    with pytest.raises(PlanError, match="must be >= 1"):
+        _splits((1, 2, 4, 8), [(0, 2)], None)
     with pytest.raises(PlanError, match="ulysses_limit must be a power of two"):
         _splits((1, 2), None, 3)
 

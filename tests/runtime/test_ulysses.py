@@ -88,7 +88,7 @@ def _indivisible_heads_worker(rank, world_size):
     pool = GroupPool()
     ctx = AttentionContext.packed((0, 8), group=pool.get((0, 1, 2, 3)))
     q = torch.randn(2, 6, DIM)
-    with pytest.raises(ShardingError, match=r"degree 4 does not divide the 6 attention heads.*\[1, 2\]"):
+    with pytest.raises(ShardingError, match=r"degree 4 does not divide the 6 attention heads.*\[1, 2, 3, 6\]"):
         ulysses_attention(q, q, q, ctx)
     return "raised"
 

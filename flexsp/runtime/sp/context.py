@@ -79,11 +79,16 @@ class AttentionContext:
 
 
 def check_heads(heads: int, kv_heads: int, degree: int) -> None:
-    """Raise ``ShardingError`` unless ``degree`` ranks can split ``heads`` query heads evenly."""
+    """Raise ``ShardingError`` unless ``degree`` ranks can split ``heads`` query heads evenly.
+
+    Any divisor of the heads works (3 of 6 or 12 heads included); kv heads need not divide: Ulysses
+    replicates each kv head just enough (``degree / gcd(kv_heads, degree)`` copies) for every rank to
+    hold the ones its query heads use."""
     if heads % degree:
-        usable = [d for d in (1 << i for i in range(heads.bit_length())) if heads % d == 0]
+        usable = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ShardingError(f"Ulysses SP degree {degree} does not divide the {heads} attention heads; "
-                            f"this model supports SP degrees {usable} (at most {max(usable)})")
+                            f"this model's Ulysses parts are the divisors {usable} (at most {max(usable)}); "
+                            f"a larger group runs Ulysses gcd(degree, heads) x ring")
     if heads % kv_heads:
         raise ShardingError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
 
