@@ -2,8 +2,9 @@
 
 Three degree sets plan the same batches with FlexSP's planner:
 
-* ``pow2``: the default, powers of two with a tile (``Cluster.degrees``);
-* ``pow2+3x``: powers of two and three times them (3, 6, 12, 24, 48, ...), where they have a tile;
+* ``pow2``: powers of two with a tile (the default on power-of-two nodes; ``Cluster.degrees``);
+* ``pow2+3x``: powers of two and three times them (3, 6, 12, 24, 48, ...), where they have a tile (the
+  default on other node sizes: ``flexsp.plan.cluster.default_degrees``);
 * ``any``: every degree with a tile that the cost model can cost (``PlanConfig(degrees="any")``);
 * ``chain``: the nesting subset of ``any`` (``nesting_subset``: each degree divides the next and the node
   size), which always places; the powers of two on power-of-two clusters, 1, 2, 6, 12, 24 on nodes of 6.
@@ -40,7 +41,7 @@ import numpy as np
 import flexsp
 from flexsp.errors import CostModelError
 from flexsp.plan.analytic import analytic_cost_model
-from flexsp.plan.cluster import is_power_of_two, nesting_subset
+from flexsp.plan.cluster import is_power_of_two, nesting_subset, power_of_two_degrees, tileable
 from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, communicators_per_rank, reserve_communicators
 from flexsp.plan.lengths import get_distribution, preprocess
 from flexsp.plan.planner import TimeLimitWarning
@@ -93,7 +94,7 @@ def cost_model(s: Setting) -> flexsp.CostModel:
 
 def degree_set(name: str, cost: flexsp.CostModel, cluster: flexsp.Cluster) -> tuple[int, ...]:
     if name == "pow2":
-        return cluster.degrees
+        return tuple(d for d in power_of_two_degrees(cluster.num_gpus) if tileable(d, cluster.num_gpus, cluster.gpus_per_node))
     every = flexsp.PlanConfig(degrees="any").checked(cost, cluster).degrees
     if name == "any":
         return every
@@ -105,7 +106,7 @@ def degree_set(name: str, cost: flexsp.CostModel, cluster: flexsp.Cluster) -> tu
 def draw(s: Setting, cost: flexsp.CostModel, cluster: flexsp.Cluster, rng: np.random.Generator) -> np.ndarray:
     """A batch: the named distribution (``long-mix``: Wikipedia plus long sequences log-uniform in
     [256K, 2M] carrying about a third of the tokens, capped at 90% of what the cluster holds), preprocessed."""
-    top = min(s.context, int(0.9 * cost.token_capacity * cluster.degrees[-1]))
+    top = min(s.context, int(0.9 * cost.token_capacity * degree_set("pow2", cost, cluster)[-1]))   # every set can plan it
     pool = get_distribution("wikipedia" if s.mix == "long-mix" else s.mix).lengths
     pool = pool[pool <= top]
     lengths = pool[rng.integers(0, pool.size, size=s.batch_size)]
@@ -197,7 +198,8 @@ def verdict(rows: list[tuple[Setting, dict]]) -> tuple[str, bool]:
               for s, r in rows if not s.power_of_two]
     if others:
         line += (". Where the GPU count or node size is not a power of two, pow2 / set with communicator memory "
-                 "paid: " + "; ".join(others))
+                 "paid: " + "; ".join(others) + ". Cluster.degrees follows: powers of two on power-of-two nodes, "
+                 "pow2+3x on other node sizes (flexsp.plan.cluster.default_degrees)")
     return line, wins
 
 

@@ -31,7 +31,7 @@ def long_tail(n: int, seed: int, scale: int = 2000, top: int = 200_000) -> np.nd
 
 # --- clusters and degree sets ----------------------------------------------------------------------
 def test_any_node_size_and_the_degree_lists():
-    assert flexsp.Cluster(12, 6).degrees == (1, 2, 4)                        # powers of two with a tile
+    assert flexsp.Cluster(12, 6).degrees == (1, 2, 3, 4, 6, 12)   # other node sizes: powers of two and 3x them
     assert flexsp.Cluster(12, 6).all_degrees == (1, 2, 3, 4, 5, 6, 12)
     assert flexsp.Cluster(64, 8).degrees == (1, 2, 4, 8, 16, 32, 64)          # unchanged on power-of-two nodes
     assert flexsp.Cluster(48, 8).all_degrees == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48)

@@ -222,6 +222,19 @@ def untileable_reason(degree: int, num_gpus: int, gpus_per_node: int) -> str:
     return ""
 
 
+def default_degrees(num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
+    """The SP degrees plans use unless told otherwise, chosen by ``experiments/degrees_benchmark.py``
+    (simulated): on power-of-two nodes every power of two with a tile (non-power-of-two sets gave
+    plans 0.92-0.99x as fast once their extra communicators' memory is paid); on other node sizes
+    (6, 12, ...) the powers of two and three times them with a tile (1, 2, 3, 4, 6, 12, 24, ... on nodes
+    of 6: 1.09x faster plans than 1, 2, 4, which leave a third of each node idle for a long sequence)."""
+    g = node_size(num_gpus, gpus_per_node)
+    wanted = power_of_two_degrees(num_gpus)
+    if g & (g - 1):
+        wanted = tuple(sorted(set(wanted) | {3 * d for d in wanted if 3 * d <= num_gpus}))
+    return tuple(d for d in wanted if tileable(d, num_gpus, gpus_per_node))
+
+
 def nesting_subset(degrees: Iterable[int], num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
     """A chain of ``degrees`` that ``nests`` (built from the smallest up, keeping each degree the last
     kept one divides and that divides the node size when inside a node): the fallback set of a
@@ -259,10 +272,9 @@ class Cluster:
 
     @property
     def degrees(self) -> tuple[int, ...]:
-        """The default SP degrees: every power of two with a tile, ascending (all powers of two up to N
-        on power-of-two nodes; 1, 2, 4 on 6-GPU nodes)."""
-        return tuple(d for d in power_of_two_degrees(self.num_gpus)
-                     if tileable(d, self.num_gpus, self.gpus_per_node))
+        """The default SP degrees (``default_degrees``), ascending: all powers of two up to N on
+        power-of-two nodes; powers of two and three times them with a tile on other node sizes."""
+        return default_degrees(self.num_gpus, self.gpus_per_node)
 
     @property
     def all_degrees(self) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flexsp.errors import PlanError
-from flexsp.plan.cluster import aligned_block, is_tile_start, node_size, tile_starts, tileable
+from flexsp.plan.cluster import aligned_block, default_degrees, is_tile_start, node_size, tile_starts, tileable
 from flexsp.runtime.sp.ring_comm import place, pool_splits, split_blocks
 
 if TYPE_CHECKING:
@@ -109,8 +109,7 @@ class GroupPool:
         self.gpus_per_node = self._node_size(gpus_per_node, cluster)
         g = self.gpus_per_node
         if degrees is None:
-            chosen = tuple(d for d in (1 << i for i in range(self.world_size.bit_length()))
-                           if tileable(d, self.world_size, g))
+            chosen = default_degrees(self.world_size, g)        # the planner's default set
         else:
             try:
                 chosen = tuple(sorted(set(int(d) for d in degrees)))
