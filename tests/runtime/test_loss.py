@@ -122,3 +122,12 @@ def test_never_holds_tokens_by_vocab_and_backward_recomputes_nothing():
     assert backward.largest == tokens * hidden      # scaling the kept [tokens, hidden] gradient: no logits
     want = F.cross_entropy(F.linear(h.detach(), w.detach(), b.detach()), y, reduction="sum")
     assert abs(loss.item() - want.item()) <= 1e-5 * want.item()
+
+
+def test_empty_shard():
+    h, w = torch.zeros(0, 8, requires_grad=True), torch.ones(5, 8, requires_grad=True)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = linear_cross_entropy(h, w, None, torch.zeros(0, dtype=torch.long), 4)
+        gh, gw = torch.autograd.grad(got, (h, w))
+        assert got.item() == 0.0 and gh.shape == (0, 8) and float(gw.abs().max()) == 0.0

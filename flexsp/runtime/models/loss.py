@@ -59,27 +59,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(compute)
             b = None if bias is None else bias.to(compute)
             total = torch.zeros((), dtype=acc, device=hidden.device)
-            grad_h = torch.empty_like(hidden) if need_h else None
+            grad_h = torch.empty_like(hidden) if need_h and hidden.dtype == compute else None
+            pieces = []                              # autocast: bf16 chunks of an fp32 hidden gradient, cast once
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
             grad_b = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
             for start in range(0, hidden.shape[0], chunk):
-                h, y = hidden[start:start + chunk].to(compute), labels[start:start + chunk]
+                n = min(chunk, hidden.shape[0] - start)
+                h, y = hidden.narrow(0, start, n).to(compute), labels.narrow(0, start, n)
                 z = F.linear(h, w, b).to(acc)          # a copy for bf16 logits; the fp32 logits themselves otherwise
-                valid = y != IGNORE_INDEX
-                target = y.masked_fill(~valid, 0)[:, None]
-                picked = z.gather(1, target)[:, 0]
+                valid = y.ne(IGNORE_INDEX)             # function-form ops: fake CUDA also refuses ~ and [:, None]
+                keep = valid.unsqueeze(1)
+                target = torch.where(valid, y, 0).unsqueeze(1)
+                picked = z.gather(1, target).squeeze(1)
                 top = z.amax(dim=1)
-                z.sub_(top[:, None]).exp_()              # one exp pass serves the loss and its gradient
+                z.sub_(top.unsqueeze(1)).exp_()          # one exp pass serves the loss and its gradient
                 norm = z.sum(dim=1)
                 total += ((norm.log() + top - picked) * valid).sum()
                 if not (need_h or need_w or need_b):
                     continue
-                z.div_(norm[:, None])                    # softmax
-                z.scatter_add_(1, target, -valid[:, None].to(acc))
-                z.mul_(valid[:, None])                   # ignored targets add no gradient
+                z.div_(norm.unsqueeze(1))                # softmax
+                z.scatter_add_(1, target, keep.to(acc).neg())
+                z.mul_(keep)                             # ignored targets add no gradient
                 g = z.to(compute)
                 if need_h:
-                    grad_h[start:start + chunk] = g @ w
+                    if grad_h is not None:
+                        torch.mm(g, w, out=grad_h.narrow(0, start, n))   # in place: no copy
+                    else:
+                        pieces.append(g @ w)
                 if need_w:
                     if g.dtype == acc:
                         grad_w.addmm_(g.t(), h)
@@ -87,6 +93,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_w += (g.t() @ h).to(acc)
                 if need_b:
                     grad_b += z.sum(dim=0)
+        if need_h and grad_h is None:
+            grad_h = torch.cat(pieces).to(hidden.dtype) if pieces else torch.zeros_like(hidden)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w, grad_b) if t is not None))
         ctx.present = (need_h, need_w, need_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
