@@ -7,7 +7,6 @@
 |---|---|
 | ``attention`` | the registry wrapper under the model's own attention key: Ulysses when the call carries a context |
 | ``adapter`` | ``HFCausalLM``: packed shard in, logits or summed loss out; ``sp_heads``/``fsdp_units`` |
-| ``loss`` | chunked LM-head cross-entropy that never holds the whole shard's logits |
 | ``features`` | refuse what the attention cannot honour (sliding window, softcap, sinks, dropout, non-causal, cross-attention, mRoPE, router loss) |
 | ``prepare`` | ``prepare_model`` / ``from_config`` / tiny built-in configs |
 | ``route`` | the context to attention modules of layers that drop ``**kwargs`` (StableLM) |
@@ -20,7 +19,7 @@ Needs the ``hf`` extra (``pip install flexsp[hf]``).
 from flexsp.hf.adapter import HFCausalLM
 from flexsp.hf.attention import CONTEXT_KWARG, install, is_installed, uninstall
 from flexsp.hf.features import UnsupportedModelError, check_supported
-from flexsp.hf.loss import linear_cross_entropy
+from flexsp.runtime.models.loss import linear_cross_entropy
 from flexsp.hf.prepare import (from_config, hf_config_kwargs, load_config, prepare_model, shard_states, tiny_archs,
                                tiny_config, with_layers)
 

@@ -5,7 +5,7 @@ per sequence) and an ``AttentionContext``. The adapter runs the model's decoder 
 context in the forward kwargs (transformers passes them down to every attention call, where the
 registry wrapper of ``attention.py`` picks them up) and an empty prepared 4-D mask, which
 transformers' mask builders return as is: no ``[tokens, tokens]`` mask is built for a shard whose
-real layout is ``ctx.cu_seqlens``. The loss goes through the LM head in chunks (``loss.py``).
+real layout is ``ctx.cu_seqlens``. The loss goes through the LM head in chunks (``flexsp.runtime.models.loss``).
 
 Why not a mask function in transformers' ``AttentionMaskInterface``: a mask function is chosen by
 the model's key and gets no forward kwargs, so one registered under the key FlexSP keeps (``sdpa``,
@@ -22,7 +22,7 @@ from torch import nn
 
 from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, install
 from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
-from flexsp.hf.loss import linear_cross_entropy
+from flexsp.runtime.models.loss import linear_cross_entropy
 from flexsp.hf.route import route_context
 from flexsp.plan.memory import check_recompute
 from flexsp.runtime.sp.context import AttentionContext, check_heads

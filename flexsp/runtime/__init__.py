@@ -8,7 +8,8 @@ from flexsp.runtime.config import TrainConfig
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
 from flexsp.runtime.fsdp import runtime_sharding, shard_model
 from flexsp.runtime.kernels import attend, attend_lse, flash_available, merge_partials
-from flexsp.runtime.models.protocol import SPModel, chunked_cross_entropy
+from flexsp.runtime.models.loss import linear_cross_entropy
+from flexsp.runtime.models.protocol import SPModel
 from flexsp.runtime.models.tiny import TinyLM
 from flexsp.runtime.pool import GroupPool, PoolStats, init_distributed
 from flexsp.runtime.shard import PackedGroup, loss_tokens, pack
@@ -26,7 +27,7 @@ from flexsp.runtime.step import StepExecutor, StepResult, validate_step
 
 __all__ = ["TrainConfig", "GroupPool", "PoolStats", "init_distributed", "StepExecutor", "StepResult", "validate_step",
            "shard_model", "runtime_sharding", "FailureChannel", "RankFailure", "agree", "SPModel",
-           "chunked_cross_entropy", "AttentionContext", "sp_attention", "ulysses_attention", "ShardingError", "attend",
+           "linear_cross_entropy", "AttentionContext", "sp_attention", "ulysses_attention", "ShardingError", "attend",
            "attend_lse", "merge_partials", "ring_attention", "RingContext", "flash_available", "all_to_all",
            "seq_to_head", "head_to_seq", "pack", "PackedGroup", "Shard", "loss_tokens", "IGNORE_INDEX",
            "TinyLM"]

@@ -22,8 +22,9 @@ from flexsp.runtime.kernels import BACKENDS
 @dataclass(frozen=True)
 class TrainConfig:
     """``sharding``: how FSDP2 shards model states ("full", "grad_optim", "none"); ``param_dtype``: the
-    compute dtype (None: the parameters' own, e.g. fp64 tests); ``reduce_dtype``: gradient reduction
-    dtype (None: the compute dtype); ``backend``: the local attention kernel (``flexsp.runtime.kernels``);
+    compute dtype (None: the parameters' own, e.g. fp64 tests), FSDP2's mixed-precision policy where the
+    model is sharded, the executor's ``torch.autocast`` where it is not (world 1, "none": ``fsdp.py``);
+    ``reduce_dtype``: FSDP2's gradient reduction dtype (None: the compute dtype); ``backend``: the local attention kernel (``flexsp.runtime.kernels``);
     ``recompute``: activation checkpointing ("none", "selective", "full"; the ``PlanConfig`` value, so the
     capacity the planner assumes is the memory the step keeps), applied by ``StepExecutor`` to a model with
     ``set_recompute``; None leaves the model's own setting."""

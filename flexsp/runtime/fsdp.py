@@ -11,15 +11,30 @@ soon as its backward is done (overlapping the rest of backward). The sharding ch
 * ``"none"``: every rank holds all states: plain data parallelism.
 
 Nothing is wrapped where sharding buys nothing: at world size 1 (whatever the sharding: one rank's
-shard is everything) or with ``"none"``, and no mixed precision asked for (``param_dtype`` None or the
-parameters' own dtype), the model stays a plain module - no per-layer hooks, all-gathers or copies
-(at world 1 FSDP2 costs ~12x the Python calls per layer of the plain module). The executor then sums
-its gradients over ranks with one all-reduce per parameter at the end of the step (``step.py``), the
-same sum FSDP2 reduces. With mixed precision FSDP2 still wraps it (``"none"`` over a (world x 1) mesh),
-because FSDP2 is what keeps the fp32 master copy and casts for compute.
+shard is everything) or with ``"none"``. The model stays a plain module - no per-layer hooks,
+all-gathers or copies (at world 1 FSDP2 costs ~12x the Python calls per layer of the plain module).
+The executor then sums its gradients over ranks with one all-reduce per parameter at the end of the
+step (``step.py``), the same sum FSDP2 reduces, in the parameters' dtype (fp32; ``reduce_dtype`` is
+FSDP2's setting). Mixed precision for such a model is ``torch.autocast``, what a single-GPU user
+writes: ``shard_model`` records ``param_dtype`` (``autocast_dtype(model)``) and ``StepExecutor`` runs
+every forward under ``torch.autocast(device, dtype=param_dtype)``, backward and optimizer outside it.
 
-Mixed precision: parameters are kept in fp32 (the master weights the optimizer updates), cast to
-``param_dtype`` (bf16 by default) for compute, gradients reduced in fp32. Gradients are SUMMED over
+Numerics of the two mixed-precision paths (both: fp32 master weights updated by the optimizer, fp32
+gradients on them, the loss's softmax in fp32):
+
+* FSDP2 (``MixedPrecisionPolicy(param_dtype)``) casts the *parameters* to bf16 once per layer, so
+  every op of the layer runs in bf16: norms' weights, the residual stream between layers, the
+  embedding output. Parameter gradients are bf16 and upcast for the fp32 reduction.
+* autocast casts per *op*: matmuls / linear layers (and attention on their bf16 outputs) run in bf16;
+  other ops keep their inputs' dtype, so the embedding output, the residual stream, norms and their
+  weights stay fp32, and each matmul's weight gradient is cast back to fp32 where it meets its fp32
+  parameter. So autocast rounds less (the residual stream is never bf16) and differs from the
+  FSDP2 path by bf16 rounding, not by method. Memory: the bf16 weight copies autocast makes are saved
+  for backward (the same 2 bytes per parameter as FSDP2's unsharded compute copy under ``"none"``), and
+  activations kept in fp32 by the residual stream and norms are twice their bf16 size.
+
+Mixed precision under FSDP2: parameters are kept in fp32 (the master weights the optimizer updates), cast
+to ``param_dtype`` (bf16 by default) for compute, gradients reduced in ``reduce_dtype`` (fp32). Gradients are SUMMED over
 ranks (divide factor 1): the executor already divides each shard's loss by the global label count.
 """
 from __future__ import annotations
@@ -34,11 +49,17 @@ from flexsp.errors import FlexSPError
 from flexsp.runtime.config import TrainConfig
 
 SHARDING_ATTR = "flexsp_sharding"
+AUTOCAST_ATTR = "flexsp_autocast"
 
 
 def runtime_sharding(model: nn.Module) -> str:
     """The sharding ``shard_model`` applied to ``model``; ``"none"`` for a model it never saw."""
     return getattr(model, SHARDING_ATTR, "none")
+
+
+def autocast_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype ``StepExecutor`` autocasts a plain (unwrapped) model's forward to; None: no autocast."""
+    return getattr(model, AUTOCAST_ATTR, None)
 
 
 def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings: Any) -> nn.Module:
@@ -48,8 +69,8 @@ def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings:
     sharding and the dtypes. ``param_dtype=None`` computes in the parameters' own dtype (fp64 tests); ``reduce_dtype`` then
     defaults to that dtype too. Half-precision parameters are first upcast to fp32: the optimizer
     must update fp32 master weights, or small updates vanish in bf16 rounding.
-    Returns the same module (an FSDP module, or left plain where sharding buys nothing: see above);
-    build the optimizer after this call.
+    Returns the same module (an FSDP module, or left plain where sharding buys nothing, with its
+    ``param_dtype`` recorded for the executor's autocast: see above); build the optimizer after this call.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -72,8 +93,10 @@ def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings:
         model.float()
     device = params[0].device
     world = dist.get_world_size()
-    if (world == 1 or sharding == "none") and param_dtype in (None, next(model.parameters()).dtype):
+    if world == 1 or sharding == "none":
         setattr(model, SHARDING_ATTR, sharding)   # what the cost model may assume: at world 1 every sharding is one
+        if param_dtype not in (None, next(model.parameters()).dtype):
+            setattr(model, AUTOCAST_ATTR, param_dtype)   # mixed precision without FSDP: the executor's autocast
         return model
     if sharding == "none":
         mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))

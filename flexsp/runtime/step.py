@@ -18,6 +18,7 @@ that of the mean next-token loss over the global batch on one device, whatever t
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Sequence
@@ -32,7 +33,7 @@ from flexsp.plan.cost import CostModel
 from flexsp.plan.types import Group, Plan
 from flexsp.runtime.config import TrainConfig
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
-from flexsp.runtime.fsdp import is_sharded, runtime_sharding
+from flexsp.runtime.fsdp import autocast_dtype, is_sharded, runtime_sharding
 from flexsp.runtime.pool import GroupPool
 from flexsp.runtime.probe import NO_PROBE, StepProbe
 from flexsp.runtime.shard import MicroBatchShard, group_inputs, loss_tokens
@@ -140,6 +141,7 @@ class StepExecutor:
             sharding_mod.check_runtime(sharding_mod.assumed(cost), self.sharding)
         self.device = next(model.parameters()).device
         self.sharded = is_sharded(model)
+        self.autocast = None if self.sharded else autocast_dtype(model)   # shard_model's param_dtype, FSDP2-free
         self.channel = FailureChannel(failure_name) if pool.world_size > 1 else None
         self.steps = 0
         self._dummy: _Work | None = None
@@ -288,14 +290,17 @@ class StepExecutor:
         self.optimizer.zero_grad(set_to_none=True)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         processed, seq_ids, degrees = 0, [], []
+        autocast = nullcontext() if self.autocast is None else torch.autocast(self.device.type, dtype=self.autocast)
         for m, w in enumerate(work):
             self.probe.micro_batch_begin(m, None if w is None else w.group, 0 if w is None else w.real_tokens)
             if w is None:
                 d = self._idle()
-                loss = self.model.shard_loss(d.input_ids, d.position_ids, d.labels, d.ctx) * 0.0
+                with autocast:
+                    loss = self.model.shard_loss(d.input_ids, d.position_ids, d.labels, d.ctx) * 0.0
                 degrees.append(None)
             else:
-                loss = self.model.shard_loss(w.input_ids, w.position_ids, w.labels, w.ctx) / denominator
+                with autocast:   # forward only (autocast's rule); backward runs in the dtypes forward chose
+                    loss = self.model.shard_loss(w.input_ids, w.position_ids, w.labels, w.ctx) / denominator
                 local += loss.detach().to(torch.float64)
                 processed += w.real_tokens
                 seq_ids.extend(w.group.seq_ids)

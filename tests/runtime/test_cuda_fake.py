@@ -1,11 +1,15 @@
 """The CUDA path checked without a GPU: fake CUDA bf16 tensors (``FakeTensorMode``) run torch's
 ``varlen_attn`` fake kernels through ``auto``'s CUDA choice - the kernels' forward and backward, the
 Ulysses branch (degree 2, a local exchange), the ring branch (forward and its hand-written backward)
-and TinyLM's degree-1 forward - verifying shapes, dtypes and the arguments ``varlen_attn`` receives.
+TinyLM's degree-1 forward and the fused LM-head loss (forward, which computes its gradients, and backward) -
+verifying shapes, dtypes and the arguments ``varlen_attn`` receives.
 
 Limits of a CPU-only torch build, stated so nobody reads more into this check: autograd's engine and
-any real copy (``.contiguous()`` of a strided tensor, ``.to("cuda")``) need a CUDA device guard, so
-backward passes are called explicitly (the ring's and the kernels'), not through ``loss.backward()``.
+any real copy (``.contiguous()`` of a strided tensor, ``.to("cuda")``, ``copy_``) need a CUDA device guard,
+which a CPU-only build has none of: torch 2.13's ``FakeTensorMode`` installs a no-op CUDA guard only on a
+CUDA build without devices (``ensureCUDADeviceGuardSet``), and a ``requires_grad`` fake CUDA leaf in an op
+aborts the process (AccumulateGrad asks the missing guard for a stream). So backward passes are called
+explicitly (the ring's, the kernels', the loss's), not through ``loss.backward()``.
 """
 import types
 
@@ -120,3 +124,19 @@ def test_ring_branch_forward_and_backward_on_fake_cuda(calls):
         assert [t.shape for t in (dq, dk, dv)] == [q.shape, k.shape, v.shape] and {t.dtype for t in (dq, dk, dv)} == {BF16}
     assert {c["window_size"] for c in calls} == {(-1, 0), (-1, -1)}     # the diagonal causal, the other block not
     assert all("return_aux" in c for c in calls)
+
+
+def test_fused_loss_forward_and_backward_on_fake_cuda():
+    """The LM-head loss on bf16 CUDA: each chunk's gradients computed in forward (fp32 softmax, bf16 matmuls)."""
+    from flexsp.runtime.models.loss import _LinearCrossEntropy
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        hidden, weight = _fake(70, 256), _fake(128, 256)
+        labels = torch.randint(0, 128, (70,), device="cuda")
+        ctx = types.SimpleNamespace(needs_input_grad=(True, True, False, False, False, False, False))
+        ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
+        total = _LinearCrossEntropy.forward(ctx, hidden, weight, None, labels, 32, BF16, True)
+        assert (total.shape, total.dtype, total.device.type) == ((), torch.float32, "cuda")
+        grad_h, grad_w = ctx.saved_tensors
+        assert (grad_h.shape, grad_h.dtype, grad_w.shape, grad_w.dtype) == ((70, 256), BF16, (128, 256), torch.float32)
+        dh, dw, db, *rest = _LinearCrossEntropy.backward(ctx, torch.ones((), device="cuda"))
+        assert (dh.dtype, dw.dtype, db) == (BF16, BF16, None) and all(r is None for r in rest)

@@ -1,5 +1,4 @@
-"""Degree 1 pays for nothing it does not need: no FSDP wrapping at world 1 / sharding "none" (without mixed
-precision), no exchange or all-to-all for a single-rank group, rotary cos/sin once per micro-batch, and
+"""Degree 1 pays for nothing it does not need: no FSDP wrapping at world 1 (whatever the TrainConfig), no exchange or all-to-all for a single-rank group, rotary cos/sin once per micro-batch, and
 Python calls per layer within 2x of the plain per-sequence loop - while the step stays exact."""
 import sys
 
@@ -12,7 +11,8 @@ import flexsp.runtime.sp.context as context_mod  # noqa: E402
 import flexsp.runtime.sp.ulysses_comm as comm  # noqa: E402
 from flexsp import Group, MicroBatch, Plan  # noqa: E402
 from flexsp.plan.specs import ModelSpec  # noqa: E402
-from flexsp.runtime.fsdp import is_sharded, runtime_sharding, shard_model  # noqa: E402
+from flexsp.runtime.config import TrainConfig  # noqa: E402
+from flexsp.runtime.fsdp import autocast_dtype, runtime_sharding, shard_model  # noqa: E402
 from flexsp.runtime.models.plain import plain_loss  # noqa: E402
 from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
 from flexsp.runtime.pool import GroupPool  # noqa: E402
@@ -105,16 +105,20 @@ def test_python_calls_per_layer_within_twice_the_plain_loop():
 
 
 def _wrapping(rank, world_size):
+    from torch.distributed.fsdp import FSDPModule
     out = {}
     for sharding in ("full", "grad_optim", "none"):
-        model = shard_model(_model(), sharding=sharding, param_dtype=None)
-        out[sharding] = (is_sharded(model), runtime_sharding(model))
-    mixed = shard_model(_model(dtype=torch.float32), sharding="full", param_dtype=torch.bfloat16)
-    out["mixed"] = (is_sharded(mixed), runtime_sharding(mixed))
+        for dtype in (None, torch.float32, torch.bfloat16):
+            model = shard_model(_model(dtype=torch.float32), TrainConfig(sharding=sharding, param_dtype=dtype))
+            fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+            out[sharding, dtype] = (fsdp, runtime_sharding(model), autocast_dtype(model),
+                                    {p.dtype for p in model.parameters()})
     return out
 
 
-def test_no_fsdp_wrapping_at_world_one_unless_mixed_precision():
+def test_no_fsdp_wrapping_at_world_one_for_any_config():
     (got,) = run_distributed(_wrapping, 1)
-    assert got == {"full": (False, "full"), "grad_optim": (False, "grad_optim"), "none": (False, "none"),
-                   "mixed": (True, "full")}   # FSDP2 is what keeps fp32 masters and casts to bf16
+    for (sharding, dtype), (fsdp, recorded, autocast, dtypes) in got.items():
+        assert not fsdp and recorded == sharding and dtypes == {torch.float32}, (sharding, dtype)
+        # mixed precision without FSDP2: the executor's autocast (fp32 asked of an fp32 model: none)
+        assert autocast == (torch.bfloat16 if dtype == torch.bfloat16 else None), (sharding, dtype)

@@ -48,7 +48,7 @@ def test_no_host_sync_in_forward_or_backward(monkeypatch):
     """The model, Ulysses layer, attention kernel, packing context and chunked loss read nothing back to
     the host: the per-sequence kernel takes the context's host bounds, never the device tensor's."""
     torch.manual_seed(0)
-    model = TinyLM(CFG, loss_chunk_tokens=4).double()   # several checkpointed loss chunks
+    model = TinyLM(CFG, loss_chunk_tokens=4).double()   # several fused loss chunks
     p = pack([torch.randint(1, 64, (n,)) for n in (7, 1, 5)], degree=1)
     ctx = p.context()                                     # the one host-to-device copy, before the step
     ctx = dataclasses.replace(ctx, cu_seqlens=ctx.cu_seqlens.to("meta"))   # the kernel must not even look

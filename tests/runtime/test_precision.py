@@ -1,12 +1,13 @@
 """bf16 that trains: fp32 rotary/norm/loss keep a bf16 model's logits near fp32 at positions past 4,096,
-and a short FSDP2 mixed-precision run (bf16 compute, fp32 master weights and reduction) tracks fp32."""
+and short mixed-precision runs (bf16 compute, fp32 master weights and reduction) track fp32: FSDP2's
+policy when sharded, the executor's autocast where nothing is wrapped (world 1, or sharding "none")."""
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from flexsp import Group, MicroBatch, Plan  # noqa: E402
 from flexsp.plan.specs import ModelSpec
-from flexsp.runtime.fsdp import shard_model  # noqa: E402
+from flexsp.runtime.fsdp import autocast_dtype, is_sharded, shard_model  # noqa: E402
 from flexsp.runtime.models.tiny import TinyLM, rotate  # noqa: E402
 from flexsp.runtime.pool import GroupPool  # noqa: E402
 from flexsp.runtime.shard import pack  # noqa: E402
@@ -72,23 +73,42 @@ PLAN = Plan(num_gpus=2, predicted_time=0.0, micro_batches=(
 ))
 
 
-def _precision_worker(rank, world_size, steps):
+def _precision_worker(rank, world_size, steps, plan, runs):
     losses = {}
-    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+    for name, sharding, dtype in runs:
         torch.manual_seed(0)
-        model = shard_model(TinyLM(CFG), sharding="full", param_dtype=dtype)
-        assert all(p.dtype == torch.float32 for p in model.parameters())   # fp32 master weights
+        model = shard_model(TinyLM(CFG), sharding=sharding, param_dtype=dtype)
+        assert is_sharded(model) == (world_size > 1 and sharding != "none")
+        assert autocast_dtype(model) == (None if is_sharded(model) else dtype)
         executor = StepExecutor(model, torch.optim.AdamW(model.parameters(), lr=1e-2), GroupPool(),
                                 backend="sdpa", failure_name=name)
-        losses[name] = [executor.run_plan(PLAN, _learnable_batch(s)).loss for s in range(steps)]
+        losses[name] = [executor.run_plan(plan, _learnable_batch(s)).loss for s in range(steps)]
+        assert all(p.dtype == torch.float32 for p in model.parameters())   # fp32 master weights
+        assert all(p.grad is None or p.grad.dtype == torch.float32 for p in model.parameters())
     return losses
+
+
+def _check_tracks(fp32, mixed):
+    assert fp32[-1] < 0.8 * fp32[0]                # it learns
+    assert mixed[0] != fp32[0]                     # bf16 really computed something (not the fp32 path)
+    for a, b in zip(fp32, mixed):
+        assert abs(a - b) <= LOSS_TOL * a, (fp32, mixed)
 
 
 def test_short_bf16_run_tracks_fp32():
     steps = 12
-    runs = run_distributed(_precision_worker, 2, steps)
-    fp32, bf16 = runs[0]["fp32"], runs[0]["bf16"]
+    runs = run_distributed(_precision_worker, 2, steps, PLAN, (("fp32", "full", None), ("bf16", "full", torch.bfloat16),
+                                                              ("bf16 none", "none", torch.bfloat16)))
     assert runs[1] == runs[0]                      # every rank reports the same global loss
-    assert fp32[-1] < 0.8 * fp32[0]                # it learns
-    for a, b in zip(fp32, bf16):
-        assert abs(a - b) <= LOSS_TOL * a, (fp32, bf16)
+    _check_tracks(runs[0]["fp32"], runs[0]["bf16"])          # FSDP2 mixed precision
+    _check_tracks(runs[0]["fp32"], runs[0]["bf16 none"])     # unwrapped: autocast, gradients all-reduced
+
+
+WORLD_ONE = Plan(num_gpus=1, predicted_time=0.0, micro_batches=(
+    MicroBatch((Group(ranks=(0,), seq_ids=(0, 3)),)), MicroBatch((Group(ranks=(0,), seq_ids=(1, 2)),))))
+
+
+def test_world_one_bf16_is_autocast_without_fsdp_and_tracks_fp32():
+    (run,) = run_distributed(_precision_worker, 1, 8, WORLD_ONE, (("fp32", "full", None),
+                                                                  ("bf16", "full", torch.bfloat16)))
+    _check_tracks(run["fp32"], run["bf16"])

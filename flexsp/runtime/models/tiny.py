@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from flexsp.errors import CostModelError
 from flexsp.plan.memory import check_recompute
 from flexsp.plan.specs import ModelSpec
-from flexsp.runtime.models.protocol import LOSS_CHUNK_TOKENS, chunked_cross_entropy, loss_dtype
+from flexsp.runtime.models.loss import linear_cross_entropy
+from flexsp.runtime.models.protocol import loss_dtype
 from flexsp.runtime.sp.attention import sp_attention
 from flexsp.runtime.sp.context import AttentionContext
 
@@ -151,10 +152,11 @@ class TinyLM(nn.Module):
     """Decoder-only LM over a flat token shard: ``input_ids [tokens]`` -> ``logits [tokens, vocab]``.
 
     ``shard_loss`` (the ``SPModel`` entry the executor uses) never materialises more than
-    ``loss_chunk_tokens`` tokens' logits at once; ``forward`` returns all logits (tests, inference).
+    ``loss_chunk_tokens`` tokens' logits at once (None: ``loss.default_chunk``, 256 MiB of fp32 logits);
+    ``forward`` returns all logits (tests, inference).
     """
 
-    def __init__(self, cfg: ModelSpec, *, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    def __init__(self, cfg: ModelSpec, *, loss_chunk_tokens: int | None = None,
                  recompute: str | Sequence[str] = "none") -> None:
         super().__init__()
         self.cfg = check_spec(cfg)
@@ -185,9 +187,11 @@ class TinyLM(nn.Module):
 
     def shard_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
                    ctx: AttentionContext) -> torch.Tensor:
-        """Summed next-token cross-entropy of this shard (fp32 or wider), logits chunk by chunk."""
+        """Summed next-token cross-entropy of this shard (fp32 or wider), logits chunk by chunk, fused with
+        their backward (``linear_cross_entropy``)."""
         hidden = self.hidden_states(input_ids, position_ids, ctx)
-        return chunked_cross_entropy(hidden, labels, self._project, chunk_tokens=self.loss_chunk_tokens)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return linear_cross_entropy(hidden, head.weight, getattr(head, "bias", None), labels, self.loss_chunk_tokens)
 
     # --- plain use ----------------------------------------------------------------------------
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
