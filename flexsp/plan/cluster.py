@@ -227,10 +227,10 @@ def default_degrees(num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
     (simulated): on power-of-two nodes every power of two with a tile (non-power-of-two sets gave
     plans 0.92-0.99x as fast once their extra communicators' memory is paid); on other node sizes
     (6, 12, ...) the powers of two and three times them with a tile (1, 2, 3, 4, 6, 12, 24, ... on nodes
-    of 6: 1.09x faster plans than 1, 2, 4, which leave a third of each node idle for a long sequence)."""
-    g = node_size(num_gpus, gpus_per_node)
+    of 6: 1.09x faster plans than 1, 2, 4, which leave a third of each node idle for a long sequence).
+    The rule reads the node size a cluster is built with, not a partial node's GPU count."""
     wanted = power_of_two_degrees(num_gpus)
-    if g & (g - 1):
+    if gpus_per_node & (gpus_per_node - 1):
         wanted = tuple(sorted(set(wanted) | {3 * d for d in wanted if 3 * d <= num_gpus}))
     return tuple(d for d in wanted if tileable(d, num_gpus, gpus_per_node))
 

@@ -6,7 +6,8 @@ cost model's ``token_capacity`` is what is left for activations. How much the st
 how they are sharded over the ``N`` data-parallel ranks, so the choice lives here, once:
 
 * ``"full"`` (ZeRO-3 / FSDP full shard): parameters, gradients and optimizer states all ``1/N``.
-  The unsharded compute-precision copy of a block exists only while that block runs (transient).
+  The unsharded compute-precision copy of a block exists only while that block runs (transient);
+  at ``N = 1`` nothing is wrapped and autocast's compute copy is held from forward to backward.
 * ``"grad_optim"`` (ZeRO-2-like): gradients and optimizer states ``1/N``; the compute-precision
   parameters stay unsharded from forward to backward (FSDP2 ``reshard_after_forward=False``).
 * ``"none"``: every rank holds everything (data parallel); the compute copy as above.
@@ -68,7 +69,9 @@ def state_bytes(params: float, num_gpus: int, sharding: str = DEFAULT, *, master
     if not params >= 0:
         raise CostModelError(f"params must be >= 0, got {params}")
     n = 1 if sharding == "none" else num_gpus   # FSDP2 shards the fp32 master for "grad_optim" too
-    copy = 0.0 if sharding == "full" else params * compute_bytes
+    # the compute copy is transient only under FSDP2's full shard; at one GPU the runtime does not wrap
+    # (flexsp.runtime.shard_model) and autocast's bf16 copies of the weights live until backward
+    copy = 0.0 if sharding == "full" and num_gpus > 1 else params * compute_bytes
     return StateBytes(params=params * master_bytes / n, grads=params * grad_bytes / n,
                       optimizer=params * optimizer_bytes / n, compute_copy=copy)
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flexsp.errors import PlanError
-from flexsp.plan.cluster import aligned_block, default_degrees, is_tile_start, node_size, tile_starts, tileable
+from flexsp.plan.cluster import aligned_block, is_tile_start, node_size, tile_starts, tileable
 from flexsp.runtime.sp.ring_comm import place, pool_splits, split_blocks
 
 if TYPE_CHECKING:
@@ -85,7 +85,8 @@ class GroupPool:
     """SP groups for one world, keyed by their ranks; pass it to whoever runs a plan.
 
     ``degrees`` restricts which degrees get a communicator (default: every power of two that has a
-    tile); any degree with a tile is accepted - at most the node size, or a multiple of it. The node
+    tile, the planner's default on power-of-two nodes; on other node sizes pass
+    ``degrees=cluster.degrees`` to pool the planner's default there too); any degree with a tile is accepted - at most the node size, or a multiple of it. The node
     size is ``gpus_per_node``, or ``cluster.gpus_per_node`` (a ``flexsp.Cluster`` of this world), or
     ``LOCAL_WORLD_SIZE`` from torchrun, else the world is one node. Construct the pool on every rank
     at the same point of the program: creation is collective. Without an initialised process group
@@ -109,7 +110,8 @@ class GroupPool:
         self.gpus_per_node = self._node_size(gpus_per_node, cluster)
         g = self.gpus_per_node
         if degrees is None:
-            chosen = default_degrees(self.world_size, g)        # the planner's default set
+            chosen = tuple(d for d in (1 << i for i in range(self.world_size.bit_length()))
+                           if tileable(d, self.world_size, g))
         else:
             try:
                 chosen = tuple(sorted(set(int(d) for d in degrees)))
