@@ -32,13 +32,13 @@ from typing import Callable
 import numpy as np
 
 from . import blaster
-from .bucketing import RULES, Buckets
+from .bucketing import RULES, Buckets, exact_buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
 from .materialize import as_groups, to_groups, to_members
 from .milp import solve_milp
 from .tighten import tighten_members
-from .types import DegreeCosts, Infeasible, Schedule, group_loads
+from .types import DegreeCosts, GroupAssignment, Infeasible, Schedule, group_loads
 
 # Other strategies' plans (``fallbacks``) are tried on batches up to this many sequences. Above it
 # the search has the most room and their plans never won in experiments/scale_benchmark.py (FlexSP
@@ -332,11 +332,14 @@ class BatchSearch:
         bound = incumbent.time(self.lengths, self.costs)
         times = self.packer.times
         if len(self.lengths) <= self.options.exact_max_sequences:
-            result = solve_milp(self.buckets.upper, times, self.buckets.counts, self.costs, self.num_gpus,
+            # one bucket per distinct length, whatever num_buckets and the rule: rounding would make
+            # the MILP's optimum an approximation
+            exact = exact_buckets(self.lengths)
+            result = solve_milp(exact.upper, self.costs.times(exact.upper), exact.counts, self.costs, self.num_gpus,
                                 len(self.lengths), self.remaining(), upper_bound=bound * (1 + 1e-9))
             if result is None:
                 return None
-            return self.schedule(Split(self.assign_from_counts(result.counts), result.packings))
+            return self.exact_schedule(exact, result)
         micro_batches = list(incumbent.micro_batches)
         mb_times = incumbent.micro_batch_times(self.lengths, self.costs)
         for m in np.argsort(mb_times)[::-1]:
@@ -352,6 +355,19 @@ class BatchSearch:
             groups = tuple(to_groups(result.packings[0], ids, self.buckets.index, self.lengths, self.costs))
             if max(g.time(self.lengths, self.costs) for g in groups) < mb_times[m]:
                 micro_batches[m] = groups
+        return Schedule(tuple(micro_batches))
+
+    def exact_schedule(self, exact: Buckets, result) -> Schedule:
+        """The MILP's micro-batches on exact buckets as real groups (every sequence of a bucket has
+        the bucket's length, so dealing them is exact)."""
+        micro_batches = []
+        pools = [list(np.flatnonzero(exact.index == b)) for b in range(len(exact.upper))]
+        for packing in result.packings:
+            groups = []
+            for k, row in zip(packing.degree_idx.tolist(), packing.counts):
+                ids = [pools[b].pop() for b in np.flatnonzero(row) for _ in range(int(row[b]))]
+                groups.append(GroupAssignment(self.costs.degrees[k], np.sort(np.array(ids, dtype=np.int64))))
+            micro_batches.append(tuple(groups))
         return Schedule(tuple(micro_batches))
 
     def refine(self, schedule: Schedule) -> Schedule:
