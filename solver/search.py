@@ -68,6 +68,17 @@ class SearchOptions:
             raise ValueError(f"bucketing must be one of {sorted(RULES)}, got {self.bucketing!r}")
 
 
+Members = tuple[list[np.ndarray], np.ndarray]     # one micro-batch: each group's ids, degree indices
+
+
+@dataclass
+class Refined:
+    """Refined micro-batches as ``Members`` and the plan's real time (the sum of their makespans)."""
+
+    micro_batches: list[Members]
+    time: float
+
+
 @dataclass
 class Split:
     """Micro-batch of each sequence plus the packing of each micro-batch."""
@@ -378,36 +389,53 @@ class BatchSearch:
         makespan holds for groups of one or two long sequences). Keeps a micro-batch's new groups only when faster,
         then ``tighten``s its slowest groups (larger degree, merge, or move a sequence)."""
         index = {d: k for k, d in enumerate(self.costs.degrees)}
-        return self.refine_members([([g.seq_ids for g in groups], np.array([index[g.degree] for g in groups]))
-                                    for groups in schedule.micro_batches])
+        return self.as_schedule(self.refine_members([([g.seq_ids for g in groups],
+                                                      np.array([index[g.degree] for g in groups]))
+                                                     for groups in schedule.micro_batches]))
 
-    def refine_members(self, raw: list[tuple[list[np.ndarray], np.ndarray]]) -> Schedule:
-        """``refine`` on micro-batches given as (each group's ids, degree indices): group objects are
-        built once per micro-batch, for the version kept."""
+    def refine_members(self, raw: list[Members]) -> Refined:
+        """``refine`` on micro-batches given as (each group's ids, degree indices), returning them in
+        the same form with each micro-batch's real time: candidates are compared on these times and
+        group objects are built once, for the plan that wins (``as_schedule``)."""
         micro_batches: list = list(raw)
+        times = np.full(len(raw), np.nan)
         for m, (members, deg) in enumerate(raw):
-            ids = np.concatenate(members)
             loads = group_loads(members, deg, self.lengths, self.costs)
-            for num_buckets, estimate in REFINE_VARIANTS:
-                if self.out_of_time():
-                    return Schedule(tuple(mb if m2 < m else as_groups(*mb, self.costs)
-                                          for m2, mb in enumerate(micro_batches)))
-                local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
-                if len(local.upper) == 1 and len(members) == 1:
-                    break
-                times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
-                packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
-                if packing is None:
-                    continue
-                bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
-                bucket_of[ids] = local.index
-                new_members, new_deg = to_members(packing, ids, bucket_of, self.lengths, self.costs)
-                new_loads = group_loads(new_members, new_deg, self.lengths, self.costs)
-                if new_loads.max() < loads.max():
-                    members, deg, loads = new_members, new_deg, new_loads
-            members, deg = tighten_members(members, deg, self.lengths, self.costs, self.num_gpus, self.deadline, loads)
-            micro_batches[m] = as_groups(members, deg, self.costs)
-        return Schedule(tuple(micro_batches))
+            cut = False
+            if len(members) > 1 or len(members[0]) > 1:
+                ids = np.concatenate(members)
+                for num_buckets, estimate in REFINE_VARIANTS:
+                    if self.out_of_time():
+                        cut = True
+                        break
+                    local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
+                    if len(local.upper) == 1 and len(members) == 1:
+                        break
+                    bucket_times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
+                    packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, bucket_times).solve(local.counts)
+                    if packing is None:
+                        continue
+                    bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
+                    bucket_of[ids] = local.index
+                    new_members, new_deg = to_members(packing, ids, bucket_of, self.lengths, self.costs)
+                    new_loads = group_loads(new_members, new_deg, self.lengths, self.costs)
+                    if new_loads.max() < loads.max():
+                        members, deg, loads = new_members, new_deg, new_loads
+            if not cut:
+                members, deg, loads = tighten_members(members, deg, self.lengths, self.costs, self.num_gpus,
+                                                      self.deadline, loads, with_loads=True)
+            micro_batches[m] = (members, deg)
+            times[m] = float(loads.max()) + self.costs.beta1
+            if cut:              # past the deadline: the rest stay as they are
+                rest = raw[m + 1:]
+                micro_batches[m + 1:] = rest
+                times[m + 1:] = [float(group_loads(mm, dd, self.lengths, self.costs).max()) + self.costs.beta1
+                                 for mm, dd in rest]
+                break
+        return Refined(micro_batches, float(times.sum()))
+
+    def as_schedule(self, refined: Refined) -> Schedule:
+        return Schedule(tuple(as_groups(members, deg, self.costs) for members, deg in refined.micro_batches))
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
@@ -418,7 +446,7 @@ class BatchSearch:
         deadline has passed)."""
         return Schedule(tuple(as_groups(*mb, self.costs) for mb in self.members(split)))
 
-    def members(self, split: Split) -> list[tuple[list[np.ndarray], np.ndarray]]:
+    def members(self, split: Split) -> list[Members]:
         """``schedule`` as (each group's ids, degree indices) per micro-batch, for ``refine_members``."""
         out = []
         by_mb = np.argsort(split.assignment, kind="stable")
@@ -449,22 +477,27 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
     first = search.first_split()
-    best = search.refine_members(search.members(first))
-    best_time = score(best)
+    splits = [first]
     if not search.out_of_time():
-        splits = [search.best_split(first)]
+        searched = search.best_split(first)
+        splits = [searched]                 # its makespan is never above the greedy split's
         if not search.out_of_time() and options.max_moves > 0:
-            splits.append(search.improve(splits[-1]))
-        done: list[Split] = []
-        for split in sorted(splits, key=lambda split: split.makespan):
-            if search.out_of_time():
-                break
-            if split is first or any(split is other for other in done):
-                continue
-            done.append(split)
-            candidate = search.refine_members(search.members(split))
-            if score(candidate) < best_time:
-                best, best_time = candidate, score(candidate)
+            splits.append(search.improve(searched))
+    # refined on real lengths, best bucketed estimate first; the greedy split only when the search
+    # found nothing better than it (or the deadline leaves nothing else), as it never won otherwise
+    refined: Refined | None = None
+    done: list[Split] = []
+    for split in sorted(splits, key=lambda split: split.makespan):
+        if refined is not None and search.out_of_time():
+            break
+        if any(split is other for other in done):
+            continue
+        done.append(split)
+        candidate = search.refine_members(search.members(split))
+        if refined is None or candidate.time < refined.time:
+            refined = candidate
+    best = search.as_schedule(refined)
+    best_time = score(best)
     if len(lengths) <= MAX_FALLBACK_SEQUENCES:
         for fallback in fallbacks:
             if search.out_of_time():

@@ -36,9 +36,9 @@ def tighten(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: Deg
 
 def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndarray, costs: DegreeCosts,
                     num_gpus: int, deadline: float | None = None,
-                    loads: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+                    loads: np.ndarray | None = None, with_loads: bool = False):
     """``tighten`` on each group's ids and degree index (``loads``: their seconds, if known);
-    returns the new ids (each sorted) and degree indices."""
+    returns the new ids (each sorted) and degree indices (and, ``with_loads``, their seconds)."""
     members, deg = list(members), np.array(deg, dtype=np.int64)
     degrees = np.asarray(costs.degrees)
     capacity = np.asarray(costs.capacity)
@@ -104,4 +104,5 @@ def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndar
     flat = np.concatenate(members)
     flat = flat[np.lexsort((flat, np.repeat(np.arange(len(members)), sizes)))]
     keep = sizes > 0
-    return [m for m, k in zip(split_at(flat, sizes), keep) if k], deg[keep]
+    out = [m for m, k in zip(split_at(flat, sizes), keep) if k], deg[keep]
+    return (*out, loads[keep]) if with_loads else out
