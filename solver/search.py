@@ -51,6 +51,8 @@ MAX_FALLBACK_SEQUENCES = 16384
 REFINE_VARIANTS = ((16, "mean"), (48, "upper"))
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
 MAX_PER_SEQUENCE_SPLITS = 8192
+# Relative shave of ``BatchSearch.bound`` (float rounding must never prune a split that ties).
+BOUND_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class BatchSearch:
                                        mean_bucket_times(self.lengths, self.buckets, costs))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
                       else np.arange(len(self.lengths)))
+        self.fastest = self.packer.times.min(axis=1)           # per bucket, seconds at its fastest degree
         self.seq_area = self.packer.min_area[self.buckets.index]
         self.seq_critical = self.packer.min_time[self.buckets.index]
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
@@ -132,13 +135,17 @@ class BatchSearch:
         flat = assignment * self.num_buckets + self.buckets.index
         return np.bincount(flat, minlength=num_mb * self.num_buckets).reshape(num_mb, self.num_buckets)
 
-    def evaluate(self, assignment: np.ndarray, memory_only: bool = False) -> Split | None:
+    def evaluate(self, assignment: np.ndarray, memory_only: bool = False, beat: float = math.inf) -> Split | None:
         """Pack every micro-batch (identical micro-batches once); None when one does not fit.
 
         ``memory_only`` (or a deadline that has passed) packs at an unbounded makespan: one pass
-        per micro-batch instead of a bisection, still a valid split, used to find the count."""
+        per micro-batch instead of a bisection, still a valid split, used to find the count.
+        ``beat``: None, without packing, when the micro-batches' lower bounds already sum to at
+        least this (the split cannot beat a plan of that makespan)."""
         num_mb = int(assignment.max()) + 1
         rows, inverse = np.unique(self.counts(assignment, num_mb), axis=0, return_inverse=True)
+        if beat < math.inf and self.bound_sum(rows, inverse) >= beat:
+            return None
         solved = []
         for row in rows:
             if not row.any():
@@ -153,6 +160,24 @@ class BatchSearch:
         # renumber micro-batches densely (an empty one may have been dropped)
         used = np.unique(assignment)
         return Split(np.searchsorted(used, assignment), packings)
+
+    def bound(self, row: np.ndarray) -> float:
+        """No packing of these bucket counts on N GPUs has a smaller bucketed makespan: the cheapest
+        area spread over N, or the slowest bucket at its fastest degree, on the packer's own (mean)
+        times, plus beta1; shaved by ``BOUND_SLACK`` so float rounding never prunes a tie. (The
+        packer's ``lower_bound`` takes upper-length times for the critical path, which a packing on
+        mean times may undercut.)"""
+        present = row > 0
+        if not present.any():
+            return 0.0
+        spread = float(row[present] @ self.packer.min_area[present]) / self.num_gpus
+        return (max(spread, float(self.fastest[present].max())) + self.costs.beta1) * (1 - BOUND_SLACK)
+
+    def bound_sum(self, rows: np.ndarray, inverse: np.ndarray | None = None) -> float:
+        """``bound`` summed over micro-batches (``rows``, repeated as ``inverse`` says): a split
+        whose sum reaches a plan's makespan cannot beat it, so it need not be packed."""
+        bounds = np.array([self.bound(row) for row in rows])
+        return float(bounds.sum() if inverse is None else bounds[np.asarray(inverse).ravel()].sum())
 
     def candidates(self, num_mb: int):
         yield blaster.consecutive(self.order, self.seq_tokens, num_mb)
@@ -188,16 +213,15 @@ class BatchSearch:
             split = self.evaluate(blaster.consecutive(self.order, weights, count))
             if split is not None and split.makespan < best.makespan:
                 best = split
-        for split in self.arranged_candidates(points=3, low_points=0):
-            if split.makespan < best.makespan:
-                best = split
-        return best
+        return self.arranged_candidates(points=3, low_points=0, best=best)
 
-    def arranged_split(self, makespan: float, must_finish: bool = False) -> Split | None:
+    def arranged_split(self, makespan: float, must_finish: bool = False, beat: float = math.inf) -> Split | None:
         """Pack the whole batch into groups of at most ``makespan`` (any number of GPUs), then deal
         the groups, slowest first, into micro-batches of N GPUs (first fit). One pass finds the
         micro-batch count and the split together; sweeping ``makespan`` trades the two. Past the
         deadline it gives up (None) unless ``must_finish``, and skips re-packing micro-batches.
+        ``beat``: gives up (None) as soon as the micro-batches re-packed so far plus the lower bounds
+        of the rest reach it (the split cannot beat a plan of that makespan).
 
         First fit runs on group classes: per degree, a pointer to the first micro-batch with room
         only moves forward (room only shrinks), so dealing costs O(classes + micro-batches)."""
@@ -223,21 +247,34 @@ class BatchSearch:
                 pieces[m].append((int(c), take))
                 left -= take
             first_with_room[d] = m
-        rows, packings = [], []
+        dealt = []
         for mine in pieces:
-            late = self.out_of_time()
-            if late and not must_finish:
-                return None
             cls = np.array([c for c, _ in mine])
             mult = np.array([q for _, q in mine])
             arranged = BinPacking(packing.degree_idx[cls], packing.counts[cls], float(times[cls].max()) + self.costs.beta1, mult)
-            row = arranged.total_counts()
+            dealt.append(arranged)
+        rows = np.array([arranged.total_counts() for arranged in dealt])
+        left = self.bound_sum(rows) if beat < math.inf else 0.0      # bounds of the micro-batches not yet packed
+        if left >= beat:
+            return None
+        packings, total = [], 0.0
+        for arranged, row in zip(dealt, rows):
+            late = self.out_of_time()
+            if late and not must_finish:
+                return None
             resolved = None if late else self.packer.solve(row)
             packings.append(resolved if resolved is not None and resolved.makespan < arranged.makespan else arranged)
-            rows.append(row)
-        return Split(self.assign_from_counts(np.array(rows)), packings)
+            if beat < math.inf:
+                total += packings[-1].makespan
+                left -= self.bound(row)
+                if total + left >= beat:
+                    return None
+        return Split(self.assign_from_counts(rows), packings)
 
-    def arranged_candidates(self, points: int = 24, low_points: int | None = None):
+    def arranged_candidates(self, points: int = 24, low_points: int | None = None,
+                            best: Split | None = None) -> Split | None:
+        """The best of ``best`` and the sweep's splits (points that cannot beat the best so far
+        are cut short, so the result is the same as packing every point fully)."""
         beta1 = self.costs.beta1
         loose = self.packer.pack(self.buckets.counts, math.inf, max_gpus=math.inf)
         hi = loose.makespan - beta1
@@ -248,21 +285,19 @@ class BatchSearch:
         budgets = np.concatenate([np.geomspace(critical, hi, points), np.geomspace(0.1 * hi, critical, low_points + 1)[:-1]])
         for budget in budgets:
             if self.out_of_time():
-                return
+                break
             makespan = beta1 + float(budget)
-            split = self.arranged_split(makespan)
-            if split is not None:
-                yield split
+            split = self.arranged_split(makespan, beat=math.inf if best is None else best.makespan)
+            if split is not None and (best is None or split.makespan < best.makespan):
+                best = split
+        return best
 
     def best_split(self, start: Split | None = None) -> Split:
         """The best bucketed split over ``start`` (default: the greedy split), blaster candidates and
         makespan sweeps (before local search)."""
-        best = start if start is not None else self.first_split()
-        for split in self.arranged_candidates():
-            if self.out_of_time():
-                return best
-            if split.makespan < best.makespan:
-                best = split
+        best = self.arranged_candidates(best=start if start is not None else self.first_split())
+        if self.out_of_time():
+            return best
         lo = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
         first_mb, extra = len(best.packings), self.options.extra_micro_batches
         for num_mb in range(max(lo, first_mb - extra), max(lo, first_mb) + extra + 1):   # a window, not every count
@@ -273,7 +308,7 @@ class BatchSearch:
                     return best
                 if assignment is None:
                     continue
-                split = self.evaluate(assignment)
+                split = self.evaluate(assignment, beat=best.makespan)
                 if split is not None and split.makespan < best.makespan:
                     best = split
         return best
@@ -299,13 +334,15 @@ class BatchSearch:
                 new_src, new_dst = counts[src].copy(), counts[dst].copy()
                 new_src[b] -= qty
                 new_dst[b] += qty
+                before = packings[src].makespan + packings[dst].makespan
+                if self.bound(new_dst) + self.bound(new_src) >= before * (1 - 1e-9):
+                    continue                   # cannot be kept: skip packing it (the trial still counts)
                 p_dst = self.packer.solve(new_dst)
                 if p_dst is None:
                     continue
                 p_src = self.packer.solve(new_src) if new_src.any() else None
                 if new_src.any() and p_src is None:
                     continue
-                before = packings[src].makespan + packings[dst].makespan
                 after = p_dst.makespan + (p_src.makespan if p_src is not None else 0.0)
                 if after < before * (1 - 1e-9):
                     counts[src], counts[dst] = new_src, new_dst
