@@ -13,6 +13,9 @@
    plans (``fallbacks``), scored on real lengths, wins, so FlexSP is never slower than a plan it
    could have chosen.
 
+Splits that cannot win are not packed: a split whose micro-batches' lower bounds (``bound``) already
+sum to the best makespan so far is dropped before its bisections, so pruning never changes the plan.
+
 Micro-batch counts are searched (``counting``), never stepped one at a time. Every budget is
 counted in work, never in seconds: sweep points (``arranged_candidates``), the window of counts
 (``extra_micro_batches``), local-search trials (``max_moves``), re-packing variants
@@ -506,10 +509,12 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     """The best of: the greedy split, the searched splits, the MILP where it runs, and the plans of
     ``fallbacks`` (other strategies), all scored on real lengths.
 
-    The greedy split is turned into real groups and refined first, so a good plan exists early
-    (bucketed estimates can rank splits wrongly by a few percent; real lengths decide). Every later
-    step is bounded in work; the ``deadline`` only cuts it short (safety net), returning the best
-    plan so far. ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``.
+    The greedy split (the only one when the deadline falls first; on batches of up to
+    ``MAX_PER_SEQUENCE_SPLITS`` sequences always), the searched split and the locally improved one
+    are turned into real groups and refined, and compared on their real times (bucketed estimates can
+    rank splits wrongly by a few percent); group objects are built for the winner only. Every step is
+    bounded in work; the ``deadline`` only cuts it short (safety net), returning the best plan so far.
+    ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``.
     """
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
@@ -517,11 +522,12 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     splits = [first]
     if not search.out_of_time():
         searched = search.best_split(first)
-        splits = [searched]                 # its makespan is never above the greedy split's
+        # the greedy split's bucketed makespan is never below the searched one's, and on big batches
+        # its refined plan never won in the benchmarks: refined there only if nothing beat it
+        splits = [first, searched] if len(lengths) <= MAX_PER_SEQUENCE_SPLITS else [searched]
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(searched))
-    # refined on real lengths, best bucketed estimate first; the greedy split only when the search
-    # found nothing better than it (or the deadline leaves nothing else), as it never won otherwise
+    # refined on real lengths, best bucketed estimate first (each split once)
     refined: Refined | None = None
     done: list[Split] = []
     for split in sorted(splits, key=lambda split: split.makespan):
