@@ -433,14 +433,15 @@ class BatchSearch:
                                                       np.array([index[g.degree] for g in groups]))
                                                      for groups in schedule.micro_batches]))
 
-    def refine_members(self, raw: list[Members]) -> Refined:
-        """``refine`` on micro-batches given as (each group's ids, degree indices), returning them in
+    def refine_members(self, raw: list) -> Refined:
+        """``refine`` on micro-batches given as (each group's ids, degree indices[, their seconds]), returning them in
         the same form with each micro-batch's real time: candidates are compared on these times and
         group objects are built once, for the plan that wins (``as_schedule``)."""
-        micro_batches: list = list(raw)
+        micro_batches: list = [mb[:2] for mb in raw]
         times = np.full(len(raw), np.nan)
-        for m, (members, deg) in enumerate(raw):
-            loads = group_loads(members, deg, self.lengths, self.costs)
+        for m, item in enumerate(raw):
+            members, deg = item[:2]
+            loads = item[2] if len(item) > 2 else group_loads(members, deg, self.lengths, self.costs)
             cut = False
             if len(members) > 1 or len(members[0]) > 1:
                 ids = np.concatenate(members)
@@ -457,8 +458,8 @@ class BatchSearch:
                         continue
                     bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
                     bucket_of[ids] = local.index
-                    new_members, new_deg = to_members(packing, ids, bucket_of, self.lengths, self.costs)
-                    new_loads = group_loads(new_members, new_deg, self.lengths, self.costs)
+                    new_members, new_deg, new_loads = to_members(packing, ids, bucket_of, self.lengths, self.costs,
+                                                                 with_loads=True)
                     if new_loads.max() < loads.max():
                         members, deg, loads = new_members, new_deg, new_loads
             if not cut:
@@ -467,7 +468,7 @@ class BatchSearch:
             micro_batches[m] = (members, deg)
             times[m] = float(loads.max()) + self.costs.beta1
             if cut:              # past the deadline: the rest stay as they are
-                rest = raw[m + 1:]
+                rest = [mb[:2] for mb in raw[m + 1:]]
                 micro_batches[m + 1:] = rest
                 times[m + 1:] = [float(group_loads(mm, dd, self.lengths, self.costs).max()) + self.costs.beta1
                                  for mm, dd in rest]
@@ -484,17 +485,17 @@ class BatchSearch:
     def schedule(self, split: Split) -> Schedule:
         """Real-length groups for every micro-batch (without the per-sequence rebalancing once the
         deadline has passed)."""
-        return Schedule(tuple(as_groups(*mb, self.costs) for mb in self.members(split)))
+        return Schedule(tuple(as_groups(mb[0], mb[1], self.costs) for mb in self.members(split)))
 
-    def members(self, split: Split) -> list[Members]:
-        """``schedule`` as (each group's ids, degree indices) per micro-batch, for ``refine_members``."""
+    def members(self, split: Split) -> list[tuple[list[np.ndarray], np.ndarray, np.ndarray]]:
+        """``schedule`` as (each group's ids, degree indices, seconds) per micro-batch, for ``refine_members``."""
         out = []
         by_mb = np.argsort(split.assignment, kind="stable")
         bounds = np.searchsorted(split.assignment[by_mb], np.arange(len(split.packings) + 1))
         for m, packing in enumerate(split.packings):
             seq_ids = by_mb[bounds[m]:bounds[m + 1]]
             out.append(to_members(packing, seq_ids, self.buckets.index, self.lengths, self.costs,
-                                  rebalanced=not self.out_of_time()))
+                                  rebalanced=not self.out_of_time(), with_loads=True))
         return out
 
 
@@ -540,6 +541,8 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         if refined is None or candidate.time < refined.time:
             refined = candidate
     best = search.as_schedule(refined)
+    if len(lengths) > MAX_FALLBACK_SEQUENCES and not (len(lengths) <= options.exact_max_sequences or options.milp_time_limit > 0):
+        return best                          # nothing left to compare with
     best_time = score(best)
     if len(lengths) <= MAX_FALLBACK_SEQUENCES:
         for fallback in fallbacks:

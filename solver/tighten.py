@@ -44,7 +44,7 @@ def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndar
     degrees = np.asarray(costs.degrees)
     capacity = np.asarray(costs.capacity)
     loads = group_loads(members, deg, lengths, costs) if loads is None else np.array(loads, dtype=np.float64)
-    owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    owner = np.repeat(np.arange(len(members)), np.fromiter(map(len, members), dtype=np.int64, count=len(members)))
     tokens = np.bincount(owner, weights=lengths[np.concatenate(members)].astype(np.float64), minlength=len(members))
     for step in range(MAX_STEPS):
         if deadline is not None and time.perf_counter() > deadline:
@@ -112,7 +112,7 @@ def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndar
             tokens[j] += length
     # every group's ids sorted in one vectorised pass (a sort per group costs more with thousands):
     # one sort of group x batch size + id, a single int64 key (cheaper than a two-key lexsort)
-    sizes = np.array([len(m) for m in members])
+    sizes = np.fromiter(map(len, members), dtype=np.int64, count=len(members))
     span = len(lengths)
     key = np.repeat(np.arange(len(members), dtype=np.int64) * span, sizes) + np.concatenate(members)
     key.sort()
