@@ -155,7 +155,8 @@ def gap_line(gaps: list[dict], plan_times: list[float], bounds: list[float], sim
             f"{parts['area']:.1%}, higher degrees than the cheapest {parts['degree']:.1%}, GPUs idle in a "
             f"micro-batch {parts['idle']:.1%}, beta1 of the fewest micro-batches memory allows {parts['beta1']:.1%}, "
             f"beta1 of further micro-batches {parts['extra_micro_batches']:.1%}\n"
-            f"- the gap to the coupled bound ({(total - tight) / tight:.1%} of it) = higher degrees {gap['degree']:.1%} + "
+            f"- the gap to the coupled bound, summed over the batches ({(total - tight) / tight:.1%} of the bounds' sum) = "
+            f"higher degrees {gap['degree']:.1%} + "
             f"idle {gap['idle']:.1%} + further micro-batches {gap['extra_micro_batches']:.1%} - what the coupled bound "
             f"proves above the simple one {proven:.1%}; worst batches (plan / coupled bound): "
             + ", ".join(f"#{i} {plan_times[i] / bounds[i]:.3f}" for i in worst))
