@@ -1,6 +1,8 @@
 """Turn bucket-count groups back into real sequences, then rebalance on the real lengths."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .group_packing import BinPacking
@@ -38,8 +40,42 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
         members.append(ids)
     owner, member = np.concatenate(owners), np.concatenate(members)
     order = np.argsort(owner, kind="stable")
-    groups = split_at(member[order], np.bincount(owner, minlength=num_groups))
-    return (groups, load) if with_loads else groups
+    groups = Groups(member[order], np.bincount(owner, minlength=num_groups))
+    return (groups, load) if with_loads else list(groups)
+
+
+class Groups(Sequence):
+    """Each group's ids as one flat array cut by ``sizes``, split into per-group arrays only when a
+    group is first asked for: a caller comparing packings by their loads (``refine``) never pays for
+    the thousands of slices of the packing it drops."""
+
+    def __init__(self, flat: np.ndarray, sizes: np.ndarray):
+        self.flat, self.sizes = flat, np.asarray(sizes, dtype=np.int64)
+        self._groups: list[np.ndarray] | None = None
+
+    def _split(self) -> list[np.ndarray]:
+        if self._groups is None:
+            self._groups = split_at(self.flat, self.sizes)
+        return self._groups
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        return self._split()[i]
+
+    def __iter__(self):
+        return iter(self._split())
+
+    def nonempty(self) -> tuple["Groups", np.ndarray]:
+        """The groups that hold a sequence, and their positions."""
+        used = np.flatnonzero(self.sizes)
+        return (self, used) if used.size == len(self.sizes) else (Groups(self.flat, self.sizes[used]), used)
+
+
+def flat_ids(members) -> np.ndarray:
+    """All ids of ``members`` (a list of arrays or ``Groups``) in group order."""
+    return members.flat if isinstance(members, Groups) else np.concatenate(members)
 
 
 def split_at(values: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
@@ -92,9 +128,12 @@ def to_members(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, 
         lpt_loads = group_loads(lpt, packing.degree_idx, lengths, costs)
         if lpt_loads.max() < loads.max():
             best, loads = lpt, lpt_loads
-    sizes = np.fromiter(map(len, best), dtype=np.int64, count=len(best))
-    used = np.flatnonzero(sizes)
-    members = best if used.size == len(best) else [best[j] for j in used.tolist()]
+    if isinstance(best, Groups):
+        members, used = best.nonempty()
+    else:
+        sizes = np.fromiter(map(len, best), dtype=np.int64, count=len(best))
+        used = np.flatnonzero(sizes)
+        members = best if used.size == len(best) else [best[j] for j in used.tolist()]
     return (members, packing.degree_idx[used], loads[used]) if with_loads else (members, packing.degree_idx[used])
 
 

@@ -38,7 +38,7 @@ from . import blaster
 from .bucketing import RULES, Buckets, exact_buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
-from .materialize import as_groups, to_groups, to_members
+from .materialize import as_groups, flat_ids, to_groups, to_members
 from .milp import solve_milp
 from .tighten import tighten_members
 from .types import DegreeCosts, GroupAssignment, Infeasible, Schedule, group_loads
@@ -57,6 +57,8 @@ MAX_PER_SEQUENCE_SPLITS = 8192
 # ``search_plan`` on batches above MAX_PER_SEQUENCE_SPLITS refines the greedy split only when its
 # bucketed makespan is within this of the searched splits' (the benchmarks' flips were within 0.3%).
 FIRST_MARGIN = 0.01
+# ``BatchSearch.evict``: buckets of the most wasteful micro-batch tried for eviction.
+EVICT_BUCKETS = 8
 # Relative shave of ``BatchSearch.bound`` (float rounding must never prune a split that ties).
 BOUND_SLACK = 1e-9
 
@@ -361,6 +363,55 @@ class BatchSearch:
         # no move kept: the same split (so it is not materialised and refined a second time)
         return Split(self.assign_from_counts(counts), packings) if moved else split
 
+    def evict(self, split: Split) -> Split:
+        """Empty the most wasteful micro-batch of whole buckets, shortest first, into the others.
+
+        A micro-batch whose makespan a long sequence sets can hold short sequences that, memory-bound
+        on their GPUs, idle most of it while taking GPUs the long groups could run faster on; the
+        local search moves one or half a bucket at a time to one micro-batch and tries the long
+        buckets first, so it rarely gets there. Each step moves all of one bucket's sequences out,
+        dealt to the other micro-batches with memory room (fastest first), and is kept when the sum
+        of makespans drops. At most ``EVICT_BUCKETS`` buckets tried (work, not time)."""
+        num_mb = len(split.packings)
+        if num_mb < 2:
+            return split
+        counts = self.counts(split.assignment, num_mb)
+        packings = list(split.packings)
+        waste = [p.makespan - self.bound(c) for p, c in zip(packings, counts)]
+        src = int(np.argmax(waste))
+        moved = False
+        tokens = self.buckets.upper.astype(np.float64)
+        for b in np.flatnonzero(counts[src])[:EVICT_BUCKETS]:
+            if self.out_of_time():
+                break
+            left = int(counts[src, b])
+            new = counts.copy()
+            new[src, b] = 0
+            room = self.cluster_tokens - new @ tokens
+            for dst in np.argsort([p.makespan for p in packings], kind="stable"):
+                if dst == src or left == 0:
+                    continue
+                take = min(left, int(room[dst] // tokens[b]))
+                new[dst, b] += take
+                left -= take
+            if left:
+                continue
+            changed = [m for m in range(num_mb) if m == src or new[m, b] != counts[m, b]]
+            trial = {m: (self.packer.solve(new[m]) if new[m].any() else None) for m in changed}
+            if any(trial[m] is None and new[m].any() for m in changed):
+                continue
+            before = sum(packings[m].makespan for m in changed)
+            after = sum(trial[m].makespan for m in changed if trial[m] is not None)
+            if after < before * (1 - 1e-9):
+                counts = new
+                for m in changed:
+                    packings[m] = trial[m]
+                moved = True
+        if not moved:
+            return split
+        keep = [m for m in range(num_mb) if counts[m].any()]
+        return Split(self.assign_from_counts(counts[keep]), [packings[m] for m in keep])
+
     def _moves(self, packings: list[BinPacking], counts: np.ndarray):
         """Candidate moves (source, bucket, destination, count): the most wasteful micro-batch's
         longest buckets first, to the least wasteful micro-batches first."""
@@ -446,8 +497,8 @@ class BatchSearch:
             members, deg = item[:2]
             loads = item[2] if len(item) > 2 else group_loads(members, deg, self.lengths, self.costs)
             cut = False
-            if len(members) > 1 or len(members[0]) > 1:
-                ids = np.concatenate(members)
+            if len(members) > 1 or len(flat_ids(members)) > 1:
+                ids = flat_ids(members)
                 for num_buckets, estimate in REFINE_VARIANTS:
                     if self.out_of_time():
                         cut = True
@@ -529,6 +580,10 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         splits = [first, searched]
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(searched))
+        if not search.out_of_time():
+            evicted = search.evict(min(splits[1:], key=lambda split: split.makespan))
+            if all(evicted is not split for split in splits):
+                splits.append(evicted)
         # The greedy split's bucketed makespan is never below the searched ones'. On big batches its
         # refined plan won only when the two were within a few tenths of a percent (real lengths can
         # reorder that close): it is refined there only within ``FIRST_MARGIN`` (a refine of a
