@@ -59,6 +59,8 @@ MAX_PER_SEQUENCE_SPLITS = 8192
 FIRST_MARGIN = 0.01
 # ``BatchSearch.evict``: buckets of the most wasteful micro-batch tried for eviction.
 EVICT_BUCKETS = 8
+# ``BatchSearch.merge``: pairs of micro-batches packed as one, at most.
+MERGE_TRIALS = 8
 # Relative shave of ``BatchSearch.bound`` (float rounding must never prune a split that ties).
 BOUND_SLACK = 1e-9
 
@@ -412,6 +414,38 @@ class BatchSearch:
         keep = [m for m in range(num_mb) if counts[m].any()]
         return Split(self.assign_from_counts(counts[keep]), [packings[m] for m in keep])
 
+    def merge(self, split: Split) -> Split:
+        """Pack pairs of micro-batches as one while that lowers the sum of makespans: the shortest
+        with each of the next shortest in turn (two short micro-batches often fit one makespan and
+        save a beta1 and their idle tails; moving one or half a bucket at a time never empties one).
+        At most ``MERGE_TRIALS`` packings (work, not time)."""
+        num_mb = len(split.packings)
+        if num_mb < 2:
+            return split
+        counts = [row for row in self.counts(split.assignment, num_mb)]
+        packings = list(split.packings)
+        trials, moved = 0, False
+        while len(packings) > 1 and trials < MERGE_TRIALS and not self.out_of_time():
+            order = np.argsort([p.makespan for p in packings], kind="stable")
+            a = int(order[0])
+            for b in order[1:]:
+                b = int(b)
+                if trials >= MERGE_TRIALS:
+                    break
+                trials += 1
+                union = counts[a] + counts[b]
+                if self.bound(union) >= packings[a].makespan + packings[b].makespan:
+                    continue
+                packed = self.packer.solve(union)
+                if packed is not None and packed.makespan < (packings[a].makespan + packings[b].makespan) * (1 - 1e-9):
+                    counts[a], packings[a] = union, packed
+                    del counts[b], packings[b]
+                    moved = True
+                    break
+            else:
+                break
+        return Split(self.assign_from_counts(np.array(counts)), packings) if moved else split
+
     def _moves(self, packings: list[BinPacking], counts: np.ndarray):
         """Candidate moves (source, bucket, destination, count): the most wasteful micro-batch's
         longest buckets first, to the least wasteful micro-batches first."""
@@ -580,10 +614,12 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         splits = [first, searched]
         if not search.out_of_time() and options.max_moves > 0:
             splits.append(search.improve(searched))
-        if not search.out_of_time():
-            evicted = search.evict(min(splits[1:], key=lambda split: split.makespan))
-            if all(evicted is not split for split in splits):
-                splits.append(evicted)
+        for step in (search.evict, search.merge):
+            if search.out_of_time():
+                break
+            changed = step(min(splits[1:], key=lambda split: split.makespan))
+            if all(changed is not split for split in splits):
+                splits.append(changed)
         # The greedy split's bucketed makespan is never below the searched ones'. On big batches its
         # refined plan won only when the two were within a few tenths of a percent (real lengths can
         # reorder that close): it is refined there only within ``FIRST_MARGIN`` (a refine of a
