@@ -6,7 +6,9 @@
    bound upwards), each micro-batch packed by bisection on its makespan (``group_packing``); and a sweep
    that packs the whole batch at a target makespan and deals the groups into micro-batches
    (``arranged_split``), which picks the micro-batch count and the split together.
-3. A budgeted first-improvement local search moves sequences of one bucket between micro-batches.
+3. A budgeted first-improvement local search moves sequences of one bucket between micro-batches;
+   ``evict`` empties the most wasteful micro-batch of whole buckets into the others and ``merge``
+   packs two short micro-batches as one.
 4. Back to real sequences, rebalanced on real lengths (``materialize``); each micro-batch re-packed
    on buckets of its own and its slowest groups tightened (``tighten``); the MILP (``milp``) proves
    tiny batches optimal or polishes micro-batches; the best of all candidates and the baselines'
