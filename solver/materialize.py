@@ -1,6 +1,8 @@
 """Turn bucket-count groups back into real sequences, then rebalance on the real lengths."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .group_packing import BinPacking
@@ -13,9 +15,10 @@ MAX_REBALANCE_SEQUENCES = 1024
 
 
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
-                costs: DegreeCosts) -> list[np.ndarray]:
+                costs: DegreeCosts, with_loads: bool = False):
     """Deal each bucket's real sequences (longest first) round-robin over the groups that hold it,
-    least-loaded group first, so the rounding-up of bucketing is spread evenly. Vectorised per bucket."""
+    least-loaded group first, so the rounding-up of bucketing is spread evenly. Vectorised per bucket.
+    ``with_loads``: also each group's seconds on real lengths (the dealing computes them anyway)."""
     num_groups = len(packing.degree_idx)
     load = np.zeros(num_groups)
     buckets = bucket_of[seq_ids]
@@ -37,7 +40,42 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
         members.append(ids)
     owner, member = np.concatenate(owners), np.concatenate(members)
     order = np.argsort(owner, kind="stable")
-    return split_at(member[order], np.bincount(owner, minlength=num_groups))
+    groups = Groups(member[order], np.bincount(owner, minlength=num_groups))
+    return (groups, load) if with_loads else list(groups)
+
+
+class Groups(Sequence):
+    """Each group's ids as one flat array cut by ``sizes``, split into per-group arrays only when a
+    group is first asked for: a caller comparing packings by their loads (``refine``) never pays for
+    the thousands of slices of the packing it drops."""
+
+    def __init__(self, flat: np.ndarray, sizes: np.ndarray):
+        self.flat, self.sizes = flat, np.asarray(sizes, dtype=np.int64)
+        self._groups: list[np.ndarray] | None = None
+
+    def _split(self) -> list[np.ndarray]:
+        if self._groups is None:
+            self._groups = split_at(self.flat, self.sizes)
+        return self._groups
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        return self._split()[i]
+
+    def __iter__(self):
+        return iter(self._split())
+
+    def nonempty(self) -> tuple["Groups", np.ndarray]:
+        """The groups that hold a sequence, and their positions."""
+        used = np.flatnonzero(self.sizes)
+        return (self, used) if used.size == len(self.sizes) else (Groups(self.flat, self.sizes[used]), used)
+
+
+def flat_ids(members) -> np.ndarray:
+    """All ids of ``members`` (a list of arrays or ``Groups``) in group order."""
+    return members.flat if isinstance(members, Groups) else np.concatenate(members)
 
 
 def split_at(values: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
@@ -76,21 +114,27 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
 
 
 def to_members(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
-               costs: DegreeCosts, rebalanced: bool = True) -> tuple[list[np.ndarray], np.ndarray]:
+               costs: DegreeCosts, rebalanced: bool = True, with_loads: bool = False):
     """``to_groups`` without building group objects: each non-empty group's ids and its degree index
-    (what a caller that compares several packings needs; objects only for the one it keeps)."""
+    (what a caller that compares several packings needs; objects only for the one it keeps), and with
+    ``with_loads`` each group's seconds (no beta1)."""
     packing = packing.expanded()
     if len(packing.degree_idx) == 1:                    # one group: nothing to deal or balance
-        return [np.sort(seq_ids)], packing.degree_idx[:1].copy()
-    dealt = fill_groups(packing, seq_ids, bucket_of, lengths, costs)
-    best = dealt
+        members, deg = [np.sort(seq_ids)], packing.degree_idx[:1].copy()
+        return (members, deg, group_loads(members, deg, lengths, costs)) if with_loads else (members, deg)
+    best, loads = fill_groups(packing, seq_ids, bucket_of, lengths, costs, with_loads=True)
     lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs) if rebalanced else None
     if lpt is not None:
-        dealt_max = group_loads(dealt, packing.degree_idx, lengths, costs).max()
-        if group_loads(lpt, packing.degree_idx, lengths, costs).max() < dealt_max:
-            best = lpt
-    used = [j for j, g in enumerate(best) if len(g)]
-    return [best[j] for j in used], packing.degree_idx[used]
+        lpt_loads = group_loads(lpt, packing.degree_idx, lengths, costs)
+        if lpt_loads.max() < loads.max():
+            best, loads = lpt, lpt_loads
+    if isinstance(best, Groups):
+        members, used = best.nonempty()
+    else:
+        sizes = np.fromiter(map(len, best), dtype=np.int64, count=len(best))
+        used = np.flatnonzero(sizes)
+        members = best if used.size == len(best) else [best[j] for j in used.tolist()]
+    return (members, packing.degree_idx[used], loads[used]) if with_loads else (members, packing.degree_idx[used])
 
 
 def as_groups(members: list[np.ndarray], degree_idx: np.ndarray, costs: DegreeCosts) -> tuple[GroupAssignment, ...]:

@@ -6,12 +6,17 @@
    bound upwards), each micro-batch packed by bisection on its makespan (``group_packing``); and a sweep
    that packs the whole batch at a target makespan and deals the groups into micro-batches
    (``arranged_split``), which picks the micro-batch count and the split together.
-3. A budgeted first-improvement local search moves sequences of one bucket between micro-batches.
+3. A budgeted first-improvement local search moves sequences of one bucket between micro-batches;
+   ``evict`` empties the most wasteful micro-batch of whole buckets into the others and ``merge``
+   packs two short micro-batches as one.
 4. Back to real sequences, rebalanced on real lengths (``materialize``); each micro-batch re-packed
    on buckets of its own and its slowest groups tightened (``tighten``); the MILP (``milp``) proves
    tiny batches optimal or polishes micro-batches; the best of all candidates and the baselines'
    plans (``fallbacks``), scored on real lengths, wins, so FlexSP is never slower than a plan it
    could have chosen.
+
+Splits that cannot win are not packed: a split whose micro-batches' lower bounds (``bound``) already
+sum to the best makespan so far is dropped before its bisections, so pruning never changes the plan.
 
 Micro-batch counts are searched (``counting``), never stepped one at a time. Every budget is
 counted in work, never in seconds: sweep points (``arranged_candidates``), the window of counts
@@ -32,13 +37,13 @@ from typing import Callable
 import numpy as np
 
 from . import blaster
-from .bucketing import RULES, Buckets
+from .bucketing import RULES, Buckets, exact_buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
-from .materialize import as_groups, to_groups, to_members
+from .materialize import as_groups, flat_ids, to_groups, to_members
 from .milp import solve_milp
 from .tighten import tighten_members
-from .types import DegreeCosts, Infeasible, Schedule, group_loads
+from .types import DegreeCosts, GroupAssignment, Infeasible, Schedule, group_loads
 
 # Other strategies' plans (``fallbacks``) are tried on batches up to this many sequences. Above it
 # the search has the most room and their plans never won in experiments/scale_benchmark.py (FlexSP
@@ -51,6 +56,18 @@ MAX_FALLBACK_SEQUENCES = 16384
 REFINE_VARIANTS = ((16, "mean"), (48, "upper"))
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
 MAX_PER_SEQUENCE_SPLITS = 8192
+# ``search_plan`` on batches above MAX_PER_SEQUENCE_SPLITS refines the greedy split only when its
+# bucketed makespan is within this of the searched splits' (the benchmarks' flips were within 0.3%).
+FIRST_MARGIN = 0.01
+# ``BatchSearch.evict``: buckets of the most wasteful micro-batch tried for eviction.
+EVICT_BUCKETS = 8
+# ``BatchSearch.merge``: pairs of micro-batches packed as one, at most.
+MERGE_TRIALS = 8
+# Splits refined on batches above MAX_PER_SEQUENCE_SPLITS (best bucketed makespan first): a refine
+# of a 16,384-GPU batch costs ~0.1 s of CPU.
+MAX_REFINED_LARGE = 3
+# Relative shave of ``BatchSearch.bound`` (float rounding must never prune a split that ties).
+BOUND_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,10 @@ class SearchOptions:
     num_buckets: int = 16           # the paper's default
     extra_micro_batches: int = 2    # micro-batch counts tried above the memory bound
     max_moves: int = 30             # local-search trials (packings of two micro-batches each)
+    # ... on batches above MAX_PER_SEQUENCE_SPLITS sequences, where the local search keeps finding
+    # moves: long-mix at 16,384 GPUs 1.114 -> 1.099 of the bound (about +0.3 s of CPU at most there);
+    # at 512 sequences 400 trials would double the solve time for no gain
+    max_moves_large: int = 400
     exact_max_sequences: int = 8    # up to this many sequences, the MILP proves the plan optimal
     milp_time_limit: float = 0.0    # seconds of MILP polishing per micro-batch on larger batches
     bucketing: str = "dp"           # bucketing rule (solver.bucketing.RULES): "dp" (the paper's) or "naive"
@@ -66,6 +87,17 @@ class SearchOptions:
     def __post_init__(self) -> None:
         if self.bucketing not in RULES:
             raise ValueError(f"bucketing must be one of {sorted(RULES)}, got {self.bucketing!r}")
+
+
+Members = tuple[list[np.ndarray], np.ndarray]     # one micro-batch: each group's ids, degree indices
+
+
+@dataclass
+class Refined:
+    """Refined micro-batches as ``Members`` and the plan's real time (the sum of their makespans)."""
+
+    micro_batches: list[Members]
+    time: float
 
 
 @dataclass
@@ -107,6 +139,7 @@ class BatchSearch:
                                        mean_bucket_times(self.lengths, self.buckets, costs))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
                       else np.arange(len(self.lengths)))
+        self.fastest = self.packer.times.min(axis=1)           # per bucket, seconds at its fastest degree
         self.seq_area = self.packer.min_area[self.buckets.index]
         self.seq_critical = self.packer.min_time[self.buckets.index]
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
@@ -121,13 +154,17 @@ class BatchSearch:
         flat = assignment * self.num_buckets + self.buckets.index
         return np.bincount(flat, minlength=num_mb * self.num_buckets).reshape(num_mb, self.num_buckets)
 
-    def evaluate(self, assignment: np.ndarray, memory_only: bool = False) -> Split | None:
+    def evaluate(self, assignment: np.ndarray, memory_only: bool = False, beat: float = math.inf) -> Split | None:
         """Pack every micro-batch (identical micro-batches once); None when one does not fit.
 
         ``memory_only`` (or a deadline that has passed) packs at an unbounded makespan: one pass
-        per micro-batch instead of a bisection, still a valid split, used to find the count."""
+        per micro-batch instead of a bisection, still a valid split, used to find the count.
+        ``beat``: None, without packing, when the micro-batches' lower bounds already sum to at
+        least this (the split cannot beat a plan of that makespan)."""
         num_mb = int(assignment.max()) + 1
         rows, inverse = np.unique(self.counts(assignment, num_mb), axis=0, return_inverse=True)
+        if beat < math.inf and self.bound_sum(rows, inverse) >= beat:
+            return None
         solved = []
         for row in rows:
             if not row.any():
@@ -142,6 +179,24 @@ class BatchSearch:
         # renumber micro-batches densely (an empty one may have been dropped)
         used = np.unique(assignment)
         return Split(np.searchsorted(used, assignment), packings)
+
+    def bound(self, row: np.ndarray) -> float:
+        """No packing of these bucket counts on N GPUs has a smaller bucketed makespan: the cheapest
+        area spread over N, or the slowest bucket at its fastest degree, on the packer's own (mean)
+        times, plus beta1; shaved by ``BOUND_SLACK`` so float rounding never prunes a tie. (The
+        packer's ``lower_bound`` takes upper-length times for the critical path, which a packing on
+        mean times may undercut.)"""
+        present = row > 0
+        if not present.any():
+            return 0.0
+        spread = float(row[present] @ self.packer.min_area[present]) / self.num_gpus
+        return (max(spread, float(self.fastest[present].max())) + self.costs.beta1) * (1 - BOUND_SLACK)
+
+    def bound_sum(self, rows: np.ndarray, inverse: np.ndarray | None = None) -> float:
+        """``bound`` summed over micro-batches (``rows``, repeated as ``inverse`` says): a split
+        whose sum reaches a plan's makespan cannot beat it, so it need not be packed."""
+        bounds = np.array([self.bound(row) for row in rows])
+        return float(bounds.sum() if inverse is None else bounds[np.asarray(inverse).ravel()].sum())
 
     def candidates(self, num_mb: int):
         yield blaster.consecutive(self.order, self.seq_tokens, num_mb)
@@ -177,16 +232,15 @@ class BatchSearch:
             split = self.evaluate(blaster.consecutive(self.order, weights, count))
             if split is not None and split.makespan < best.makespan:
                 best = split
-        for split in self.arranged_candidates(points=3, low_points=0):
-            if split.makespan < best.makespan:
-                best = split
-        return best
+        return self.arranged_candidates(points=3, low_points=0, best=best)
 
-    def arranged_split(self, makespan: float, must_finish: bool = False) -> Split | None:
+    def arranged_split(self, makespan: float, must_finish: bool = False, beat: float = math.inf) -> Split | None:
         """Pack the whole batch into groups of at most ``makespan`` (any number of GPUs), then deal
         the groups, slowest first, into micro-batches of N GPUs (first fit). One pass finds the
         micro-batch count and the split together; sweeping ``makespan`` trades the two. Past the
         deadline it gives up (None) unless ``must_finish``, and skips re-packing micro-batches.
+        ``beat``: gives up (None) as soon as the micro-batches re-packed so far plus the lower bounds
+        of the rest reach it (the split cannot beat a plan of that makespan).
 
         First fit runs on group classes: per degree, a pointer to the first micro-batch with room
         only moves forward (room only shrinks), so dealing costs O(classes + micro-batches)."""
@@ -212,21 +266,34 @@ class BatchSearch:
                 pieces[m].append((int(c), take))
                 left -= take
             first_with_room[d] = m
-        rows, packings = [], []
+        dealt = []
         for mine in pieces:
-            late = self.out_of_time()
-            if late and not must_finish:
-                return None
             cls = np.array([c for c, _ in mine])
             mult = np.array([q for _, q in mine])
             arranged = BinPacking(packing.degree_idx[cls], packing.counts[cls], float(times[cls].max()) + self.costs.beta1, mult)
-            row = arranged.total_counts()
+            dealt.append(arranged)
+        rows = np.array([arranged.total_counts() for arranged in dealt])
+        left = self.bound_sum(rows) if beat < math.inf else 0.0      # bounds of the micro-batches not yet packed
+        if left >= beat:
+            return None
+        packings, total = [], 0.0
+        for arranged, row in zip(dealt, rows):
+            late = self.out_of_time()
+            if late and not must_finish:
+                return None
             resolved = None if late else self.packer.solve(row)
             packings.append(resolved if resolved is not None and resolved.makespan < arranged.makespan else arranged)
-            rows.append(row)
-        return Split(self.assign_from_counts(np.array(rows)), packings)
+            if beat < math.inf:
+                total += packings[-1].makespan
+                left -= self.bound(row)
+                if total + left >= beat:
+                    return None
+        return Split(self.assign_from_counts(rows), packings)
 
-    def arranged_candidates(self, points: int = 24, low_points: int | None = None):
+    def arranged_candidates(self, points: int = 24, low_points: int | None = None,
+                            best: Split | None = None) -> Split | None:
+        """The best of ``best`` and the sweep's splits (points that cannot beat the best so far
+        are cut short, so the result is the same as packing every point fully)."""
         beta1 = self.costs.beta1
         loose = self.packer.pack(self.buckets.counts, math.inf, max_gpus=math.inf)
         hi = loose.makespan - beta1
@@ -237,21 +304,19 @@ class BatchSearch:
         budgets = np.concatenate([np.geomspace(critical, hi, points), np.geomspace(0.1 * hi, critical, low_points + 1)[:-1]])
         for budget in budgets:
             if self.out_of_time():
-                return
+                break
             makespan = beta1 + float(budget)
-            split = self.arranged_split(makespan)
-            if split is not None:
-                yield split
+            split = self.arranged_split(makespan, beat=math.inf if best is None else best.makespan)
+            if split is not None and (best is None or split.makespan < best.makespan):
+                best = split
+        return best
 
     def best_split(self, start: Split | None = None) -> Split:
         """The best bucketed split over ``start`` (default: the greedy split), blaster candidates and
         makespan sweeps (before local search)."""
-        best = start if start is not None else self.first_split()
-        for split in self.arranged_candidates():
-            if self.out_of_time():
-                return best
-            if split.makespan < best.makespan:
-                best = split
+        best = self.arranged_candidates(best=start if start is not None else self.first_split())
+        if self.out_of_time():
+            return best
         lo = blaster.min_micro_batches(self.seq_tokens.sum(), self.cluster_tokens)
         first_mb, extra = len(best.packings), self.options.extra_micro_batches
         for num_mb in range(max(lo, first_mb - extra), max(lo, first_mb) + extra + 1):   # a window, not every count
@@ -262,7 +327,7 @@ class BatchSearch:
                     return best
                 if assignment is None:
                     continue
-                split = self.evaluate(assignment)
+                split = self.evaluate(assignment, beat=best.makespan)
                 if split is not None and split.makespan < best.makespan:
                     best = split
         return best
@@ -279,22 +344,25 @@ class BatchSearch:
         trials = 0
         moved = False
         improved = True
-        while improved and len(packings) > 1 and trials < self.options.max_moves and not self.out_of_time():
+        limit = self.options.max_moves_large if len(self.lengths) > MAX_PER_SEQUENCE_SPLITS else self.options.max_moves
+        while improved and len(packings) > 1 and trials < limit and not self.out_of_time():
             improved = False
             for src, b, dst, qty in self._moves(packings, counts):
-                if trials >= self.options.max_moves or self.out_of_time():
+                if trials >= limit or self.out_of_time():
                     break
                 trials += 1
                 new_src, new_dst = counts[src].copy(), counts[dst].copy()
                 new_src[b] -= qty
                 new_dst[b] += qty
+                before = packings[src].makespan + packings[dst].makespan
+                if self.bound(new_dst) + self.bound(new_src) >= before * (1 - 1e-9):
+                    continue                   # cannot be kept: skip packing it (the trial still counts)
                 p_dst = self.packer.solve(new_dst)
                 if p_dst is None:
                     continue
                 p_src = self.packer.solve(new_src) if new_src.any() else None
                 if new_src.any() and p_src is None:
                     continue
-                before = packings[src].makespan + packings[dst].makespan
                 after = p_dst.makespan + (p_src.makespan if p_src is not None else 0.0)
                 if after < before * (1 - 1e-9):
                     counts[src], counts[dst] = new_src, new_dst
@@ -306,6 +374,87 @@ class BatchSearch:
                     break
         # no move kept: the same split (so it is not materialised and refined a second time)
         return Split(self.assign_from_counts(counts), packings) if moved else split
+
+    def evict(self, split: Split) -> Split:
+        """Empty the most wasteful micro-batch of whole buckets, shortest first, into the others.
+
+        A micro-batch whose makespan a long sequence sets can hold short sequences that, memory-bound
+        on their GPUs, idle most of it while taking GPUs the long groups could run faster on; the
+        local search moves one or half a bucket at a time to one micro-batch and tries the long
+        buckets first, so it rarely gets there. Each step moves all of one bucket's sequences out,
+        dealt to the other micro-batches with memory room (fastest first), and is kept when the sum
+        of makespans drops. At most ``EVICT_BUCKETS`` buckets tried (work, not time)."""
+        num_mb = len(split.packings)
+        if num_mb < 2:
+            return split
+        counts = self.counts(split.assignment, num_mb)
+        packings = list(split.packings)
+        waste = [p.makespan - self.bound(c) for p, c in zip(packings, counts)]
+        src = int(np.argmax(waste))
+        moved = False
+        tokens = self.buckets.upper.astype(np.float64)
+        for b in np.flatnonzero(counts[src])[:EVICT_BUCKETS]:
+            if self.out_of_time():
+                break
+            left = int(counts[src, b])
+            new = counts.copy()
+            new[src, b] = 0
+            room = self.cluster_tokens - new @ tokens
+            for dst in np.argsort([p.makespan for p in packings], kind="stable"):
+                if dst == src or left == 0:
+                    continue
+                take = min(left, int(room[dst] // tokens[b]))
+                new[dst, b] += take
+                left -= take
+            if left:
+                continue
+            changed = [m for m in range(num_mb) if m == src or new[m, b] != counts[m, b]]
+            trial = {m: (self.packer.solve(new[m]) if new[m].any() else None) for m in changed}
+            if any(trial[m] is None and new[m].any() for m in changed):
+                continue
+            before = sum(packings[m].makespan for m in changed)
+            after = sum(trial[m].makespan for m in changed if trial[m] is not None)
+            if after < before * (1 - 1e-9):
+                counts = new
+                for m in changed:
+                    packings[m] = trial[m]
+                moved = True
+        if not moved:
+            return split
+        keep = [m for m in range(num_mb) if counts[m].any()]
+        return Split(self.assign_from_counts(counts[keep]), [packings[m] for m in keep])
+
+    def merge(self, split: Split) -> Split:
+        """Pack pairs of micro-batches as one while that lowers the sum of makespans: the shortest
+        with each of the next shortest in turn (two short micro-batches often fit one makespan and
+        save a beta1 and their idle tails; moving one or half a bucket at a time never empties one).
+        At most ``MERGE_TRIALS`` packings (work, not time)."""
+        num_mb = len(split.packings)
+        if num_mb < 2:
+            return split
+        counts = [row for row in self.counts(split.assignment, num_mb)]
+        packings = list(split.packings)
+        trials, moved = 0, False
+        while len(packings) > 1 and trials < MERGE_TRIALS and not self.out_of_time():
+            order = np.argsort([p.makespan for p in packings], kind="stable")
+            a = int(order[0])
+            for b in order[1:]:
+                b = int(b)
+                if trials >= MERGE_TRIALS:
+                    break
+                trials += 1
+                union = counts[a] + counts[b]
+                if self.bound(union) >= packings[a].makespan + packings[b].makespan:
+                    continue
+                packed = self.packer.solve(union)
+                if packed is not None and packed.makespan < (packings[a].makespan + packings[b].makespan) * (1 - 1e-9):
+                    counts[a], packings[a] = union, packed
+                    del counts[b], packings[b]
+                    moved = True
+                    break
+            else:
+                break
+        return Split(self.assign_from_counts(np.array(counts)), packings) if moved else split
 
     def _moves(self, packings: list[BinPacking], counts: np.ndarray):
         """Candidate moves (source, bucket, destination, count): the most wasteful micro-batch's
@@ -332,11 +481,14 @@ class BatchSearch:
         bound = incumbent.time(self.lengths, self.costs)
         times = self.packer.times
         if len(self.lengths) <= self.options.exact_max_sequences:
-            result = solve_milp(self.buckets.upper, times, self.buckets.counts, self.costs, self.num_gpus,
+            # one bucket per distinct length, whatever num_buckets and the rule: rounding would make
+            # the MILP's optimum an approximation
+            exact = exact_buckets(self.lengths)
+            result = solve_milp(exact.upper, self.costs.times(exact.upper), exact.counts, self.costs, self.num_gpus,
                                 len(self.lengths), self.remaining(), upper_bound=bound * (1 + 1e-9))
             if result is None:
                 return None
-            return self.schedule(Split(self.assign_from_counts(result.counts), result.packings))
+            return self.exact_schedule(exact, result)
         micro_batches = list(incumbent.micro_batches)
         mb_times = incumbent.micro_batch_times(self.lengths, self.costs)
         for m in np.argsort(mb_times)[::-1]:
@@ -354,6 +506,19 @@ class BatchSearch:
                 micro_batches[m] = groups
         return Schedule(tuple(micro_batches))
 
+    def exact_schedule(self, exact: Buckets, result) -> Schedule:
+        """The MILP's micro-batches on exact buckets as real groups (every sequence of a bucket has
+        the bucket's length, so dealing them is exact)."""
+        micro_batches = []
+        pools = [list(np.flatnonzero(exact.index == b)) for b in range(len(exact.upper))]
+        for packing in result.packings:
+            groups = []
+            for k, row in zip(packing.degree_idx.tolist(), packing.counts):
+                ids = [pools[b].pop() for b in np.flatnonzero(row) for _ in range(int(row[b]))]
+                groups.append(GroupAssignment(self.costs.degrees[k], np.sort(np.array(ids, dtype=np.int64))))
+            micro_batches.append(tuple(groups))
+        return Schedule(tuple(micro_batches))
+
     def refine(self, schedule: Schedule) -> Schedule:
         """Re-pack each micro-batch on buckets of its own sequences: a micro-batch spans a narrower
         range of lengths than the batch, so its own buckets round far less (the paper buckets per
@@ -362,36 +527,54 @@ class BatchSearch:
         makespan holds for groups of one or two long sequences). Keeps a micro-batch's new groups only when faster,
         then ``tighten``s its slowest groups (larger degree, merge, or move a sequence)."""
         index = {d: k for k, d in enumerate(self.costs.degrees)}
-        return self.refine_members([([g.seq_ids for g in groups], np.array([index[g.degree] for g in groups]))
-                                    for groups in schedule.micro_batches])
+        return self.as_schedule(self.refine_members([([g.seq_ids for g in groups],
+                                                      np.array([index[g.degree] for g in groups]))
+                                                     for groups in schedule.micro_batches]))
 
-    def refine_members(self, raw: list[tuple[list[np.ndarray], np.ndarray]]) -> Schedule:
-        """``refine`` on micro-batches given as (each group's ids, degree indices): group objects are
-        built once per micro-batch, for the version kept."""
-        micro_batches: list = list(raw)
-        for m, (members, deg) in enumerate(raw):
-            ids = np.concatenate(members)
-            loads = group_loads(members, deg, self.lengths, self.costs)
-            for num_buckets, estimate in REFINE_VARIANTS:
-                if self.out_of_time():
-                    return Schedule(tuple(mb if m2 < m else as_groups(*mb, self.costs)
-                                          for m2, mb in enumerate(micro_batches)))
-                local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
-                if len(local.upper) == 1 and len(members) == 1:
-                    break
-                times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
-                packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, times).solve(local.counts)
-                if packing is None:
-                    continue
-                bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
-                bucket_of[ids] = local.index
-                new_members, new_deg = to_members(packing, ids, bucket_of, self.lengths, self.costs)
-                new_loads = group_loads(new_members, new_deg, self.lengths, self.costs)
-                if new_loads.max() < loads.max():
-                    members, deg, loads = new_members, new_deg, new_loads
-            members, deg = tighten_members(members, deg, self.lengths, self.costs, self.num_gpus, self.deadline, loads)
-            micro_batches[m] = as_groups(members, deg, self.costs)
-        return Schedule(tuple(micro_batches))
+    def refine_members(self, raw: list) -> Refined:
+        """``refine`` on micro-batches given as (each group's ids, degree indices[, their seconds]), returning them in
+        the same form with each micro-batch's real time: candidates are compared on these times and
+        group objects are built once, for the plan that wins (``as_schedule``)."""
+        micro_batches: list = [mb[:2] for mb in raw]
+        times = np.full(len(raw), np.nan)
+        for m, item in enumerate(raw):
+            members, deg = item[:2]
+            loads = item[2] if len(item) > 2 else group_loads(members, deg, self.lengths, self.costs)
+            cut = False
+            if len(members) > 1 or len(flat_ids(members)) > 1:
+                ids = flat_ids(members)
+                for num_buckets, estimate in REFINE_VARIANTS:
+                    if self.out_of_time():
+                        cut = True
+                        break
+                    local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
+                    if len(local.upper) == 1 and len(members) == 1:
+                        break
+                    bucket_times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
+                    packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, bucket_times).solve(local.counts)
+                    if packing is None:
+                        continue
+                    bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
+                    bucket_of[ids] = local.index
+                    new_members, new_deg, new_loads = to_members(packing, ids, bucket_of, self.lengths, self.costs,
+                                                                 with_loads=True)
+                    if new_loads.max() < loads.max():
+                        members, deg, loads = new_members, new_deg, new_loads
+            if not cut:
+                members, deg, loads = tighten_members(members, deg, self.lengths, self.costs, self.num_gpus,
+                                                      self.deadline, loads, with_loads=True)
+            micro_batches[m] = (members, deg)
+            times[m] = float(loads.max()) + self.costs.beta1
+            if cut:              # past the deadline: the rest stay as they are
+                rest = [mb[:2] for mb in raw[m + 1:]]
+                micro_batches[m + 1:] = rest
+                times[m + 1:] = [float(group_loads(mm, dd, self.lengths, self.costs).max()) + self.costs.beta1
+                                 for mm, dd in rest]
+                break
+        return Refined(micro_batches, float(times.sum()))
+
+    def as_schedule(self, refined: Refined) -> Schedule:
+        return Schedule(tuple(as_groups(members, deg, self.costs) for members, deg in refined.micro_batches))
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
@@ -400,17 +583,17 @@ class BatchSearch:
     def schedule(self, split: Split) -> Schedule:
         """Real-length groups for every micro-batch (without the per-sequence rebalancing once the
         deadline has passed)."""
-        return Schedule(tuple(as_groups(*mb, self.costs) for mb in self.members(split)))
+        return Schedule(tuple(as_groups(mb[0], mb[1], self.costs) for mb in self.members(split)))
 
-    def members(self, split: Split) -> list[tuple[list[np.ndarray], np.ndarray]]:
-        """``schedule`` as (each group's ids, degree indices) per micro-batch, for ``refine_members``."""
+    def members(self, split: Split) -> list[tuple[list[np.ndarray], np.ndarray, np.ndarray]]:
+        """``schedule`` as (each group's ids, degree indices, seconds) per micro-batch, for ``refine_members``."""
         out = []
         by_mb = np.argsort(split.assignment, kind="stable")
         bounds = np.searchsorted(split.assignment[by_mb], np.arange(len(split.packings) + 1))
         for m, packing in enumerate(split.packings):
             seq_ids = by_mb[bounds[m]:bounds[m + 1]]
             out.append(to_members(packing, seq_ids, self.buckets.index, self.lengths, self.costs,
-                                  rebalanced=not self.out_of_time()))
+                                  rebalanced=not self.out_of_time(), with_loads=True))
         return out
 
 
@@ -425,30 +608,59 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     """The best of: the greedy split, the searched splits, the MILP where it runs, and the plans of
     ``fallbacks`` (other strategies), all scored on real lengths.
 
-    The greedy split is turned into real groups and refined first, so a good plan exists early
-    (bucketed estimates can rank splits wrongly by a few percent; real lengths decide). Every later
-    step is bounded in work; the ``deadline`` only cuts it short (safety net), returning the best
-    plan so far. ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``.
+    The greedy split (the only one when the deadline falls first; on bigger batches than
+    ``MAX_PER_SEQUENCE_SPLITS`` only when within ``FIRST_MARGIN`` of the others), the searched split and the locally improved one
+    are turned into real groups and refined, and compared on their real times (bucketed estimates can
+    rank splits wrongly by a few percent); group objects are built for the winner only. Every step is
+    bounded in work; the ``deadline`` only cuts it short (safety net), returning the best plan so far.
+    ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``.
     """
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
     first = search.first_split()
-    best = search.refine_members(search.members(first))
-    best_time = score(best)
+    splits = [first]
     if not search.out_of_time():
-        splits = [search.best_split(first)]
+        searched = search.best_split(first)
+        splits = [first, searched]
         if not search.out_of_time() and options.max_moves > 0:
-            splits.append(search.improve(splits[-1]))
-        done: list[Split] = []
-        for split in sorted(splits, key=lambda split: split.makespan):
+            splits.append(search.improve(searched))
+        # evict from both the searched and the improved split (the local search can move past the
+        # split eviction helps most), then merge on the best so far
+        for split in splits[1:]:
             if search.out_of_time():
                 break
-            if split is first or any(split is other for other in done):
-                continue
-            done.append(split)
-            candidate = search.refine_members(search.members(split))
-            if score(candidate) < best_time:
-                best, best_time = candidate, score(candidate)
+            evicted = search.evict(split)
+            if all(evicted is not other for other in splits):
+                splits.append(evicted)
+        if not search.out_of_time():
+            merged = search.merge(min(splits[1:], key=lambda split: split.makespan))
+            if all(merged is not other for other in splits):
+                splits.append(merged)
+        # The greedy split's bucketed makespan is never below the searched ones'. On big batches its
+        # refined plan won only when the two were within a few tenths of a percent (real lengths can
+        # reorder that close): it is refined there only within ``FIRST_MARGIN`` (a refine of a
+        # 16,384-GPU batch costs ~0.15 s of CPU).
+        if len(lengths) > MAX_PER_SEQUENCE_SPLITS and first.makespan > (1 + FIRST_MARGIN) * min(
+                split.makespan for split in splits[1:]):
+            splits = splits[1:]
+    # refined on real lengths, best bucketed estimate first (each split once)
+    refined: Refined | None = None
+    done: list[Split] = []
+    for split in sorted(splits, key=lambda split: split.makespan):
+        if refined is not None and search.out_of_time():
+            break
+        if any(split is other for other in done):
+            continue
+        if len(lengths) > MAX_PER_SEQUENCE_SPLITS and len(done) >= MAX_REFINED_LARGE:
+            break
+        done.append(split)
+        candidate = search.refine_members(search.members(split))
+        if refined is None or candidate.time < refined.time:
+            refined = candidate
+    best = search.as_schedule(refined)
+    if len(lengths) > MAX_FALLBACK_SEQUENCES and not (len(lengths) <= options.exact_max_sequences or options.milp_time_limit > 0):
+        return best                          # nothing left to compare with
+    best_time = score(best)
     if len(lengths) <= MAX_FALLBACK_SEQUENCES:
         for fallback in fallbacks:
             if search.out_of_time():

@@ -10,7 +10,8 @@ takes the slowest group and tries, costed for every group at once with numpy:
 * **move** one of its sequences to the group that would finish earliest with it and has memory.
 
 A step is kept only when every group it changes ends faster than the slowest group did, so the
-makespan never rises; it stops when the slowest group cannot be helped or at the deadline.
+makespan never rises; it stops when the slowest group cannot be helped, when more groups tie at the
+slowest load than the steps left could relieve, or at the deadline.
 """
 from __future__ import annotations
 
@@ -36,20 +37,24 @@ def tighten(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: Deg
 
 def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndarray, costs: DegreeCosts,
                     num_gpus: int, deadline: float | None = None,
-                    loads: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+                    loads: np.ndarray | None = None, with_loads: bool = False):
     """``tighten`` on each group's ids and degree index (``loads``: their seconds, if known);
-    returns the new ids (each sorted) and degree indices."""
+    returns the new ids (each sorted) and degree indices (and, ``with_loads``, their seconds)."""
     members, deg = list(members), np.array(deg, dtype=np.int64)
     degrees = np.asarray(costs.degrees)
     capacity = np.asarray(costs.capacity)
     loads = group_loads(members, deg, lengths, costs) if loads is None else np.array(loads, dtype=np.float64)
-    owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    owner = np.repeat(np.arange(len(members)), np.fromiter(map(len, members), dtype=np.int64, count=len(members)))
     tokens = np.bincount(owner, weights=lengths[np.concatenate(members)].astype(np.float64), minlength=len(members))
-    for _ in range(MAX_STEPS):
+    for step in range(MAX_STEPS):
         if deadline is not None and time.perf_counter() > deadline:
             break
         s = int(loads.argmax())
         worst = loads[s] * (1 - 1e-9)
+        # A step takes at most two groups (a merge) off the slowest load; when more groups tie at it
+        # than the steps left can take off, the makespan cannot drop: stop (same makespan, less work)
+        if int(np.count_nonzero(loads >= worst)) > 2 * (MAX_STEPS - step):
+            break
         best = None                                            # (new max of changed groups, action)
         free = num_gpus - int(degrees[deg].sum())
         k = deg[s]
@@ -68,16 +73,22 @@ def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndar
         mine = members[s]
         if len(members) > 1 and len(mine) > 1:
             cand = mine[np.argsort(-lengths[mine], kind="stable")[:MAX_MOVE_CANDIDATES]]
-            add = costs.seconds(lengths[cand][:, None].astype(np.float64), deg[None, :])     # [C, G]
-            after = loads[None, :] + add
-            room = tokens[None, :] + lengths[cand][:, None] <= capacity[deg][None, :]
-            after[~room] = np.inf
-            after[:, s] = np.inf
-            left = loads[s] - costs.seconds(lengths[cand].astype(np.float64), k)           # [C]
-            score = np.maximum(after, left[:, None])
-            c, j = np.unravel_index(int(score.argmin()), score.shape)
-            if score[c, j] < worst and (best is None or score[c, j] < best[0]):
-                best = (float(score[c, j]), ("move", s, int(j), int(cand[c])))
+            # only groups that could take the shortest candidate and still end before the slowest
+            # one did can be a destination (the rest score >= worst): usually a few, as packed
+            # groups end close to the makespan, so the [C, G] scores shrink to [C, few]
+            least = costs.seconds(np.full(len(degrees), float(lengths[cand].min())), np.arange(len(degrees)))
+            dest = np.flatnonzero(loads + least[deg] < worst)
+            dest = dest[dest != s]
+            if dest.size:
+                add = costs.seconds(lengths[cand][:, None].astype(np.float64), deg[dest][None, :])   # [C, dest]
+                after = loads[dest][None, :] + add
+                room = tokens[dest][None, :] + lengths[cand][:, None] <= capacity[deg[dest]][None, :]
+                after[~room] = np.inf
+                left = loads[s] - costs.seconds(lengths[cand].astype(np.float64), k)           # [C]
+                score = np.maximum(after, left[:, None])
+                c, j = np.unravel_index(int(score.argmin()), score.shape)
+                if score[c, j] < worst and (best is None or score[c, j] < best[0]):
+                    best = (float(score[c, j]), ("move", s, int(dest[j]), int(cand[c])))
         if best is None:
             break
         action = best[1]
@@ -99,9 +110,13 @@ def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndar
             loads[j] += float(costs.seconds(length, deg[j]))
             tokens[s] -= length
             tokens[j] += length
-    # every group's ids sorted in one vectorised pass (a sort per group costs more with thousands)
-    sizes = np.array([len(m) for m in members])
-    flat = np.concatenate(members)
-    flat = flat[np.lexsort((flat, np.repeat(np.arange(len(members)), sizes)))]
+    # every group's ids sorted in one vectorised pass (a sort per group costs more with thousands):
+    # one sort of group x batch size + id, a single int64 key (cheaper than a two-key lexsort)
+    sizes = np.fromiter(map(len, members), dtype=np.int64, count=len(members))
+    span = len(lengths)
+    key = np.repeat(np.arange(len(members), dtype=np.int64) * span, sizes) + np.concatenate(members)
+    key.sort()
+    flat = key % span
     keep = sizes > 0
-    return [m for m, k in zip(split_at(flat, sizes), keep) if k], deg[keep]
+    out = [m for m, k in zip(split_at(flat, sizes), keep) if k], deg[keep]
+    return (*out, loads[keep]) if with_loads else out

@@ -108,7 +108,7 @@ class GroupAssignment(NamedTuple):
 def group_loads(members: list[np.ndarray], degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
     """Seconds of sequences in each group (no beta1); ``degree_idx`` indexes ``costs.degrees``.
     Vectorised over all sequences at once."""
-    owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    owner = np.repeat(np.arange(len(members)), np.fromiter(map(len, members), dtype=np.int64, count=len(members)))
     per_seq = costs.seconds(lengths[np.concatenate(members)], np.asarray(degree_idx)[owner])
     return np.bincount(owner, weights=per_seq, minlength=len(members))
 

@@ -1,7 +1,7 @@
 """plan_batch end to end: validity on random inputs, optimality on tiny ones, strategy order, errors."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from validator import brute_force_optimum, check_plan
 
@@ -56,10 +56,18 @@ def tiny_instances(draw):
     return flexsp.Cluster(num_gpus, 8), make_cost(capacity, num_gpus, draw(st.integers(0, 99))), lengths
 
 
-# Tolerance 1e-6 relative: the MILP is solved to a 1e-7 relative gap and times are floats; any
-# real miss (a worse split or degree) costs at least one beta1 or one sequence's time, far above it.
+# Tolerance 1e-6 relative: the MILP is solved to a 1e-9 relative gap (solver.milp.MIP_REL_GAP) and
+# times are floats. A real miss can be small: in the example below two 349-token sequences on two
+# groups of 4 GPUs beat both on one group of 8 by 2e-5 relative, which HiGHS's default gap (1e-4) let
+# pass. Hypothesis draws fresh examples on every run (CI starts without its database), so a case
+# that once failed is pinned here with @example and runs every time.
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tiny_instances())
+@example((flexsp.Cluster(8, 8),
+          flexsp.CostModel(alpha1=7.708689280055519e-09, alpha2=0.0002661741224334153, beta1=0.7850181163477868,
+                           comm_bytes_per_token=2097152.0, token_capacity=131.0,
+                           alltoall_bandwidth={2: 97957195402.2814, 4: 105447845641.05624, 8: 102496819621.94437}),
+          [48, 349, 349, 393, 614, 614]))
 def test_flexsp_matches_brute_force_on_tiny_batches(instance):
     cluster, cost, lengths = instance
     plan = flexsp.plan_batch(lengths, cost, cluster, "flexsp", time_limit=60.0)

@@ -188,10 +188,13 @@ def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster, degrees=None
     * ``degree``: the extra GPU-seconds of running sequences at the degrees the plan chose rather than
       their cheapest, spread over all GPUs (paid for memory or to shorten a critical path);
     * ``idle``: GPUs waiting in a micro-batch for its slowest group (and GPUs left without a group);
-    * ``beta1``: the fixed cost of each micro-batch.
+    * ``beta1``: the fixed cost of the fewest micro-batches memory allows (``area + beta1`` is the
+      simple ``lower_bound``);
+    * ``extra_micro_batches``: beta1 of each micro-batch beyond those.
 
-    ``degree + idle + (beta1 - the bound's)`` is what separates a plan from a perfect spread; the
-    coupled bound sits above ``area + fewest micro-batches x beta1`` where long sequences force it."""
+    ``degree + idle + extra_micro_batches`` is what separates a plan from the simple bound; the
+    coupled bound sits above it where long sequences force degrees or micro-batches, so the gap to
+    the coupled bound is that sum minus ``coupled_lower_bound - lower_bound``."""
     lengths = np.asarray(lengths, dtype=np.float64)
     n = cluster.num_gpus
     costs = _degree_costs(cost, cluster, None, degrees)
@@ -202,4 +205,6 @@ def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster, degrees=None
         busy = sum((t - cost.beta1) * g.degree for t, g in zip(times, mb.groups))
         used += busy
         idle += (max(times) - cost.beta1) * n - busy
-    return {"area": area, "degree": used / n - area, "idle": idle / n, "beta1": cost.beta1 * len(plan.micro_batches)}
+    fewest = min(len(plan.micro_batches), max(1, math.ceil(lengths.sum() / (cost.token_capacity * n) - 1e-12)))
+    return {"area": area, "degree": used / n - area, "idle": idle / n, "beta1": cost.beta1 * fewest,
+            "extra_micro_batches": cost.beta1 * (len(plan.micro_batches) - fewest)}
