@@ -305,7 +305,7 @@ def _ring(args, pool, setup, comm_sizes, say):
     fit = fit_bandwidth(layout.size, [s.payload_bytes for s in samples], [s.seconds for s in samples],
                         statistic=args.statistic, what="ring")
     _print_ring(fit, layout, say)
-    return fit, dict(layout.to_dict(), ranks=sorted(r for ring in layout.rings for r in ring))
+    return fit, layout.to_dict()
 
 
 def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from flexsp.plan.cluster import tile_starts
 from flexsp.profile.bandwidth import agree_on_blocks, link_kind
 from flexsp.profile.compute import DeviceSetup
 from flexsp.runtime.pool import GroupPool
@@ -42,9 +43,11 @@ class RingSample:
 
 @dataclass(frozen=True)
 class RingLayout:
-    """The rings the sweep runs: the tile degree, its (ulysses, ring) split, every ring's ranks, and the link."""
+    """The rings the sweep runs: the tile degree, the first rank of each tile, the stride (Ulysses part
+    of the split), every ring's ranks, and the link kind."""
 
     degree: int
+    starts: tuple[int, ...]
     stride: int
     rings: tuple[tuple[int, ...], ...]
     link: str
@@ -53,9 +56,13 @@ class RingLayout:
     def size(self) -> int:
         return self.degree // self.stride
 
-    def to_dict(self) -> dict:
-        return {"degree": self.degree, "stride": self.stride, "ring": self.size, "link": self.link,
-                "rings": [list(r) for r in self.rings]}
+    def to_dict(self, listed: int = 32) -> dict:
+        """JSON for ``meta["ring"]``: the tiles as (first, last) rank, the rings when at most ``listed``."""
+        out = {"degree": self.degree, "stride": self.stride, "ring": self.size, "link": self.link,
+               "count": len(self.rings), "tiles": [[s, s + self.degree - 1] for s in self.starts]}
+        if len(self.rings) <= listed:
+            out["rings"] = [list(r) for r in self.rings]
+        return out
 
 
 def ring_layout(world_size: int, degrees: Sequence[int], gpus_per_node: int) -> RingLayout | None:
@@ -64,8 +71,9 @@ def ring_layout(world_size: int, degrees: Sequence[int], gpus_per_node: int) -> 
     if degree is None:
         return None
     stride = gpus_per_node if degree > gpus_per_node else 1
+    starts = tuple(int(x) for x in tile_starts(degree, world_size, gpus_per_node))
     rings = tuple(ring_blocks(world_size, [(stride, degree // stride)], gpus_per_node))
-    return RingLayout(degree, stride, rings, link_kind(degree, gpus_per_node))
+    return RingLayout(degree, starts, stride, rings, link_kind(degree, gpus_per_node))
 
 
 def ring_sweep(pool: GroupPool, setup: DeviceSetup, sizes: Sequence[int], *, repeats: int = 5,

@@ -36,6 +36,7 @@ def test_ring_layout_follows_the_pools_tiles_and_the_runtimes_rings():
     assert (nodes.size, nodes.link) == (2, "inter-node") and nodes.rings == tuple((j, j + 8) for j in range(8))
     partial = ring_layout(6, (1, 2, 4), 6)          # ranks 4 and 5 are in no tile of 4 and sit out
     assert partial.rings == ((0, 1, 2, 3),) and partial.rings[0] in tiles(6, [4], 6)
+    assert nodes.to_dict()["tiles"] == [[0, 15]] and nodes.to_dict(listed=4).get("rings") is None
     assert ring_layout(1, (1,), 1) is None
 
 
