@@ -21,6 +21,8 @@ backward passes K/V and their gradients: 3 passes); each rank holds ``1/min(u, k
 KV width after the Ulysses split (GQA kv heads are replicated, never split, below one per rank).
 ``ring_hop_latency`` (default 0, so older JSON keeps its meaning) is the fixed cost of one hop of the
 ring, summed over a step's layers and its three passes; a ring of ``r`` ranks makes ``r - 1`` hops.
+``flexsp profile`` under torchrun measures both ring figures (``flexsp.profile.ring``: ``3 * layers``
+times the fitted per-message latency); analytic models and the interconnect presets assume them.
 
 Constructors for the paper's presets and for a model + hardware description live in
 ``flexsp.plan.presets.cost_from_preset`` and ``flexsp.plan.analytic.cost_from_hardware``; they all build
