@@ -21,6 +21,8 @@ backward passes K/V and their gradients: 3 passes); each rank holds ``1/min(u, k
 KV width after the Ulysses split (GQA kv heads are replicated, never split, below one per rank).
 ``ring_hop_latency`` (default 0, so older JSON keeps its meaning) is the fixed cost of one hop of the
 ring, summed over a step's layers and its three passes; a ring of ``r`` ranks makes ``r - 1`` hops.
+``flexsp profile`` under torchrun measures both ring figures (``flexsp.profile.ring``: ``3 * layers``
+times the fitted per-message latency); analytic models and the interconnect presets assume them.
 
 Constructors for the paper's presets and for a model + hardware description live in
 ``flexsp.plan.presets.cost_from_preset`` and ``flexsp.plan.analytic.cost_from_hardware``; they all build
@@ -321,11 +323,17 @@ def describe_sources(cost: CostModel) -> str:
         fits = sorted(int(d) for d in (meta.get("comm") or {}).get("fits", {}))
         if fits:
             measured.append(f"all-to-all at degrees {fits}")
+        ring = meta.get("ring") or {}
+        if ring.get("measured"):
+            measured.append(f"ring bandwidth and hop latency (rings of {ring.get('ring', '?')}, {ring.get('link', '?')})")
         assumed = meta.get("assumed") or {}
         if assumed:
             estimates = [e for e in estimates if not e.startswith("interconnect")]
-            estimates.append(f"all-to-all at degrees {assumed['degrees'][0]}..{assumed['degrees'][-1]}, ring bandwidth "
-                             f"and hop latency from the {assumed['interconnect']} preset")
+            parts = assumed.get("parts", ["alltoall_bandwidth", "ring_bandwidth"])
+            what = ", ".join([f"all-to-all at degrees {assumed['degrees'][0]}..{assumed['degrees'][-1]}"] * bool(
+                assumed["degrees"]) + ["ring bandwidth and hop latency"] * ("ring_bandwidth" in parts))
+            if what:
+                estimates.append(f"{what} from the {assumed['interconnect']} preset")
         return f"cost model parts: measured {', '.join(measured)}; assumed {'; '.join(estimates) or 'nothing'}"
     if source == "analytic":
         return "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"

@@ -3,6 +3,10 @@
 ``meta`` records where every number came from: the device, torch version, date, the model shape
 (``meta["model"]``, which ``check_model_shape`` compares), how each part was obtained and which parts
 are estimates, and the per-point fit errors, so a saved profile explains itself.
+
+A ring fit (``flexsp.profile.ring``, one hop around the pool's rings) gives the ring axis:
+``ring_bandwidth`` as fitted, and the fitted per-message latency times ``3 * layers`` as
+``ring_hop_latency`` - the convention of ``flexsp.plan.analytic`` and the interconnect presets.
 """
 from __future__ import annotations
 
@@ -19,8 +23,11 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
                         bandwidths: Sequence[BandwidthFit] = (), bytes_per_element: int = 2,
                         gpus_per_node: int | None = None, memory: Mapping[str, Any] | None = None,
                         environment: Mapping[str, Any] | None = None,
-                        estimates: Sequence[str] = ()) -> CostModel:
-    """A cost model from the three profiles; ``estimates`` names the parts that were not measured."""
+                        estimates: Sequence[str] = (), ring: BandwidthFit | None = None,
+                        ring_layout: Mapping[str, Any] | None = None) -> CostModel:
+    """A cost model from the profiles; ``estimates`` names the parts that were not measured. ``ring``
+    (a ``fit_bandwidth(..., what="ring")`` of one hop, ``ring_layout`` which ranks and link it ran on)
+    adds the measured ring axis and the model's heads, so degrees beyond the Ulysses limit are costed."""
     links = {}
     if gpus_per_node is not None:
         links = {str(b.degree): "intra-node" if b.degree <= gpus_per_node else "inter-node" for b in bandwidths}
@@ -39,7 +46,17 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
                  "fits": {str(b.degree): b.to_dict() for b in bandwidths},
                  "comm_bytes_per_token": "2 * layers * (2 * hidden + 2 * kv_dim) * bytes_per_element"},
     }
+    axis: dict[str, Any] = {}
+    if ring is not None:
+        meta["ring"] = {"measured": True, **dict(ring_layout or {}), "fit": ring.to_dict(),
+                        "ring_hop_latency": "3 * layers * fitted latency",
+                        "ring_bytes_per_token": "3 * layers * 2 * kv_dim * bytes_per_element"}
+        axis = {"heads": spec.heads, "kv_heads": spec.kv_heads,
+                # K and V cross the ring three times a step, per layer: forward, and backward passes K/V
+                # again and dK/dV back (flexsp.plan.analytic); each hop of each pass pays the latency once.
+                "ring_bytes_per_token": 3 * spec.layers * 2 * spec.kv_dim * bytes_per_element,
+                "ring_bandwidth": ring.bandwidth, "ring_hop_latency": 3 * spec.layers * ring.latency}
     return CostModel(alpha1=compute.alpha1, alpha2=compute.alpha2, beta1=compute.beta1,
                      comm_bytes_per_token=comm_bytes_per_token(spec, bytes_per_element),
                      alltoall_bandwidth={b.degree: b.bandwidth for b in bandwidths},
-                     token_capacity=token_capacity, meta=meta)
+                     token_capacity=token_capacity, meta=meta, **axis)

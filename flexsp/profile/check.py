@@ -2,7 +2,7 @@
 
 A group of degree ``d`` runs on the first aligned block ``[0, d)`` of this world (any aligned block
 of that degree is equivalent hardware-wise inside a node), one group at a time; groups wider than
-the world are skipped and listed. So one process checks every degree-1 group, ``torchrun`` with N
+the world, and Ulysses x ring groups (the runner runs pure Ulysses), are skipped and listed. So one process checks every degree-1 group, ``torchrun`` with N
 processes every group up to N. Predicted is ``cost.group_time(lengths, d)``; error is relative.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ class GroupCheck:
 @dataclass(frozen=True)
 class CheckReport:
     groups: tuple[GroupCheck, ...]
-    skipped: tuple[tuple[int, int, int], ...]    # (micro-batch, group, degree) wider than the world
+    skipped: tuple[tuple[int, int, int], ...]    # (micro-batch, group, degree) wider than the world or with a ring
 
     @property
     def mean_abs_error(self) -> float:
@@ -63,7 +63,7 @@ def check_plan(plan: Plan, lengths: Sequence[int], cost: CostModel, runner: Grou
     for m, mb in enumerate(plan.micro_batches):
         for j, g in enumerate(mb.groups):
             d = g.degree
-            if d > pool.world_size or d not in pool.degrees:
+            if d > pool.world_size or d not in pool.degrees or g.ring > 1:   # the runner runs Ulysses only
                 skipped.append((m, j, d))
                 continue
             seqs = [lengths[s] for s in g.seq_ids]

@@ -51,13 +51,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                                         "(default: the 3 longest sweep lengths)")
     s.add_argument("--comm-sizes", type=parse_sizes, default=None,
                    help="per-rank all-to-all bytes (default CPU 64K..4M, GPU 1M..256M)")
+    s.add_argument("--ring-sizes", type=parse_sizes, default=None,
+                   help="per-rank bytes of one ring hop (point to point, under torchrun; default: 1K, 16K and the "
+                        "--comm-sizes, tiny ones so the per-message latency shows)")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--statistic", default="median", choices=("median", "min"),
                    help="one time per point from its repeats: median, or min on a shared/noisy machine")
     s.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                    help="wall (default), or cpu: this process's CPU time, for a shared CPU box with --threads 1")
-    s.add_argument("--skip-comm", action="store_true", help="no all-to-all sweep even under torchrun")
+    s.add_argument("--skip-comm", action="store_true", help="no all-to-all or ring sweep even under torchrun")
     s.add_argument("--interconnect", default="auto",
                    help="fill the SP degrees this run could not measure (all-to-all bandwidth, ring axis) from a "
                         "documented preset, marked as assumed in the JSON: nvlink-ib, a100-nvlink-ib, pcie (see "
@@ -250,7 +253,7 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
         f"(sharding {cap.sharding} over {cap.num_gpus}), {cap.memory_bytes / 2**30:.1f} GiB x {cap.usable_fraction} "
         f"-> token_capacity {cap.token_capacity}")
 
-    bandwidths = []
+    bandwidths, ring, ring_layout = [], None, None
     if pool.world_size > 1 and not args.skip_comm:
         from flexsp.profile.bandwidth import alltoall_sweep, link_kind
         sizes = args.comm_sizes or ([2**20, 2**22, 2**24, 2**26, 2**28] if on_gpu else [2**16, 2**18, 2**20, 2**22])
@@ -260,6 +263,7 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
             bandwidths.append(fit_bandwidth(degree, [s.payload_bytes for s in mine], [s.seconds for s in mine],
                                             statistic=args.statistic))
         _print_comm(bandwidths, gpus_per_node, say, link_kind)
+        ring, ring_layout = _ring(args, pool, setup, sizes, say)
     elif pool.world_size == 1:
         say("all-to-all: world of 1 process, nothing to measure (run under torchrun for bandwidths)")
 
@@ -272,9 +276,9 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
     cost: CostModel = assemble_cost_model(
         spec, compute, cap.token_capacity, bandwidths=bandwidths, bytes_per_element=setup.bytes_per_element,
         gpus_per_node=gpus_per_node if bandwidths else None, memory=dict(mem.to_dict(), **cap.to_dict()),
-        environment=environment, estimates=estimates)
+        environment=environment, estimates=estimates, ring=ring, ring_layout=ring_layout)
     report.update(compute=compute.to_dict(), memory=mem.to_dict(), capacity=cap.to_dict(),
-                  comm=[b.to_dict() for b in bandwidths])
+                  comm=[b.to_dict() for b in bandwidths], ring=ring.to_dict() if ring is not None else None)
     chosen = args.interconnect if args.interconnect != "auto" else ("nvlink-ib" if pool.world_size == 1 else "none")
     if chosen != "none":
         from flexsp.profile.interconnect import with_interconnect
@@ -283,8 +287,25 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
         assumed = cost.meta["assumed"]
         say(f"interconnect: ASSUMED from the {chosen} preset for degrees {assumed['degrees'][0]}.."
             f"{assumed['degrees'][-1]} ({assumed['source']}); measured degrees kept: "
-            f"{sorted(b.degree for b in bandwidths) or 'none'}")
+            f"{sorted(b.degree for b in bandwidths) or 'none'}; ring axis "
+            f"{'measured, kept' if ring is not None else 'assumed from the preset'}")
     return cost
+
+
+def _ring(args, pool, setup, comm_sizes, say):
+    """The ring sweep and its fit: (BandwidthFit, layout dict), or (None, None) with nothing to time."""
+    from flexsp.profile.fit import fit_bandwidth
+    from flexsp.profile.ring import ring_sweep
+    sizes = sorted(set(args.ring_sizes or [2**10, 2**14, *comm_sizes]))
+    layout, samples = ring_sweep(pool, setup, sizes, repeats=max(args.repeats, 3), warmup=args.warmup + 1,
+                                 progress=say)
+    if layout is None:
+        say("ring: no pooled degree above 1, nothing to measure")
+        return None, None
+    fit = fit_bandwidth(layout.size, [s.payload_bytes for s in samples], [s.seconds for s in samples],
+                        statistic=args.statistic, what="ring")
+    _print_ring(fit, layout, say)
+    return fit, layout.to_dict()
 
 
 def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
@@ -354,7 +375,8 @@ def _check(args, cost, runner, pool, gpus_per_node, say):
                for plan, lengths in plans]
     merged = CheckReport(tuple(g for r in reports for g in r.groups), tuple(s for r in reports for s in r.skipped))
     if merged.skipped:
-        say(f"check: {len(merged.skipped)} group(s) wider than this world of {pool.world_size} were skipped")
+        say(f"check: {len(merged.skipped)} group(s) wider than this world of {pool.world_size} or with a ring axis "
+            f"(the check runs Ulysses only) were skipped")
     if merged.groups:
         say(f"check: {len(merged.groups)} groups, |relative error| mean {merged.mean_abs_error:.1%}, "
             f"max {merged.max_abs_error:.1%} (the paper reports < 6% on A100s)")
@@ -385,6 +407,16 @@ def _print_comm(fits, gpus_per_node, say, link_kind) -> None:
     for f in fits:
         say(f"  {f.degree:>6} {link_kind(f.degree, gpus_per_node):>10} {f.latency * 1e6:>11.1f} "
             f"{f.bandwidth / 1e9:>9.3f} {f.max_abs_error:>8.2%}")
+
+
+def _print_ring(fit, layout, say) -> None:
+    say(f"ring fit: time = latency + bytes / bandwidth  (one hop: every rank sends its next ring rank, bytes = "
+        f"one rank's message; {len(layout.rings)} ring(s) of {layout.size}, stride {layout.stride}, {layout.link})")
+    say(f"  {'bytes':>11} {'measured us':>12} {'fitted us':>12} {'rel err':>8}")
+    for p in fit.points:
+        say(f"  {int(p.x):>11} {p.measured * 1e6:>12.1f} {p.predicted * 1e6:>12.1f} {p.rel_error:>+8.2%}")
+    say(f"  latency {fit.latency * 1e6:.1f} us per hop, bandwidth {fit.bandwidth / 1e9:.3f} GB/s; |relative error| "
+        f"mean {fit.mean_abs_error:.2%}, max {fit.max_abs_error:.2%}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 Compute: ``time(s) = alpha1*s^2 + alpha2*s + beta1`` for one sequence of ``s`` tokens at SP degree 1.
 Communication: ``time(bytes) = latency + bytes / bandwidth`` per SP degree, where ``bytes`` is one
-rank's all-to-all payload (the unit ``CostModel.alltoall_bandwidth`` uses).
+rank's all-to-all payload (the unit ``CostModel.alltoall_bandwidth`` uses); the same fit for one ring
+hop, ``bytes`` being what one rank sends its next ring neighbour (``CostModel.ring_bandwidth``).
 
 Both fits are non-negative least squares on *relative* residuals (each row divided by its measured
 time): timings span orders of magnitude, and an absolute fit would let the longest point decide
@@ -153,15 +154,18 @@ def fit_compute(lengths: Sequence[float], seconds: Sequence[float], *, strict: b
 
 
 def fit_bandwidth(degree: int, payload_bytes: Sequence[float], seconds: Sequence[float], *,
-                  statistic: str = "median") -> BandwidthFit:
-    """Fit ``latency >= 0`` and ``bandwidth > 0`` to all-to-all times of one SP degree."""
-    x, t = _aggregate(*_clean(payload_bytes, seconds, f"all-to-all fit for degree {degree}"), statistic)
+                  statistic: str = "median", what: str = "all-to-all") -> BandwidthFit:
+    """Fit ``latency >= 0`` and ``bandwidth > 0`` to the times of one message pattern over ``degree``
+    ranks: an all-to-all of one SP degree, or (``what="ring"``) one hop around a ring of ``degree``
+    ranks (``flexsp.profile.ring``). ``what`` only names the pattern in errors."""
+    name = f"{what} fit for degree {degree}"
+    x, t = _aggregate(*_clean(payload_bytes, seconds, name), statistic)
     if x.size < MIN_COMM_POINTS:
-        raise CostModelError(f"all-to-all fit for degree {degree} needs at least {MIN_COMM_POINTS} distinct message "
+        raise CostModelError(f"{name} needs at least {MIN_COMM_POINTS} distinct message "
                              f"sizes (latency + bandwidth + 1 to measure the error), got {x.size}: {x.astype(int).tolist()}")
     latency, inverse = _nnls_relative(np.stack([np.ones_like(x), x], axis=1), t)
     if inverse <= 0:
-        raise CostModelError(f"all-to-all fit for degree {degree}: time does not grow with message size over "
+        raise CostModelError(f"{name}: time does not grow with message size over "
                              f"{x.astype(int).tolist()} bytes; measure larger messages")
     points = tuple(FitPoint(float(a), float(b), float(latency + inverse * a)) for a, b in zip(x, t))
     return BandwidthFit(int(degree), float(latency), float(1.0 / inverse), points)

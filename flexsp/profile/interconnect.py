@@ -5,7 +5,8 @@ One device measures compute and memory but no all-to-all, so its cost model woul
 above 1 and ``flexsp simulate`` could not use it. ``--interconnect NAME`` fills every degree it did not
 measure from the preset below (``flexsp.plan.analytic.alltoall_bandwidth``: NVLink inside a node, the
 GPU's share of the NICs across nodes), and the ring axis beyond the Ulysses limit (the model's heads)
-from the inter-node figures; ``meta["assumed"]`` names the preset, its figures and their sources, and
+from the inter-node figures unless the ring was measured (``flexsp.profile.ring``, under torchrun),
+which is kept; ``meta["assumed"]`` names the preset, its figures and their sources, and
 ``meta["estimates"]`` lists the assumed parts, which ``flexsp simulate`` prints
 (``flexsp.plan.cost.describe_sources``).
 
@@ -62,25 +63,28 @@ def with_interconnect(cost: CostModel, spec: ModelSpec, name: str, bytes_per_ele
                       gpus_per_node: int | None = None, up_to: int = ASSUMED_UP_TO) -> CostModel:
     """``cost`` with every power-of-two degree up to ``up_to`` it has no measured bandwidth for filled
     from preset ``name``, the model's heads (Ulysses limit) and a ring axis at the inter-node figures
-    beyond them; measured degrees are kept. Everything filled is named in ``meta``."""
+    beyond them; measured degrees, and a measured ring axis (``meta["ring"]["measured"]``), are kept.
+    Everything filled is named in ``meta["assumed"]["parts"]``."""
     preset = get_interconnect(name)
     node = gpus_per_node or preset.gpus_per_node
     measured = dict(cost.alltoall_bandwidth)
     filled = {d: alltoall_bandwidth(d, node, preset.intra_node_bandwidth, preset.inter_node_bandwidth)
               for d in (2 ** i for i in range(1, up_to.bit_length())) if d <= up_to and d not in measured}
-    kv_dim = spec.kv_dim
+    ring_measured = bool((cost.meta.get("ring") or {}).get("measured")) and cost.ring_bandwidth is not None
+    ring = {} if ring_measured else {   # a measured ring axis (flexsp.profile.ring) is kept as it is
+        "ring_bytes_per_token": 3 * spec.layers * 2 * spec.kv_dim * bytes_per_element,
+        "ring_bandwidth": preset.inter_node_bandwidth, "ring_hop_latency": 3 * spec.layers * preset.latency}
     assumed: dict[str, Any] = {
         "interconnect": preset.name, "source": preset.source, "gpus_per_node": node,
         "figures": {"intra_node_bandwidth": preset.intra_node_bandwidth,
                     "inter_node_bandwidth": preset.inter_node_bandwidth, "latency": preset.latency},
-        "degrees": sorted(filled), "parts": ["alltoall_bandwidth", "ring_bandwidth", "ring_hop_latency"]}
+        "degrees": sorted(filled), "parts": ["alltoall_bandwidth"] + ([] if ring_measured else
+                                                                     ["ring_bandwidth", "ring_hop_latency"])}
     meta = dict(cost.meta, assumed=assumed,
                 estimates=sorted(set(cost.meta.get("estimates", [])) |
                                  {f"interconnect (assumed: --interconnect {preset.name} preset)"}))
-    return dataclasses.replace(
-        cost, alltoall_bandwidth={**measured, **filled}, heads=spec.heads, kv_heads=spec.kv_heads,
-        ring_bytes_per_token=3 * spec.layers * 2 * kv_dim * bytes_per_element,
-        ring_bandwidth=preset.inter_node_bandwidth, ring_hop_latency=3 * spec.layers * preset.latency, meta=meta)
+    return dataclasses.replace(cost, alltoall_bandwidth={**measured, **filled}, heads=spec.heads,
+                               kv_heads=spec.kv_heads, meta=meta, **ring)
 
 
 def preset_table() -> str:

@@ -86,6 +86,8 @@ def test_flexsp_profile_runs_on_a_world_that_is_not_a_power_of_two(world, tmp_pa
     expected = [d for d in (2, 4) if d <= world]
     assert sorted(cost.alltoall_bandwidth) == expected
     assert cost.meta["check"]["groups"] > 0 and cost.meta["world_size"] == world
+    largest = 4 if world == 6 else 2               # the ring hop ran on the largest pooled tile; the rest sat out
+    assert cost.meta["ring"]["tiles"] == [[0, largest - 1]] and cost.meta["ring"]["rings"] == [list(range(largest))]
 
 
 @pytest.mark.parametrize("world", [3, 6, 24, 48])

@@ -34,3 +34,20 @@ def test_fills_unmeasured_degrees_from_the_preset_and_keeps_measured_ones(name):
 def test_unknown_preset_is_named():
     with pytest.raises(CostModelError, match="unknown interconnect 'ib'; choose one of nvlink-ib"):
         with_interconnect(measured({}), get_model("llama-7b"), "ib", 2)
+
+
+def test_a_measured_ring_axis_is_kept_and_only_the_all_to_all_is_assumed():
+    spec = get_model("llama-7b")
+    ring = dict(CostModel.to_dict(measured({2: 1.5e9})), heads=spec.heads, kv_heads=spec.kv_heads,
+                ring_bytes_per_token=123.0, ring_bandwidth=3e9, ring_hop_latency=7e-4)
+    ring["meta"] = dict(ring["meta"], ring={"measured": True, "ring": 4, "link": "intra-node"})
+    cost = with_interconnect(CostModel.from_dict(ring), spec, "pcie", 2, up_to=64)
+    assert (cost.ring_bandwidth, cost.ring_hop_latency, cost.ring_bytes_per_token) == (3e9, 7e-4, 123.0)
+    assert cost.meta["assumed"]["parts"] == ["alltoall_bandwidth"] and cost.alltoall_bandwidth[2] == 1.5e9
+    line = describe_sources(cost)
+    measured_part, assumed_part = line.split("; assumed ")
+    assert "ring bandwidth and hop latency (rings of 4, intra-node)" in measured_part
+    assert "all-to-all at degrees 4..64 from the pcie preset" in assumed_part and "ring" not in assumed_part
+    unmeasured = with_interconnect(measured({2: 1.5e9}), spec, "pcie", 2, up_to=64)   # no ring fit: the preset's
+    assert unmeasured.ring_bandwidth == INTERCONNECTS["pcie"].inter_node_bandwidth
+    assert "ring bandwidth and hop latency from the pcie preset" in describe_sources(unmeasured)
