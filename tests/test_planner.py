@@ -178,13 +178,6 @@ def test_a_2m_sequence_on_too_small_a_cluster_names_length_and_capacity():
         flexsp.plan_batch([1000, 2 * 1024 * 1024], cost, flexsp.Cluster(64, 8))
 
 
-def test_aligned_block_rule_is_one_function():
-    from flexsp.plan.cluster import aligned_block, is_aligned_block
-    assert aligned_block(2, 4) == (8, 9, 10, 11)
-    assert all(is_aligned_block(aligned_block(k, d)) for d in (1, 2, 8) for k in range(4))
-    assert not is_aligned_block((2, 3, 4, 5)) and not is_aligned_block((0, 1, 2)) and not is_aligned_block((0, 2))
-
-
 def test_usable_degrees_is_a_cluster_fact():
     cluster = flexsp.Cluster(16, 8)
     assert cluster.usable_degrees() == (1, 2, 4, 8, 16)

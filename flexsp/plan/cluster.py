@@ -31,23 +31,6 @@ def aligned_block(index: int, degree: int) -> tuple[int, ...]:
     return tuple(range(index * degree, (index + 1) * degree))
 
 
-def misaligned(ranks: np.ndarray, degrees: np.ndarray) -> np.ndarray:
-    """Vectorised rule over many groups: ``ranks`` is every group's ranks concatenated, ``degrees``
-    each group's size; True for each rank that breaks its group's aligned block (its group's first
-    rank not a multiple of the degree, or the ranks not consecutive from it)."""
-    ranks, degrees = np.asarray(ranks, dtype=np.int64), np.asarray(degrees, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(degrees)[:-1]]).astype(np.int64)
-    owner = np.repeat(np.arange(len(degrees)), degrees)
-    first = ranks[starts][owner]
-    return (ranks != first + np.arange(len(ranks)) - starts[owner]) | (first % degrees[owner] != 0)
-
-
-def is_aligned_block(ranks: Sequence[int]) -> bool:
-    """Whether ``ranks`` is one aligned block ``aligned_block(k, len(ranks))`` of a power-of-two size."""
-    ranks = tuple(int(r) for r in ranks)
-    return is_power_of_two(len(ranks)) and not misaligned(np.asarray(ranks), np.asarray([len(ranks)])).any()
-
-
 # --- tiles: the placement rule for SP groups of any degree (non-power-of-two included) ---
 # A degree d has one fixed tiling of the ranks: inside a node when d <= the node size (node n holds
 # tiles n*g + k*d for k < g // d; the g % d ranks left over are not in any tile of d), or whole nodes

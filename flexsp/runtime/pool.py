@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flexsp.errors import PlanError
-from flexsp.plan.cluster import aligned_block, is_tile_start, node_size, tile_starts, tileable
+from flexsp.plan.cluster import is_tile_start, node_size, tile_starts, tileable
 from flexsp.runtime.sp.ring_comm import place, pool_splits, split_blocks
 
 if TYPE_CHECKING:
@@ -49,18 +49,10 @@ class PoolStats:
     warmed: bool = False   # each communicator (and the world's) ran a collective inside the timing
 
 
-def aligned_blocks(world_size: int, degrees: Iterable[int]) -> list[tuple[int, ...]]:
-    """Every aligned block of ranks for each degree, in one fixed order (every rank must agree)."""
-    blocks = []
-    for d in sorted(set(degrees)):
-        blocks.extend(aligned_block(k, d) for k in range(world_size // d))
-    return blocks
-
-
 def tiles(world_size: int, degrees: Iterable[int], gpus_per_node: int | None = None) -> list[tuple[int, ...]]:
     """Every tile of each degree (``tile_starts``), degrees ascending, in one fixed order (every rank
     must agree). ``gpus_per_node`` None: one node of ``world_size``; then, for powers of two, these
-    are ``aligned_blocks``."""
+    are the aligned blocks ``[k*d, (k+1)*d)``."""
     g = world_size if gpus_per_node is None else gpus_per_node
     return [tuple(range(int(s), int(s) + d)) for d in sorted(set(degrees)) for s in tile_starts(d, world_size, g)]
 

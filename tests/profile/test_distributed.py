@@ -93,13 +93,13 @@ def test_flexsp_profile_runs_on_a_world_that_is_not_a_power_of_two(world, tmp_pa
 @pytest.mark.parametrize("world", [3, 6, 24, 48])
 def test_every_rank_of_a_world_agrees_who_sits_out_of_each_degree(world):
     from flexsp.profile.bandwidth import block_of, participants
-    from flexsp.runtime.pool import aligned_blocks
+    from flexsp.runtime.pool import tiles
     for degree in (d for d in (2, 4, 8, 16, 32, 64) if d <= world):
         blocks = [block_of(r, world, degree) for r in range(world)]
         taking_part = [r for r, b in enumerate(blocks) if b is not None]
         assert len(taking_part) == participants(world, degree) == world - world % degree
         assert taking_part == list(range(len(taking_part)))             # only the tail sits out
-        assert sorted({b for b in blocks if b}) == aligned_blocks(world, [degree])   # the pool's blocks
+        assert sorted({b for b in blocks if b}) == tiles(world, [degree])   # the pool's blocks
         for r in taking_part:
             assert r in blocks[r] and len(blocks[r]) == degree and blocks[r][0] % degree == 0
     assert participants(48, 32) == 32 and block_of(40, 48, 32) is None and block_of(47, 48, 16) == tuple(range(32, 48))

@@ -5,7 +5,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from flexsp import PlanError  # noqa: E402
-from flexsp.runtime.pool import GroupPool, aligned_blocks  # noqa: E402
+from flexsp.runtime.pool import GroupPool, tiles  # noqa: E402
 
 from .distributed import run_distributed  # noqa: E402
 
@@ -13,7 +13,7 @@ from .distributed import run_distributed  # noqa: E402
 def _pool_worker(rank, world_size, degrees):
     pool = GroupPool(degrees=degrees)
     sums = {}
-    for ranks in aligned_blocks(world_size, pool.degrees):
+    for ranks in tiles(world_size, pool.degrees, pool.gpus_per_node):
         if rank in ranks and len(ranks) > 1:
             # The communicator really spans exactly these ranks.
             x = torch.tensor([float(rank)])
@@ -64,5 +64,5 @@ def test_pool_rejects_unusable_degrees_and_blocks():
         GroupPool(degrees=(2, 3))
     pool = GroupPool()
     assert not pool.has((1,)) and not pool.has((0, 1))
-    assert aligned_blocks(8, (2, 4)) == [(0, 1), (2, 3), (4, 5), (6, 7), (0, 1, 2, 3), (4, 5, 6, 7)]
-    assert aligned_blocks(6, (4,)) == [(0, 1, 2, 3)]   # a partial block is never a group
+    assert tiles(8, (2, 4)) == [(0, 1), (2, 3), (4, 5), (6, 7), (0, 1, 2, 3), (4, 5, 6, 7)]
+    assert tiles(6, (4,)) == [(0, 1, 2, 3)]   # a partial block is never a group
