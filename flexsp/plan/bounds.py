@@ -130,7 +130,7 @@ def _split_spans(lengths: np.ndarray, costs: DegreeCosts, area: np.ndarray, capa
     bare = dataclasses.replace(costs, hops=()) if any(costs.hops) else costs
     total = float(lengths.sum())
     order = np.argsort(lengths)[::-1]
-    rate = area / lengths                                             # cheapest GPU-seconds per token
+    rate = np.divide(area, lengths, out=np.zeros_like(area), where=lengths > 0)   # cheapest GPU-s per token
     by_rate = np.argsort(rate)[::-1]
     counts = np.arange(first, last + 2, dtype=np.float64)
     counts[-1] = np.inf                                               # every count above: nothing forced
@@ -141,13 +141,14 @@ def _split_spans(lengths: np.ndarray, costs: DegreeCosts, area: np.ndarray, capa
         knap_area = np.concatenate([[0.0], np.cumsum(area[keep])])
         knap_rate = rate[keep]                                        # descending
         a_rest = float(area.sum() - area[i])
-        shortest = float(np.delete(lengths, i).min())
+        others = np.delete(lengths, i)
+        shortest = float(others[others > 0].min()) if (others > 0).any() else 0.0
         best = np.full(counts.shape, np.inf)
         for k, d in enumerate(costs.degrees):
             t = float(costs.seconds(np.asarray([s]), k)[0])
             if not np.isfinite(t) or s > costs.capacity[k] or d > n:
                 continue
-            rho = float(bare.seconds(np.asarray([shortest]), k)[0]) / shortest   # least s/token at d
+            rho = float(bare.seconds(np.asarray([shortest]), k)[0]) / shortest if shortest else 0.0  # least s/token at d
             room_rest = capacity * (n - d)
             forced = np.where(np.isfinite(counts), total - s - (counts - 1) * n * capacity, -np.inf)
             u = np.maximum(0.0, forced - room_rest)
