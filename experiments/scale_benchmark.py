@@ -103,7 +103,7 @@ def row(mix: str, num_gpus: int, reps: int, time_limit: float | None) -> tuple[s
         verdicts.append(f"solve {'met' if result['median_solve'] <= TARGET_SOLVE else '**missed**'}")
     line = (f"| {mix} | {num_gpus:,} | {8 * num_gpus:,} | {np.median(solve):.2f} / {np.max(solve):.2f} | "
             f"{np.median(cpu):.2f} | "
-            f"{np.mean(ratio):.3f} (max {np.max(ratio):.3f}) | {np.mean(coupled):.3f} | "
+            f"{np.mean(ratio):.3f} (max {np.max(ratio):.3f}) | {np.mean(coupled):.3f} (max {np.max(coupled):.3f}) | "
             + " | ".join(f"{np.mean(v):.2f}x" for v in speed.values()) + f" | {', '.join(verdicts) or '-'} |")
     return line, result
 

@@ -16,6 +16,13 @@ ranks meets all of that (a small LP over length buckets, each costed at its shor
 below the simple one. Counts up to a few above the memory bound get one LP each; all larger counts
 share one LP whose last rank pools every rank beyond (no memory limit there), so the minimum is
 over every count.
+
+The LP pools memory and GPU-seconds over the whole micro-batch, so it lets short sequences use the
+memory of GPUs that a long sequence's group keeps busy. ``_split_spans`` (issue 27) closes that for
+the longest sequences: in a plan of ``m`` micro-batches, memory forces some tokens into the long
+sequence's micro-batch; on its group's GPUs they lengthen that group, on the other GPUs they fit
+only ``(N - d) x capacity`` tokens and so carry little compute. Count by count the coupled bound
+takes the larger of the LP's span and that one; both hold for every plan, so the larger does too.
 """
 from __future__ import annotations
 
@@ -62,10 +69,12 @@ def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | No
 
 
 def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None,
-                        degrees=None) -> float:
+                        degrees=None, memory_split: bool = True) -> float:
     """The LP bound of the module docstring: never above any plan's time, never below
     ``lower_bound`` (nor below the slowest sequence at its fastest degree plus the micro-batches'
-    beta1)."""
+    beta1). ``memory_split`` (default) also takes, count by count, the larger of the LP's span and
+    ``_split_spans`` (memory caps what the longest sequence's micro-batch can compute); False gives
+    the LP bound alone (issue 27's baseline)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     costs = _degree_costs(cost, cluster, max_degree, degrees)
     n = cluster.num_gpus
@@ -80,17 +89,84 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     per_token = bare.times(shortest) * np.asarray(costs.degrees)[None, :] / shortest[:, None]   # [B, D]
     seq_time = costs.times(shortest)                                 # [B, D]
     last = min(fewest + EXTRA_COUNTS, len(lengths))
+    split = (_split_spans(lengths, costs, area, float(cost.token_capacity), n, fewest, last) if memory_split
+             else np.zeros(last - fewest + 2))                        # [counts fewest..last, every count above]
     best = math.inf
     if last < len(lengths):
         # every count above ``last``: ranks beyond it pooled into one tail without memory limit
-        best = (last + 1) * costs.beta1 + _least_span(last + 1, per_token, seq_time, tokens,
-                                                      n * cost.token_capacity, n, floor, tail=True)
+        best = (last + 1) * costs.beta1 + max(split[-1], _least_span(
+            last + 1, per_token, seq_time, tokens, n * cost.token_capacity, n, floor, tail=True))
     for count in range(fewest, last + 1):
-        if count * costs.beta1 + floor >= best:
-            break
+        if count * costs.beta1 + max(floor, split[count - fewest]) >= best:
+            continue
         span = _least_span(count, per_token, seq_time, tokens, n * cost.token_capacity, n, floor)
-        best = min(best, count * costs.beta1 + span)
+        best = min(best, count * costs.beta1 + max(span, split[count - fewest]))
     return float(best) * (1 - SAFETY)
+
+
+def _split_spans(lengths: np.ndarray, costs: DegreeCosts, area: np.ndarray, capacity: float, n: int,
+                 first: int, last: int) -> np.ndarray:
+    """Lower bounds on ``S`` (the micro-batches' summed time less beta1) for each micro-batch count
+    ``first..last``, then one for every count above ``last``: memory caps what the micro-batch of
+    one long sequence ``s`` can compute (the largest of the bounds over the ``OWN_BUCKETS`` longest).
+
+    Say ``s`` runs at degree ``d`` (time ``t``) in micro-batch ``1`` (time ``tau``) of ``m``. The
+    other ``m - 1`` hold at most ``(m - 1) N c`` tokens (``c`` per GPU), so at least ``R = total - s -
+    (m - 1) N c`` other tokens share micro-batch 1: at most ``(N - d) c`` on the other GPUs, the rest,
+    ``u``, in ``s``'s group, whose time they lengthen by at least ``u rho_d`` (the least seconds per
+    token at ``d``), so ``tau >= t + u rho_d``. The cheapest GPU-seconds of the others that run in
+    micro-batch 1 are at most ``d (tau - t)`` in the group plus, on the other GPUs, ``(N - d) tau``
+    and the most any ``(N - d) c`` tokens can carry (a fractional knapsack over GPU-seconds per
+    token); the rest of their cheapest GPU-seconds need the other micro-batches, ``N`` GPUs each:
+
+        S >= tau + max(0, A_rest - min((N - d) tau, K((N - d) c)) - d (tau - t)) / N,
+
+    nondecreasing in ``tau``, so it holds at ``tau``'s least value; the least over ``d`` bounds any
+    plan with ``m`` micro-batches. It grows as ``m`` falls, so the value where no token is forced
+    into the group (``R <= (N - d) c`` for every ``d``) bounds every larger count."""
+    out = np.zeros(last - first + 2)
+    if len(lengths) < 2:
+        return out
+    bare = dataclasses.replace(costs, hops=()) if any(costs.hops) else costs
+    total = float(lengths.sum())
+    order = np.argsort(lengths)[::-1]
+    rate = np.divide(area, lengths, out=np.zeros_like(area), where=lengths > 0)   # cheapest GPU-s per token
+    by_rate = np.argsort(rate)[::-1]
+    counts = np.arange(first, last + 2, dtype=np.float64)
+    counts[-1] = np.inf                                               # every count above: nothing forced
+    for i in order[:OWN_BUCKETS]:
+        s = float(lengths[i])
+        keep = by_rate[by_rate != i]
+        knap_tokens = np.concatenate([[0.0], np.cumsum(lengths[keep])])
+        knap_area = np.concatenate([[0.0], np.cumsum(area[keep])])
+        knap_rate = rate[keep]                                        # descending
+        a_rest = float(area.sum() - area[i])
+        others = np.delete(lengths, i)
+        shortest = float(others[others > 0].min()) if (others > 0).any() else 0.0
+        best = np.full(counts.shape, np.inf)
+        for k, d in enumerate(costs.degrees):
+            t = float(costs.seconds(np.asarray([s]), k)[0])
+            if not np.isfinite(t) or s > costs.capacity[k] or d > n:
+                continue
+            rho = float(bare.seconds(np.asarray([shortest]), k)[0]) / shortest if shortest else 0.0  # least s/token at d
+            room_rest = capacity * (n - d)
+            forced = np.where(np.isfinite(counts), total - s - (counts - 1) * n * capacity, -np.inf)
+            u = np.maximum(0.0, forced - room_rest)
+            tau = t + np.where(u > 0, u * rho, 0.0)
+            carried = np.interp(room_rest, knap_tokens, knap_area)   # fractional knapsack
+            removed = np.minimum((n - d) * tau, carried) + d * (tau - t)
+            span = tau + np.maximum(0.0, a_rest - removed) / n
+            # second view: the group's extra tokens cost u rho_d of time but carry at most K(u + (N-d) c)
+            # of the others' cheapest GPU-seconds; convex in u, least where the knapsack's marginal rate
+            # falls to N rho_d (or at the ends of u's range)
+            top = np.searchsorted(-knap_rate, -n * rho, side="left")      # first item at most N rho_d
+            best_u = np.clip(knap_tokens[top] - room_rest, u, max(costs.capacity[k] - s, 0.0))
+            moved = np.interp(best_u + room_rest, knap_tokens, knap_area)
+            span = np.maximum(span, t + best_u * rho + (a_rest - moved) / n)
+            span = np.where(u > costs.capacity[k] - s, np.inf, span)
+            best = np.minimum(best, span)
+        out = np.maximum(out, best)
+    return out
 
 
 def _buckets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
