@@ -76,9 +76,8 @@ def default_gpus_per_node(world_size: int) -> int:
 class GroupPool:
     """SP groups for one world, keyed by their ranks; pass it to whoever runs a plan.
 
-    ``degrees`` restricts which degrees get a communicator (default: every power of two that has a
-    tile, the planner's default on power-of-two nodes; on other node sizes pass
-    ``degrees=cluster.degrees`` to pool the planner's default there too); any degree with a tile is accepted - at most the node size, or a multiple of it. The node
+    ``degrees`` restricts which degrees get a communicator (default: ``cluster.degrees``, the planner's
+    default, when ``cluster`` is given; else every power of two that has a tile); any degree with a tile is accepted - at most the node size, or a multiple of it. The node
     size is ``gpus_per_node``, or ``cluster.gpus_per_node`` (a ``flexsp.Cluster`` of this world), or
     ``LOCAL_WORLD_SIZE`` from torchrun, else the world is one node. Construct the pool on every rank
     at the same point of the program: creation is collective. Without an initialised process group
@@ -101,7 +100,9 @@ class GroupPool:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.gpus_per_node = self._node_size(gpus_per_node, cluster)
         g = self.gpus_per_node
-        if degrees is None:
+        if degrees is None and cluster is not None:
+            chosen = cluster.degrees                            # the planner's default for this cluster
+        elif degrees is None:
             chosen = tuple(d for d in (1 << i for i in range(self.world_size.bit_length()))
                            if tileable(d, self.world_size, g))
         else:

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flexsp import Group, MicroBatch, Plan, PlanError  # noqa: E402
+from flexsp import Cluster, Group, MicroBatch, Plan, PlanError  # noqa: E402
 from flexsp.plan.specs import ModelSpec  # noqa: E402
 from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
 from flexsp.runtime.pool import GroupPool, communicator_bound, tiles  # noqa: E402
@@ -76,6 +76,7 @@ def _worker(rank, world_size):
     tight = GroupPool(degrees=(1, 3, 6), heads=4)
     del os.environ["LOCAL_WORLD_SIZE"]
     pool = GroupPool(degrees=DEGREES, splits=SPLITS, gpus_per_node=NODE)
+    from_cluster = GroupPool(cluster=Cluster(WORLD, NODE), warm_up=False).degrees   # the planner's default set
     subs, rings = split_blocks(WORLD, pool.splits, NODE)
     spans = _spans(rank, [(t, pool.get(t) if rank in t else None) for t in tiles(WORLD, DEGREES, NODE) if len(t) > 1])
     hybrid_sums = {}
@@ -100,7 +101,7 @@ def _worker(rank, world_size):
     result = executor.run_plan(_plan(), _batch())
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     executor.close()
-    return {"tight": (tight.stats.count, tight.stats.per_rank, tight.communicator_bound, tight.splits,
+    return {"from_cluster": from_cluster, "tight": (tight.stats.count, tight.stats.per_rank, tight.communicator_bound, tight.splits,
                       tight.gpus_per_node),
             "count": pool.stats.count, "per_rank": pool.stats.per_rank, "bound": pool.communicator_bound,
             "spans": spans, "hybrid": hybrid_sums, "subs": subs, "rings": rings,
@@ -114,6 +115,7 @@ def runs():
 
 
 def test_pool_holds_tiles_of_any_degree_within_the_bound(runs):
+    assert all(r["from_cluster"] == Cluster(WORLD, NODE).degrees == (1, 2, 3, 4, 6, 12) for r in runs)
     for rank, run in enumerate(runs):
         count, per_rank, bound, splits, node = run["tight"]
         assert node == NODE
