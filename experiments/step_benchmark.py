@@ -83,19 +83,23 @@ class Contender:
         self.peak_mib = float("nan")
 
     def step(self) -> float:
+        """One timed step (wall and CPU seconds recorded); returns its loss."""
         start, cpu = time.perf_counter(), time.process_time()
-        if self.name == "flexsp":
-            loss = self.executor.run_plan(self.plan, self.batch).loss
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            value = (plain_loss if self.name == "plain loop" else masked_loss)(self.model, self.batch)
-            value.backward()
-            self.optimizer.step()
-            loss = float(value.detach())
+        loss = self.run()
         self.seconds.append(time.perf_counter() - start)
         self.cpu.append(time.process_time() - cpu)
         self.losses.append(loss)
         return loss
+
+    def run(self) -> float:
+        """Forward, backward and optimizer step, untimed."""
+        if self.name == "flexsp":
+            return self.executor.run_plan(self.plan, self.batch).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        value = (plain_loss if self.name == "plain loop" else masked_loss)(self.model, self.batch)
+        value.backward()
+        self.optimizer.step()
+        return float(value.detach())
 
 
 HF_NAMES = ("flexsp hf", "hf packed", "hf each")
@@ -128,17 +132,12 @@ class HFContender(Contender):
             total = total + F.cross_entropy(logits.to(loss_dtype(logits.dtype)), s[1:], reduction="sum")
         return total / self.count
 
-    def step(self) -> float:
-        start, cpu = time.perf_counter(), time.process_time()
+    def run(self) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         value = self.loss()
         value.backward()
         self.optimizer.step()
-        loss = float(value.detach())
-        self.seconds.append(time.perf_counter() - start)
-        self.cpu.append(time.process_time() - cpu)
-        self.losses.append(loss)
-        return loss
+        return float(value.detach())
 
 
 def hf_model(spec: ModelSpec) -> torch.nn.Module:
