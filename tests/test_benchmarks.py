@@ -1,12 +1,7 @@
 """Every benchmark script runs in its reduced (--quick) mode and prints the figures it reports."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts import run_script
 
 # script -> text its Markdown must contain
 EXPECTED = {
@@ -28,22 +23,15 @@ REPORT = {"dynamic_cp_benchmark": "dynamic_cp.md", "robustness_benchmark": "robu
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_benchmark_quick_mode(script, tmp_path, tree_unchanged):
-    args = [sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--quick"]
-    out = tmp_path / REPORT[script]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                            env=dict(os.environ, FLEXSP_QUICK_OUT=str(tmp_path)))
-    assert result.returncode == 0, result.stderr[-2000:]
-    text = out.read_text()
+    run_script(script, "--quick", env={"FLEXSP_QUICK_OUT": str(tmp_path)})
+    text = (tmp_path / REPORT[script]).read_text()
     for needle in EXPECTED[script]:
         assert needle in text, f"{script}: {needle!r} missing from its report"
 
 
 def test_loader_benchmark_quick_mode(tmp_path):
     pytest.importorskip("torch")
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "loader_benchmark.py"), "--quick",
-                             "--out", str(tmp_path / "loader.md")],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_script("loader_benchmark", "--quick", "--out", tmp_path / "loader.md")
     text = (tmp_path / "loader.md").read_text()
     assert "loop throughput with background planning in a process" in text and "in a thread" in text
 

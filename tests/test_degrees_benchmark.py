@@ -1,22 +1,12 @@
 """experiments/degrees_benchmark.py: its --quick mode runs, writes only to the quick folder, and its
 verdict follows the figures."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 
-from scripts import experiment
-
-ROOT = Path(__file__).resolve().parents[1]
+from scripts import experiment, run_script
 
 
 def test_quick_mode_prints_every_figure(tmp_path, tree_unchanged):
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "degrees_benchmark.py"), "--quick"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT,
-                            env=dict(os.environ, FLEXSP_QUICK_OUT=str(tmp_path)))
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_script("degrees_benchmark", "--quick", env={"FLEXSP_QUICK_OUT": str(tmp_path)})
     text = (tmp_path / "degrees_benchmark.md").read_text()
     for needle in ("**simulated**", "**measured**", "Load average", "| pow2 |", "| any |", "| chain |", "pow2 / set, comms paid",
                    "comms / rank", "comm memory (GiB)", "VERDICT:"):

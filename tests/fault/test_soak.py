@@ -1,21 +1,16 @@
 """The soak experiment's quick mode: 30 steps on 4 gloo ranks, flat RSS and communicators, clean exit."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from scripts import run_script
+
 pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_soak_quick_mode_passes_its_leak_checks(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "soak.py"), "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=150, cwd=ROOT,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    run_script("soak", "--quick", "--out", tmp_path, timeout=150)
     summary = json.loads((tmp_path / "soak.json").read_text())
-    assert result.returncode == 0, result.stdout + result.stderr
     assert summary["steps"] == 30 and summary["passed"], summary["pass"]
     for rank in summary["ranks"]:
         assert rank["threads_at_exit"] == [] and len(rank["communicators"]) == 1

@@ -1,8 +1,5 @@
 """``flexsp replay``, ``flexsp simulate --replay`` and the CPU benchmark's quick mode, end to end."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +9,8 @@ pytest.importorskip("torch")
 import flexsp  # noqa: E402
 from flexsp.cli import main  # noqa: E402
 from flexsp.profile.shape import model_spec  # noqa: E402
+from scripts import run_script  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MICRO = model_spec(None, layers=1, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=64)
 
 
@@ -105,9 +102,7 @@ def test_simulate_replay_skips_strategies_the_model_cannot_run(files, capsys):
 
 
 def test_benchmark_quick_mode(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "replay_benchmark.py"), "--quick",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_script("replay_benchmark", "--quick", "--out", tmp_path)
     markdown = (tmp_path / "replay_cpu.md").read_text()
     assert "quick mode" in markdown and "Measured on a CPU" in markdown and "| flexsp |" in markdown
     data = json.loads((tmp_path / "replay_cpu.json").read_text())

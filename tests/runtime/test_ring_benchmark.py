@@ -1,21 +1,14 @@
 """The ring benchmark runs in its --quick mode on 8 gloo ranks and reports the cost model's ring term."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from scripts import run_script
+
 pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ring_benchmark_quick_mode(tmp_path):
     out = tmp_path / "ring.md"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "ring_benchmark.py"), "--quick", "--out", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_script("ring_benchmark", "--quick", "--out", out)
     text = out.read_text()
     assert "(8 gloo ranks)" in text and "a CPU figure" in text
     rows = [line for line in text.splitlines() if line.startswith("| 256 | 2 x 4 |")]

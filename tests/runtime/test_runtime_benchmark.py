@@ -1,20 +1,14 @@
 """The runtime benchmark runs in its quick mode on 4 gloo ranks and writes its labelled CPU table."""
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from scripts import run_script
+
 pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_runtime_benchmark_quick(tmp_path):
     out = tmp_path / "runtime.md"
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "runtime_benchmark.py"), "--quick",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script("runtime_benchmark", "--quick", "--out", out, timeout=600)
     text = out.read_text()
     assert "measured on CPU" in text and "not a GPU figure" in text
     rows = [line for line in text.splitlines() if line.startswith("| flexsp") or line.startswith("| static")]

@@ -1,22 +1,16 @@
 """The degree-1 step benchmark runs in its quick mode, writes only where it is told, labels its figures
 as measured on CPU and finds the contenders' losses equal (same weights, same batch), the HF adapter's
 rows included."""
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from scripts import run_script
+
 pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_step_benchmark_quick(tmp_path):
     out = tmp_path / "step.md"
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "step_benchmark.py"), "--quick",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script("step_benchmark", "--quick", "--out", out, timeout=600)
     text = out.read_text()
     assert "Measured on CPU" in text and "load average" in text
     row = next(line for line in text.splitlines() if line.startswith("| 256 "))

@@ -1,9 +1,9 @@
 """The closed-loop benchmark runs in its quick mode, writes only where --out says, and labels every figure."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from scripts import run_script
 
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
@@ -12,10 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_closed_loop_benchmark_quick(tmp_path):
     out = tmp_path / "closed_loop.md"
     before = sorted(p.name for p in (ROOT / "experiments" / "results").iterdir())
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "closed_loop_benchmark.py"), "--quick",
-                             "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script("closed_loop_benchmark", "--quick", "--out", out)
     assert sorted(p.name for p in (ROOT / "experiments" / "results").iterdir()) == before
     text = out.read_text()
     for needle in ("**simulated: group times from the paper's gpt-7b", "**measured on CPU", "not a GPU figure",
