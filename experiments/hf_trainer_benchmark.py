@@ -16,11 +16,12 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
@@ -28,18 +29,8 @@ RESULTS = ROOT / "experiments" / "results" / "hf_trainer_benchmark.md"
 FAMILIES = ROOT / "docs" / "hf_families.md"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(label: str, ranks: int, flexsp: bool, workdir: Path, argv: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(key, None)
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     f"--nproc_per_node={ranks}", f"--master_port={_free_port()}"]
+    launcher, env = torchrun(ranks)
     history = workdir / f"{label}.json"
     cmd = [*launcher, str(EXAMPLE), *argv, "--dtype", "float32", "--save-steps", "1000000",
            "--out", str(workdir / label), "--history", str(history), *([] if flexsp else ["--no-flexsp"])]

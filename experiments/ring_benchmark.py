@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,17 +32,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+from launch import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 HEADS, KV_HEADS, DIM, BYTES = 8, 8, 32, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Loopback:
@@ -143,7 +137,7 @@ def measure(world: int, lengths, splits, reps: int) -> list[dict]:
     ctx = mp.get_context("forkserver")     # torch imported once by the server, not once per rank
     ctx.set_forkserver_preload(["torch", "torch.distributed", "flexsp.runtime"])
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, lengths, splits, reps, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import sys
 import tempfile
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from launch import free_port  # noqa: E402
 from outputs import resolve_out  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -97,18 +97,12 @@ def _rank(rank: int, port: int, steps: int, every: int, directory: str, queue) -
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(steps: int, every: int, timeout: float) -> dict:
     ctx = mp.get_context("forkserver")   # ranks fork from one process that imported torch once
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "flexsp.runtime", "flexsp.data",
                                 "flexsp.checkpoint.checkpointer"])
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as directory:
         procs = [ctx.Process(target=_rank, args=(r, port, steps, every, directory, queue)) for r in range(WORLD)]
         started = time.perf_counter()

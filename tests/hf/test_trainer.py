@@ -6,11 +6,8 @@ agree to 1e-6 relative (measured: one fp32 ulp, ~1e-7); the parameters after 4 A
 1e-6 of each tensor's largest entry (measured 2e-7: Adam divides by sqrt(v), which turns fp64 rounding
 noise in near-zero gradients into relative noise of the update). The resumed run is compared exactly (bitwise parameters, equal losses)."""
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,24 +17,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("accelerate")
 from safetensors.torch import load_file  # noqa: E402
+from scripts import experiment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 STEPS = ["--steps", "4", "--save-steps", "2", "--sequences", "32"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path, name, *argv, ranks=1):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(key, None)
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     f"--nproc_per_node={ranks}", f"--master_port={_free_port()}"]
+    launcher, env = experiment("launch").torchrun(ranks)
     history = tmp_path / f"{name}.json"
     proc = subprocess.run([*launcher, str(EXAMPLE), *STEPS, "--out", str(tmp_path / name), "--history", str(history),
                            *argv], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
