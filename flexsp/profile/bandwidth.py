@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,22 @@ def agree_on_blocks(pool: GroupPool, degree: int, device: torch.device) -> tuple
     return block
 
 
+def slowest_seconds(exchange: Callable[[], None] | None, setup: DeviceSetup) -> float:
+    """One exchange started on every rank at once (a barrier, as in a real step, where the whole cluster
+    communicates together), timed with the device synchronised; the slowest rank's seconds. Ranks that
+    sit out (``exchange`` None) join the barrier and the max-reduction and report 0."""
+    dist.barrier()
+    setup.sync()
+    t0 = time.perf_counter()
+    if exchange is not None:
+        exchange()
+    setup.sync()
+    elapsed = time.perf_counter() - t0 if exchange is not None else 0.0
+    slowest = torch.tensor([elapsed], dtype=torch.float64, device=setup.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
 def alltoall_sweep(pool: GroupPool, setup: DeviceSetup, sizes: Sequence[int], *, repeats: int = 5,
                    warmup: int = 2, progress=None) -> list[CommSample]:
     """Every rank calls this with the same arguments; every rank gets the same samples back."""
@@ -78,17 +94,9 @@ def alltoall_sweep(pool: GroupPool, setup: DeviceSetup, sizes: Sequence[int], *,
             recv = torch.empty_like(send)
             for _ in range(warmup if block is not None else 0):
                 dist.all_to_all_single(recv, send, group=group)
-            for _ in range(repeats):
-                dist.barrier()    # all groups of this degree start together
-                setup.sync()
-                t0 = time.perf_counter()
-                if block is not None:   # past the last full block: sit out, report 0
-                    dist.all_to_all_single(recv, send, group=group)
-                setup.sync()
-                elapsed = time.perf_counter() - t0 if block is not None else 0.0
-                slowest = torch.tensor([elapsed], dtype=torch.float64, device=setup.device)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                samples.append(CommSample(degree, numel * element, float(slowest.item())))
+            exchange = None if block is None else lambda: dist.all_to_all_single(recv, send, group=group)
+            for _ in range(repeats):     # all groups of this degree at once
+                samples.append(CommSample(degree, numel * element, slowest_seconds(exchange, setup)))
             if progress is not None:
                 mine = sorted(s.seconds for s in samples[-repeats:])
                 sat_out = pool.world_size - participants(pool.world_size, degree, pool.gpus_per_node)

@@ -20,15 +20,13 @@ GPU path (NCCL; not exercised in CI): the device is synchronised around each tim
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from flexsp.plan.cluster import tile_starts
-from flexsp.profile.bandwidth import agree_on_blocks, link_kind
+from flexsp.profile.bandwidth import agree_on_blocks, link_kind, slowest_seconds
 from flexsp.profile.compute import DeviceSetup
 from flexsp.runtime.pool import GroupPool
 from flexsp.runtime.sp.ring_comm import RingComm, place, ring_blocks
@@ -96,17 +94,9 @@ def ring_sweep(pool: GroupPool, setup: DeviceSetup, sizes: Sequence[int], *, rep
         send = torch.ones(numel, dtype=setup.dtype, device=setup.device)
         for _ in range(warmup if comm is not None else 0):
             comm.hop(send).wait()
-        for _ in range(repeats):
-            dist.barrier()   # every ring starts together, as in a real step
-            setup.sync()
-            t0 = time.perf_counter()
-            if comm is not None:
-                comm.hop(send).wait()
-            setup.sync()
-            elapsed = time.perf_counter() - t0 if comm is not None else 0.0
-            slowest = torch.tensor([elapsed], dtype=torch.float64, device=setup.device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            samples.append(RingSample(layout.size, numel * element, float(slowest.item())))
+        exchange = None if comm is None else lambda: comm.hop(send).wait()
+        for _ in range(repeats):         # every ring at once
+            samples.append(RingSample(layout.size, numel * element, slowest_seconds(exchange, setup)))
         if progress is not None:
             mine = sorted(s.seconds for s in samples[-repeats:])
             progress(f"ring: {len(layout.rings)} ring(s) of {layout.size} ({layout.link}) {numel * element:>11} B  "
