@@ -101,8 +101,7 @@ def _place(counts: Mapping[int, int], num_gpus: int, gpus_per_node: int, partial
             tiles = free[:, :per * d].reshape(nodes, per, d).all(axis=2).ravel()     # node-major, tile-minor
             chosen = np.flatnonzero(tiles)[:want]
             node, k = np.divmod(chosen, per)
-            for j in range(d):
-                free[node, k * d + j] = False
+            free[node[:, None], (k * d)[:, None] + np.arange(d)[None, :]] = False
             starts = node * g + k * d
         else:
             m = d // g
