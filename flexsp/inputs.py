@@ -24,11 +24,13 @@ import os
 import re
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
 from flexsp.errors import FlexSPError, SizeError
+
+T = TypeVar("T")
 
 INT64_MAX = 2**63 - 1
 
@@ -140,6 +142,23 @@ def read_json(path: str | Path, what: str, error: type[FlexSPError]) -> Any:
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}); expected a JSON file") from None
     return parse_json(text, f"{what} {path}", error)
+
+
+def load_json(path: str | Path, what: str, error: type[FlexSPError], parse: Callable[[Any], T]) -> T:
+    """``parse`` of a JSON file read by ``read_json``; an ``error`` from ``parse`` is prefixed with the path."""
+    data = read_json(path, what, error)
+    try:
+        return parse(data)
+    except error as exc:
+        raise error(f"{path}: {exc}") from None
+
+
+def write_text(path: str | Path, text: str, what: str, error: type[FlexSPError]) -> None:
+    """Write ``text`` and a newline to ``path``; an OS failure is ``error`` naming the file."""
+    try:
+        Path(path).write_text(text + "\n")
+    except OSError as exc:
+        raise error(f"cannot write {what} {path}: {exc.strerror or exc}") from None
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?')   # possessive, closing quote optional: linear time

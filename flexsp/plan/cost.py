@@ -44,7 +44,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from flexsp.errors import CostModelError
-from flexsp.inputs import exact_sum, integer, number, read_json
+from flexsp.inputs import exact_sum, integer, load_json, number, write_text
 from flexsp.plan.cluster import ulysses_split
 from flexsp.plan.lengths import as_lengths
 from solver.types import DegreeCosts, seconds
@@ -295,18 +295,11 @@ class CostModel:
             text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise CostModelError(f"cost model meta cannot be written as JSON: {exc}") from None
-        try:
-            Path(path).write_text(text + "\n")
-        except OSError as exc:
-            raise CostModelError(f"cannot write cost model {path}: {exc.strerror or exc}") from None
+        write_text(path, text, "cost model", CostModelError)
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
-        data = read_json(path, "cost model", CostModelError)
-        try:
-            return cls.from_dict(data)
-        except CostModelError as exc:
-            raise CostModelError(f"{path}: {exc}") from None
+        return load_json(path, "cost model", CostModelError, cls.from_dict)
 
 
 def describe_sources(cost: CostModel) -> str:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from flexsp.errors import PlanError
-from flexsp.inputs import INT64_MAX, exact_sum, integer, limit, number, parse_json, read_json, too_large
+from flexsp.inputs import INT64_MAX, exact_sum, integer, limit, load_json, number, parse_json, too_large, write_text
 from flexsp.plan.cluster import is_tile_start
 from flexsp.plan.lengths import as_lengths
 from solver.types import seconds
@@ -279,18 +279,11 @@ class Plan:
         return cls.from_dict(parse_json(text, "plan", PlanError))
 
     def save(self, path: str | Path) -> None:
-        try:
-            Path(path).write_text(self.to_json() + "\n")
-        except OSError as exc:
-            raise PlanError(f"cannot write plan {path}: {exc.strerror or exc}") from None
+        write_text(path, self.to_json(), "plan", PlanError)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        data = read_json(path, "plan file", PlanError)
-        try:
-            return cls.from_dict(data)
-        except PlanError as exc:
-            raise PlanError(f"{path}: {exc}") from None
+        return load_json(path, "plan file", PlanError, cls.from_dict)
 
 
 def _group_dict(group: Group) -> dict[str, Any]:
