@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import flexsp.runtime.kernels as kernels  # noqa: E402
 from flexsp.runtime.kernels import attend, attend_lse, reference, resolve_backend  # noqa: E402
-from flexsp.runtime.varlen_api import VarlenAPI  # noqa: E402
+from flexsp.runtime.kernels import flash as flash_mod, varlen as varlen_mod  # noqa: E402
+from flexsp.runtime.kernels.varlen import VarlenAPI  # noqa: E402
 
 FLASH_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"
@@ -85,10 +86,10 @@ def test_auto_picks_by_device_dtype_and_availability(monkeypatch):
     assert kernels.VARLEN is not None                          # torch 2.13 has a known signature
     assert resolve_backend("auto", cuda_bf16) == "varlen"
     assert resolve_backend("auto", cuda_fp32) == "sdpa"
-    monkeypatch.setattr(kernels, "VARLEN", None)               # an older torch, flash-attn installed
-    monkeypatch.setattr(kernels, "flash_attn_varlen_func", object())
+    monkeypatch.setattr(varlen_mod, "VARLEN", None)            # an older torch, flash-attn installed
+    monkeypatch.setattr(flash_mod, "FLASH", flash_mod.FlashAPI(object(), 2))
     assert resolve_backend("auto", cuda_bf16) == "flash"
-    monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(flash_mod, "FLASH", None)
     assert resolve_backend("auto", cuda_bf16) == "sdpa"
     with pytest.raises(kernels.AttentionError, match="'varlen' needs CUDA"):
         resolve_backend("varlen", cuda_bf16)
