@@ -170,3 +170,80 @@ def test_varlen_cudnn_runs_forward_and_backward_under_cudnn_with_kv_heads_repeat
     leaves, want, _ = _exact(q, k, v, (0, 9, 13))
     for got, exp in zip(grads, torch.autograd.grad(want.sum(), leaves)):
         torch.testing.assert_close(got.double(), exp, **TOL[torch.float32])
+
+
+# --- a planned step on gloo ranks, the stand-ins in every rank ------------------------------------
+WORLD = 4
+LENGTHS = [9, 6, 11, 5, 7, 13, 10, 15, 14, 9, 18, 11]     # no group's tokens divide its degree: every pack pads
+VOCAB = 64
+CFG = ModelSpec(vocab=VOCAB, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48)
+STEP_CASES = [(torch.float32, "auto", NAN), (torch.bfloat16, "auto", HUGE), (torch.bfloat16, "flash", NAN),
+              (torch.float32, "flash", HUGE)]
+GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 4e-2}    # max |g - reference| over max |reference|
+
+
+def _step_plan() -> Plan:
+    mb = lambda *groups: MicroBatch(tuple(Group(ranks=tuple(r), seq_ids=tuple(s), ring=ring)  # noqa: E731
+                                          for r, s, ring in groups))
+    return Plan(num_gpus=WORLD, predicted_time=0.0, micro_batches=(
+        mb(((0,), (0, 1), 1), ((1,), (2,), 1), ((2,), (3,), 1), ((3,), (4,), 1)),     # degree 1
+        mb(((0, 1), (5, 6), 1), ((2, 3), (7,), 1)),                                  # degree 2
+        mb((range(4), (8, 9), 1)),                                                   # degree 4
+        mb((range(4), (10, 11), 2)),                                                 # Ulysses 2 x ring 2
+    ))
+
+
+def _step_batch():
+    ids = torch.randint(1, VOCAB, (sum(LENGTHS),), generator=torch.Generator().manual_seed(3))
+    return list(ids.split(LENGTHS))
+
+
+def _step_model(dtype):
+    from flexsp.runtime.models.tiny import TinyLM
+    torch.manual_seed(21)
+    return TinyLM(CFG).to(dtype)
+
+
+def _hostile_step_worker(rank, world_size, cases):
+    from flexsp.runtime.pool import GroupPool
+    from flexsp.runtime.step import StepExecutor
+    pool = GroupPool(splits=[(2, 2)])
+    out = []
+    for dtype, backend, poison in cases:
+        hostile.install(setattr, poison)                 # this rank's kernels are the hostile stand-ins
+        model = _step_model(dtype)
+        executor = StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.0), pool, backend=backend)
+        result = executor.run_plan(_step_plan(), _step_batch())
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).float()
+        out.append({"loss": result.loss, "grads": grads, "degrees": result.degrees,
+                    "ops": sorted({c["op"] for c in hostile.Trace.calls})})
+    return out
+
+
+@pytest.fixture(scope="module")
+def hostile_steps():
+    return run_distributed(_hostile_step_worker, WORLD, STEP_CASES, timeout=120)
+
+
+def _one_process_grads(dtype):
+    model = _step_model(dtype)
+    from flexsp.runtime.shard import loss_tokens
+    loss = sum(F.cross_entropy(model(s)[:-1].float(), s[1:], reduction="sum") for s in _step_batch())
+    (loss / loss_tokens(LENGTHS)).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).float()
+
+
+@pytest.mark.parametrize("case", range(len(STEP_CASES)),
+                         ids=[f"{str(d).split('.')[-1]}-{b}-{p}" for d, b, p in STEP_CASES])
+def test_planned_step_with_hostile_kernels_equals_one_process(hostile_steps, case):
+    dtype, backend, _ = STEP_CASES[case]
+    want = _one_process_grads(dtype)
+    for rank, runs in enumerate(hostile_steps):
+        run = runs[case]
+        assert run["degrees"] == (1, 2, 4, 4)
+        # the stand-ins ran: attend's kernel, and the ring's lse forms (forward and its merged-statistics backward)
+        assert {"forward", "backward"} <= set(run["ops"]) and ("flash" in run["ops"]) == (backend == "flash")
+        got = torch.as_tensor(run["grads"])
+        assert bool(torch.isfinite(got).all()), f"rank {rank}: non-finite gradients"
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err <= GRAD_TOL[dtype], f"rank {rank}: gradients off by {err:.3g} of their largest entry"
