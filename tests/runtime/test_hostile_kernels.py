@@ -247,3 +247,24 @@ def test_planned_step_with_hostile_kernels_equals_one_process(hostile_steps, cas
         assert bool(torch.isfinite(got).all()), f"rank {rank}: non-finite gradients"
         err = float((got - want).abs().max() / want.abs().max())
         assert err <= GRAD_TOL[dtype], f"rank {rank}: gradients off by {err:.3g} of their largest entry"
+
+
+def test_flash_attention_3_stand_in_is_picked_on_hopper_and_its_tuple_unwrapped(monkeypatch):
+    """FA3 releases return ``(out, lse)``: ``auto`` on Hopper with FA3 runs it, padding still zero."""
+    from flexsp.runtime.kernels import flash as flash_mod
+    hostile.install(monkeypatch.setattr, HUGE, DeviceFacts("cpu", (9, 0), (2, 11), varlen=True, flash=3,
+                                                           kernel_dtypes=hostile.FLOATS))
+
+    def fa3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False):
+        out, lse, _ = hostile.hostile_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                             max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                                             return_attn_probs=True)
+        return out, lse
+    monkeypatch.setattr(flash_mod, "FLASH", flash_mod.FlashAPI(fa3, 3))
+    q, k, v = _qkv(12, 4, 1, torch.bfloat16)
+    out = attend(q, k, v, (0, 4, 10), backend="auto")
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [c["op"] for c in hostile.Trace.calls] == ["flash"]
+    assert _zero_rows(out, 10) and all(_zero_rows(g, 10) for g in grads)
+    leaves, want, _ = _exact(q, k, v, (0, 4, 10))
+    torch.testing.assert_close(out.double(), want, **TOL[torch.bfloat16])
