@@ -27,7 +27,8 @@ from flexsp.runtime.sp import ring as ring_mod  # noqa: E402
 from flexsp.runtime.sp.context import AttentionContext  # noqa: E402
 from flexsp.runtime.sp.ulysses import ulysses_attention  # noqa: E402
 from flexsp.runtime.sp.zigzag import RingTensors, zigzag_layout  # noqa: E402
-from flexsp.runtime.varlen_api import VarlenAPI  # noqa: E402
+from flexsp.runtime.kernels import varlen as varlen_mod  # noqa: E402
+from flexsp.runtime.kernels.varlen import VarlenAPI  # noqa: E402
 
 pytestmark = pytest.mark.skipif(kernels.VARLEN is None, reason="this torch has no varlen_attn signature we know")
 BF16 = torch.bfloat16
@@ -44,7 +45,7 @@ def calls(monkeypatch):
         return real.fn(*args, **kwargs)
     recording.__signature__ = __import__("inspect").signature(real.fn)
     api = VarlenAPI.detect(recording, real.aux, real.backward_op)
-    monkeypatch.setattr(kernels, "VARLEN", api)
+    monkeypatch.setattr(varlen_mod, "VARLEN", api)
     return seen
 
 

@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import flexsp.runtime.kernels as kernels  # noqa: E402
 from flexsp.runtime.kernels import attend, attend_lse, reference, resolve_backend  # noqa: E402
-from flexsp.runtime.varlen_api import VarlenAPI  # noqa: E402
+from flexsp.runtime.kernels import flash as flash_mod, varlen as varlen_mod  # noqa: E402
+from flexsp.runtime.kernels.varlen import VarlenAPI  # noqa: E402
 
 FLASH_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"
@@ -85,10 +86,10 @@ def test_auto_picks_by_device_dtype_and_availability(monkeypatch):
     assert kernels.VARLEN is not None                          # torch 2.13 has a known signature
     assert resolve_backend("auto", cuda_bf16) == "varlen"
     assert resolve_backend("auto", cuda_fp32) == "sdpa"
-    monkeypatch.setattr(kernels, "VARLEN", None)               # an older torch, flash-attn installed
-    monkeypatch.setattr(kernels, "flash_attn_varlen_func", object())
+    monkeypatch.setattr(varlen_mod, "VARLEN", None)            # an older torch, flash-attn installed
+    monkeypatch.setattr(flash_mod, "FLASH", flash_mod.FlashAPI(object(), 2))
     assert resolve_backend("auto", cuda_bf16) == "flash"
-    monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(flash_mod, "FLASH", None)
     assert resolve_backend("auto", cuda_bf16) == "sdpa"
     with pytest.raises(kernels.AttentionError, match="'varlen' needs CUDA"):
         resolve_backend("varlen", cuda_bf16)
@@ -182,3 +183,97 @@ def test_installed_torch_signature_is_detected():
     want = "window_size" if "window_size" in inspect.signature(varlen.varlen_attn).parameters else "is_causal"
     assert api.causal_arg == want and api.backward_op is not None and "lse" in api.backward_args
     assert math.isfinite(api.backward_args.index("max_k"))
+
+
+# --- the rule on faked devices ------------------------------------------------------------------------
+from flexsp.runtime.kernels.rule import (FEW_SEQUENCES, LONG_MEAN, VARLEN_CUDNN_SINCE, DeviceFacts,  # noqa: E402
+                                         LengthMix, choose, lse_kernel)
+
+BF16, FP32 = torch.bfloat16, torch.float32
+H200 = DeviceFacts("cuda", (9, 0), (2, 11), varlen=True)                 # the measured machine
+H100_FA3 = DeviceFacts("cuda", (9, 0), (2, 11), varlen=True, flash=3)
+H100_NEW_TORCH = DeviceFacts("cuda", (9, 0), VARLEN_CUDNN_SINCE, varlen=True)
+A100 = DeviceFacts("cuda", (8, 0), (2, 11), varlen=True)
+A100_FA2_OLD_TORCH = DeviceFacts("cuda", (8, 0), (2, 9), varlen=False, flash=2)
+HOPPER_NO_KERNELS = DeviceFacts("cuda", (9, 0), (2, 9))
+CPU = DeviceFacts("cpu", None, (2, 13))
+MEASURED_MIX = LengthMix.of((0, 16384, 24576, 28672, 30720, 31744, 32768, 33280, 33792))   # 33,792 tokens
+SHORT_MIX = LengthMix.of(tuple(range(0, 64 * 512 + 1, 512)))                               # 64 x 512
+EIGHT_4K = LengthMix.of(tuple(range(0, 8 * 4096 + 1, 4096)))
+
+
+@pytest.mark.parametrize("facts,dtype,dim,mix,want", [
+    # the two measured shapes on the H200: per-sequence SDPA (cuDNN) for few long, one varlen launch for many short
+    (H200, BF16, 128, MEASURED_MIX, "sdpa"),
+    (H200, BF16, 128, SHORT_MIX, "varlen"),
+    (H200, BF16, 128, EIGHT_4K, "sdpa"),
+    (H200, BF16, 128, None, "varlen"),            # lengths unknown (device bounds only): one launch, no host read
+    (H200, BF16, 256, MEASURED_MIX, "varlen"),    # head dim past cuDNN's fast path
+    (H200, BF16, 64, MEASURED_MIX, "sdpa"),
+    (H200, FP32, 128, SHORT_MIX, "sdpa"),         # no fp32 varlen kernel
+    (H200, BF16, 320, SHORT_MIX, "sdpa"),         # past FlashAttention's head dims
+    (H200, BF16, 100, SHORT_MIX, "sdpa"),         # not a multiple of 8
+    # FlashAttention-3 on Hopper: one launch for every mix
+    (H100_FA3, BF16, 128, MEASURED_MIX, "flash"),
+    (H100_FA3, BF16, 128, SHORT_MIX, "flash"),
+    # a torch whose varlen honours sdpa_kernel(CUDNN): cuDNN in one launch, up to head dim 128
+    (H100_NEW_TORCH, BF16, 128, SHORT_MIX, "varlen_cudnn"),
+    (H100_NEW_TORCH, BF16, 128, MEASURED_MIX, "varlen_cudnn"),
+    (H100_NEW_TORCH, BF16, 256, MEASURED_MIX, "varlen"),
+    # Ampere: SDPA per sequence would run the same FA2 kernel in more launches
+    (A100, BF16, 128, MEASURED_MIX, "varlen"),
+    (A100, BF16, 64, SHORT_MIX, "varlen"),
+    (A100_FA2_OLD_TORCH, BF16, 128, SHORT_MIX, "flash"),
+    (A100_FA2_OLD_TORCH, BF16, 128, MEASURED_MIX, "flash"),
+    (HOPPER_NO_KERNELS, BF16, 128, SHORT_MIX, "sdpa"),
+    (CPU, BF16, 64, SHORT_MIX, "sdpa"),
+    (CPU, FP32, 64, None, "sdpa"),
+])
+def test_rule_on_faked_devices(facts, dtype, dim, mix, want):
+    assert choose(facts, dtype, dim, mix) == want
+
+
+def test_length_mix_thresholds():
+    assert (MEASURED_MIX.sequences, MEASURED_MIX.tokens, MEASURED_MIX.longest) == (8, 33792, 16384)
+    assert MEASURED_MIX.few_long and EIGHT_4K.few_long and not SHORT_MIX.few_long
+    many_long = LengthMix.of(tuple(range(0, (FEW_SEQUENCES + 1) * LONG_MEAN + 1, LONG_MEAN)))
+    assert not many_long.few_long                           # too many launches
+    assert not LengthMix.of((0, LONG_MEAN - 1)).few_long    # one short sequence
+    assert LengthMix.of((0, 0, 5, 5)) == LengthMix(1, 5, 5) and not LengthMix.of((0, 0)).few_long   # empties skipped
+
+
+def test_resolve_backend_reads_the_length_mix_from_host_bounds_and_checks_overrides():
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(33792, 4, 128, dtype=BF16, device="cuda")
+        q32 = torch.empty(8, 4, 128, dtype=FP32, device="cuda")
+    bounds = (0, 16384, 24576, 28672, 30720, 31744, 32768, 33280, 33792)
+    assert resolve_backend("auto", q, bounds, facts=H200) == "sdpa"
+    assert resolve_backend("auto", q, None, facts=H200) == "varlen"
+    assert resolve_backend("varlen", q, bounds, facts=H200) == "varlen"          # backend= overrides the rule
+    assert resolve_backend("sdpa_each", q, bounds, facts=H200) == "sdpa_each"
+    with pytest.raises(kernels.AttentionError, match="'varlen_cudnn' needs torch >= 2.14"):
+        resolve_backend("varlen_cudnn", q, bounds, facts=H200)
+    with pytest.raises(kernels.AttentionError, match="'flash' needs flash_attn installed"):
+        resolve_backend("flash", q, bounds, facts=H200)
+    with pytest.raises(kernels.AttentionError, match="'varlen' needs CUDA tensors in float16/bfloat16"):
+        resolve_backend("varlen", q32, None, facts=H200)
+    # the ring's lse form follows the rule where a kernel has one: the per-sequence choice and flash go through varlen
+    assert lse_kernel("auto", q, bounds, facts=H200) == "varlen"
+    assert lse_kernel("auto", q, bounds, facts=H100_FA3) == "varlen"
+    assert lse_kernel("auto", q, bounds, facts=H100_NEW_TORCH) == "varlen_cudnn"
+    assert lse_kernel("sdpa", q, bounds, facts=H200) == "sdpa"                   # an explicit choice stays
+    assert lse_kernel("auto", q, bounds, facts=A100_FA2_OLD_TORCH) == "sdpa"     # no varlen: per sequence
+    assert lse_kernel("auto", q32, None, facts=H200) == "sdpa"
+
+
+def test_device_facts_of_this_machine(monkeypatch):
+    from flexsp.runtime.kernels import rule
+    cpu = rule.device_facts("cpu")
+    assert (cpu.device_type, cpu.capability, cpu.varlen, cpu.flash) == ("cpu", None, False, 0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.empty(2, device="cuda")
+    facts = rule.device_facts(fake.device)            # fake CUDA on a CPU build: no capability to read
+    assert facts.varlen == (kernels.VARLEN is not None) and facts.capability is None
+    assert facts.torch_version == rule._version(torch.__version__) and rule._version("2.14.0a0+git1") == (2, 14)
+    monkeypatch.setattr(flash_mod, "FLASH", flash_mod.FlashAPI(object(), 3))
+    assert rule.device_facts(fake.device).flash == 3 and rule.device_facts("cpu").flash == 0

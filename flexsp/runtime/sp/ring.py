@@ -33,7 +33,8 @@ from typing import Sequence
 
 import torch
 
-from flexsp.runtime.kernels import AttentionError, LseSpec, lse_backward, lse_forward, merge_partials, resolve_backend
+from flexsp.runtime.kernels import AttentionError, LseSpec, lse_backward, lse_forward, merge_partials
+from flexsp.runtime.kernels.rule import lse_kernel
 from flexsp.runtime.sp.context import AttentionContext, check_heads
 from flexsp.runtime.sp.ring_comm import RingComm, place
 from flexsp.runtime.sp.ulysses_comm import head_to_seq, seq_to_head
@@ -166,7 +167,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Atten
     if replicate > 1:
         k, v = k.repeat_interleave(replicate, dim=1), v.repeat_interleave(replicate, dim=1)
     q, k, v = (seq_to_head(t, ctx.group) for t in (q, k, v))
-    kernel = "varlen" if resolve_backend(ctx.backend, q) in ("varlen", "flash") else "sdpa"
+    kernel = lse_kernel(ctx.backend, q, ctx.bounds)    # the rule's choice for this micro-batch, as an lse form
     out = _RingAttention.apply(q, k, v, ring.tensors, ring.comm, kernel, 1.0 / math.sqrt(q.shape[2]))
     return head_to_seq(out, ctx.group)
 

@@ -3,7 +3,9 @@
 Each of the group's ``d`` ranks holds ``[tokens/d, heads, dim]``. One all-to-all gives it every
 token of ``heads/d`` heads, so plain local attention over the packed sequences is exact; a second
 all-to-all restores the token shard. Communication lives in ``ulysses_comm``, kernels in
-``flexsp.runtime.kernels``; which axis serves a group is decided in ``attention``.
+``flexsp.runtime.kernels``; which axis serves a group is decided in ``attention``. The exchange moves
+the padding rows ``pack`` adds too; the kernels' padding contract makes their output and gradient exactly
+zero, so neither all-to-all carries what a kernel left in them.
 """
 from __future__ import annotations
 

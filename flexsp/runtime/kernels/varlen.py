@@ -1,4 +1,5 @@
-"""``torch.nn.attention.varlen.varlen_attn`` across torch releases: detect the signature once, call it one way.
+"""torch's ``varlen_attn`` (one launch for the whole packed stream): the API across releases, ``attend``'s
+call, its cuDNN variant, and the log-sum-exp forms the ring uses.
 
 torch changed the public call between 2.10 and 2.12 (``is_causal`` became ``window_size=(-1, 0)``;
 ``scale`` and ``enable_gqa`` appeared) and the backward op grew ``scale`` and ``window_size``. A call
@@ -8,15 +9,25 @@ the installed torch accepts. What is missing is made up for here: no ``scale`` -
 no ``enable_gqa`` -> kv heads are repeated (and their gradients summed back). A signature with
 neither ``is_causal`` nor ``window_size`` is not one we know: ``detect`` returns None and ``auto``
 never picks ``varlen``. The lse is always returned as ``[heads, tokens]`` float32.
+
+``cudnn=True`` runs the same calls, forward *and* backward, under ``sdpa_kernel(CUDNN_ATTENTION)`` with
+kv heads repeated (the cuDNN branch of ``varlen_attn`` takes no GQA): torch 2.13's ``varlen_attn`` has
+that branch but never takes it (``_should_use_cudnn`` returns False); pytorch PR 193631 makes it follow
+``sdpa_kernel``. The rule (``rule.py``) enables it only from the torch release it names.
+
+Everything here is raw: rows outside ``cu_seqlens`` are unspecified (``padding.py`` makes them zero).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from flexsp.runtime.kernels.layout import LseSpec
 
 
 @dataclass(frozen=True)
@@ -58,10 +69,11 @@ class VarlenAPI:
                    backward_op=backward_op if names else None, backward_args=names)
 
     # --- calls --------------------------------------------------------------------------------
-    def _prepare(self, q, k, v, scale: float):
-        """(q, k, v) as this API takes them: kv heads repeated without ``enable_gqa``, q pre-scaled without ``scale``."""
+    def _prepare(self, q, k, v, scale: float, repeat_kv: bool):
+        """(q, k, v) as this API takes them: kv heads repeated without ``enable_gqa`` (or when asked),
+        q pre-scaled without ``scale``."""
         group = q.shape[1] // k.shape[1]
-        if group > 1 and not self.gqa:
+        if group > 1 and (repeat_kv or not self.gqa):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         factor = scale * math.sqrt(q.shape[2])
         if not self.scale and factor != 1.0:
@@ -69,9 +81,9 @@ class VarlenAPI:
         return q, k, v, group, factor
 
     def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float,
-                lse: bool = False):
+                lse: bool = False, repeat_kv: bool = False):
         """``out`` (and ``lse [heads, tokens_q]`` float32 with ``lse=True``); differentiable through ``out``."""
-        q, k, v, group, _ = self._prepare(q, k, v, scale)
+        q, k, v, group, _ = self._prepare(q, k, v, scale, repeat_kv)
         kwargs: dict[str, Any] = {}
         if self.causal_arg == "window_size":
             kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
@@ -79,7 +91,7 @@ class VarlenAPI:
             kwargs["is_causal"] = causal
         if self.scale:
             kwargs["scale"] = scale
-        if self.gqa and group > 1:
+        if self.gqa and k.shape[1] != q.shape[1]:
             kwargs["enable_gqa"] = True
         if lse:
             if self.aux is not None:
@@ -94,12 +106,13 @@ class VarlenAPI:
             stat = stat.transpose(0, 1)
         return out, stat.float()
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float,
+                 repeat_kv: bool = False):
         """``(dq, dk, dv)`` from the softmax statistics ``out``/``lse`` (FA2's convention: empty rows +inf)."""
         if self.backward_op is None:
             raise RuntimeError("this torch's varlen_attn has no backward op we can call")
         kv_heads = k.shape[1]
-        qp, kp, vp, group, factor = self._prepare(q, k, v, scale)
+        qp, kp, vp, group, factor = self._prepare(q, k, v, scale, repeat_kv)
         values = {"grad_out": dout, "query": qp, "key": kp, "value": vp, "out": out, "lse": lse,
                   "cu_seq_q": cu_q, "cu_seq_k": cu_k, "max_q": max_q, "max_k": max_k, "is_causal": causal,
                   "rng_state": torch.zeros(2, dtype=torch.uint64, device=q.device), "scale": scale,
@@ -125,3 +138,72 @@ def installed() -> VarlenAPI | None:
         return VarlenAPI.detect(getattr(mod, "varlen_attn", None), getattr(mod, "AuxRequest", None), op)
     except Exception:
         return None
+
+
+VARLEN: VarlenAPI | None = installed()   # read once at import; None on a torch without a known varlen_attn
+
+
+def _cudnn_only(cudnn: bool):
+    """``sdpa_kernel(CUDNN_ATTENTION)`` for the cuDNN variant (forward and backward alike), else nothing."""
+    if not cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+
+
+# --- attend -------------------------------------------------------------------------------------
+def forward(q, k, v, cu, max_seqlen: int, scale: float, *, cudnn: bool = False) -> torch.Tensor:
+    """Causal ``varlen_attn`` over the packed stream; differentiable (its own backward, or ours for cuDNN)."""
+    if cudnn:
+        return _Cudnn.apply(q, k, v, LseSpec(cu, cu, max_seqlen, max_seqlen, True, scale, "varlen_cudnn"))
+    return VARLEN.forward(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, scale=scale)
+
+
+class _Cudnn(torch.autograd.Function):
+    """``varlen_attn`` with the backward under the same ``sdpa_kernel`` choice as the forward (autograd
+    would run the backward outside the forward's context manager)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec: LseSpec):
+        out, lse = lse_forward(q, k, v, spec)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*lse_backward(dout, q, k, v, out, lse, ctx.spec, None), None)
+
+
+# --- lse forms ----------------------------------------------------------------------------------
+def lse_forward(q, k, v, spec: LseSpec):
+    """Raw ``(out, lse)``: rows without keys carry FA2's ``+inf``, padding rows whatever the kernel left."""
+    cudnn = spec.kernel == "varlen_cudnn"
+    with _cudnn_only(cudnn):
+        return VARLEN.forward(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, causal=spec.causal,
+                              scale=spec.scale, lse=True, repeat_kv=cudnn)
+
+
+def _kernel_backward(dout, q, k, v, out, lse, spec: LseSpec):
+    cudnn = spec.kernel == "varlen_cudnn"
+    lse = torch.where(torch.isinf(lse), math.inf, lse).contiguous()              # back to FA2's convention
+    with _cudnn_only(cudnn):
+        return VARLEN.backward(dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse, spec.cu_q, spec.cu_k,
+                               spec.max_q, spec.max_k, causal=spec.causal, scale=spec.scale, repeat_kv=cudnn)
+
+
+def lse_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):
+    """Raw ``(dq, dk, dv)`` from (possibly merged) statistics; ``dlse`` adds the lse output's gradient."""
+    dq, dk, dv = _kernel_backward(dout, q, k, v, out, lse, spec)
+    if dlse is not None:
+        # d lse_i = scale * sum_j P_ij (dq_i: k_j ; dk_j: q_i). sum_j P_ij k_j is attention with v := k;
+        # sum_i g_i P_ij q_i is the dv a kernel backward returns for dO := g * q.
+        live = torch.isfinite(lse)                                                  # [heads, tq]
+        g = torch.where(live, dlse.float(), 0.0).t().unsqueeze(-1)                  # [tq, heads, 1]
+        attn_k, _ = lse_forward(q, k, k, spec)
+        attn_k = torch.where(live.t().unsqueeze(-1), attn_k.float(), 0.0)           # rows without keys: 0, not NaN
+        dq = (dq.float() + spec.scale * g * attn_k).to(q.dtype)
+        _, _, p_t_q = _kernel_backward((g * q.float()).to(q.dtype), q, k, k, out, lse, spec)
+        dk = (dk.float() + spec.scale * p_t_q.float()).to(k.dtype)
+    return dq, dk, dv

@@ -1,0 +1,185 @@
+"""Per-sequence kernels: ``is_causal`` SDPA per sequence for ``attend``, and the log-sum-exp forms.
+
+``attend``'s ``sdpa`` is exact and its work and memory scale with ``sum(s^2)``, never with the packed
+stream's ``T^2``: one ``is_causal`` SDPA call per sequence on 4-D ``[n, heads, s, dim]`` views (no copy),
+with runs of adjacent equal-length sequences batched into one call - the 4-D layout is what lets SDPA
+dispatch its fused kernels (cuDNN or flash on CUDA, the fused flash kernel on CPU; 3-D inputs or a mask
+fall back to the math kernel). ``sdpa_each`` is the same without batching.
+
+The lse forms (``each_forward``/``each_backward``, the ring's kernels where ``varlen`` cannot run) call
+CPU's fused flash op directly where it applies, else an explicit softmax per sequence.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from flexsp.runtime.kernels.layout import LseSpec
+from flexsp.runtime.kernels.reference import causal_seen
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _count_cpu_flash_flops() -> None:
+    """Teach ``FlopCounterMode`` the CPU flash op (torch counts only the CUDA SDPA kernels), so FLOP-based
+    measurements (``flexsp replay``'s cost-form checks) see attention whichever fused kernel ran."""
+    from torch.utils import flop_counter
+
+    if _CPU_FLASH is None or _CPU_FLASH in flop_counter.flop_registry:
+        return
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+    flop_counter.register_flop_formula(_CPU_FLASH)(forward)
+    if _CPU_FLASH_BACKWARD is not None:
+        flop_counter.register_flop_formula(_CPU_FLASH_BACKWARD)(backward)
+
+
+try:
+    _count_cpu_flash_flops()
+except Exception:   # an older torch without these helpers: counts are only used for measurement
+    pass
+
+
+def finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (rows without keys) replaced by 0, safe to subtract."""
+    return torch.where(torch.isinf(lse), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+
+
+# --- attend ---------------------------------------------------------------------------------------
+def runs(bounds: Sequence[int], batch: bool) -> list[tuple[int, int, int]]:
+    """``(start, length, count)``: non-empty sequences, adjacent equal lengths merged into one run when ``batch``."""
+    out: list[tuple[int, int, int]] = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b == a:
+            continue
+        if batch and out and out[-1][1] == b - a and out[-1][0] + out[-1][1] * out[-1][2] == a:
+            start, length, count = out[-1]
+            out[-1] = (start, length, count + 1)
+        else:
+            out.append((a, b - a, 1))
+    return out
+
+
+def _heads_first(x: torch.Tensor, start: int, length: int, count: int) -> torch.Tensor:
+    """Rows ``start .. start + length*count`` of ``x [tokens, heads, dim]`` as a ``[count, heads, length, dim]`` view."""
+    return x[start:start + length * count].unflatten(0, (count, length)).transpose(1, 2)
+
+
+def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[int], scale: float, *,
+           batch: bool) -> torch.Tensor:
+    """``is_causal`` SDPA per sequence (or per run of equal lengths) on 4-D views, outputs concatenated:
+    the work of a varlen kernel (sum of s^2) through SDPA's fused kernels, one Python call per run."""
+    tokens, heads, dim = q.shape
+    gqa = k.shape[1] != heads
+    parts = []
+    for start, length, count in runs(bounds, batch):
+        out = F.scaled_dot_product_attention(_heads_first(q, start, length, count), _heads_first(k, start, length, count),
+                                             _heads_first(v, start, length, count), is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        parts.append(out.transpose(1, 2).reshape(length * count, heads, dim))
+    pad = tokens - bounds[-1]
+    if pad:
+        parts.append(q.new_zeros(pad, heads, dim))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else q.new_zeros(q.shape)
+
+
+# --- lse forms ------------------------------------------------------------------------------------
+def _pairs(spec: LseSpec):
+    """``(qa, qb, ka, kb)`` of every sequence with queries (rows of sequences without keys stay empty)."""
+    bq, bk = spec.host()
+    return [(qa, qb, ka, kb) for qa, qb, ka, kb in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]) if qb > qa]
+
+
+def _fused(q: torch.Tensor, spec: LseSpec, lq: int, lk: int) -> bool:
+    """CPU's flash op applies: CPU tensors, and a causal mask that is the same top-left or bottom-right."""
+    return _CPU_FLASH is not None and q.device.type == "cpu" and (not spec.causal or lq == lk)
+
+
+def _four_d(x: torch.Tensor, a: int, b: int, heads: int) -> torch.Tensor:
+    """Rows ``a:b`` as ``[1, heads, rows, dim]`` (kv heads repeated to ``heads``: the op has no GQA)."""
+    part = x[a:b]
+    if part.shape[1] != heads:
+        part = part.repeat_interleave(heads // part.shape[1], dim=1)
+    return part.transpose(0, 1).unsqueeze(0)
+
+
+def _explicit_scores(q, k, spec: LseSpec, lq: int, lk: int, ct):
+    """``[heads, lq, lk]`` scores of one sequence in ``ct``, bottom-right causal masked."""
+    group = q.shape[1] // k.shape[1]
+    scores = torch.einsum("qhd,khd->hqk", q.to(ct), k.repeat_interleave(group, dim=1).to(ct)) * spec.scale
+    if spec.causal:
+        scores = scores.masked_fill(~causal_seen(lq, lk, q.device), -math.inf)
+    return scores
+
+
+def each_forward(q, k, v, spec: LseSpec):
+    tq, heads, dim = q.shape
+    ct = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_zeros(q.shape)
+    lse = torch.full((heads, tq), -math.inf, dtype=ct, device=q.device)
+    for qa, qb, ka, kb in _pairs(spec):
+        lq, lk = qb - qa, kb - ka
+        if lk == 0:
+            continue
+        if _fused(q, spec, lq, lk):
+            o, l = _CPU_FLASH(_four_d(q, qa, qb, heads), _four_d(k, ka, kb, heads), _four_d(v, ka, kb, heads), 0.0,
+                              spec.causal, scale=spec.scale)
+            out[qa:qb] = o[0].transpose(0, 1)
+            lse[:, qa:qb] = l[0].to(ct)
+            continue
+        scores = _explicit_scores(q[qa:qb], k[ka:kb], spec, lq, lk, ct)
+        row = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - finite(row)[..., None])
+        group = heads // k.shape[1]
+        out[qa:qb] = torch.einsum("hqk,khd->qhd", probs, v[ka:kb].repeat_interleave(group, dim=1).to(ct)).to(q.dtype)
+        lse[:, qa:qb] = row
+    return out, lse
+
+
+def each_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):
+    tq, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    ct = torch.promote_types(q.dtype, torch.float32)
+    dq, dk, dv = torch.zeros(q.shape, dtype=ct, device=q.device), torch.zeros(k.shape, dtype=ct, device=q.device), \
+        torch.zeros(v.shape, dtype=ct, device=q.device)
+    for qa, qb, ka, kb in _pairs(spec):
+        lq, lk = qb - qa, kb - ka
+        if lk == 0:
+            continue
+        if dlse is None and _fused(q, spec, lq, lk):
+            # the op reads P = exp(S - lse) and D = rowsum(dO * O) from the statistics it is given: merged ones work
+            gq, gk, gv = _CPU_FLASH_BACKWARD(
+                _four_d(dout, qa, qb, heads), _four_d(q, qa, qb, heads), _four_d(k, ka, kb, heads),
+                _four_d(v, ka, kb, heads), _four_d(out, qa, qb, heads),
+                lse[:, qa:qb].to(torch.promote_types(q.dtype, torch.float32)).unsqueeze(0).contiguous(),
+                0.0, spec.causal, scale=spec.scale)
+            dq[qa:qb] = gq[0].transpose(0, 1).to(ct)
+            dk[ka:kb] += gk[0].transpose(0, 1).unflatten(1, (kv_heads, group)).sum(2).to(ct)
+            dv[ka:kb] += gv[0].transpose(0, 1).unflatten(1, (kv_heads, group)).sum(2).to(ct)
+            continue
+        scores = _explicit_scores(q[qa:qb], k[ka:kb], spec, lq, lk, ct)
+        probs = torch.exp(scores - finite(lse[:, qa:qb].to(ct))[..., None])          # masked keys: 0
+        do = dout[qa:qb].to(ct)
+        kr = k[ka:kb].repeat_interleave(group, dim=1).to(ct)
+        vr = v[ka:kb].repeat_interleave(group, dim=1).to(ct)
+        delta = (do * out[qa:qb].to(ct)).sum(-1).t()                                    # [heads, lq]
+        if dlse is not None:
+            delta = delta - dlse[:, qa:qb].to(ct)
+        dscores = probs * (torch.einsum("qhd,khd->hqk", do, vr) - delta[..., None])
+        dq[qa:qb] = torch.einsum("hqk,khd->qhd", dscores, kr) * spec.scale
+        dk[ka:kb] += (torch.einsum("hqk,qhd->khd", dscores, q[qa:qb].to(ct)) * spec.scale).unflatten(
+            1, (kv_heads, group)).sum(2)
+        dv[ka:kb] += torch.einsum("hqk,qhd->khd", probs, do).unflatten(1, (kv_heads, group)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

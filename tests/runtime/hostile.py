@@ -1,0 +1,165 @@
+"""Hostile stand-ins for the CUDA attention kernels, for CPU tests of the padding contract.
+
+``hostile_varlen_attn`` / ``hostile_varlen_backward`` have the signatures of torch's feature-detected
+``varlen_attn`` (2.12+: ``window_size``, ``scale``, ``enable_gqa``, ``return_aux``) and its backward op,
+so ``VarlenAPI.detect`` accepts them; ``hostile_flash_attn_varlen_func`` has flash-attn 2's. On real
+rows they compute exact attention (float64, cast to the input dtype; the backward from the statistics it
+is given, FlashAttention's recurrence, so merged statistics work as with FA2). Every row they do not own
+- queries past ``cu_seq_q[-1]``, keys past ``cu_seq_k[-1]`` - gets ``poison`` (NaN or 1e30) in the
+forward output, the lse, and the backward's dq/dk/dv: what uninitialised memory on a GPU may hold.
+
+``install(setter, poison, facts)`` puts them in place of the installed kernels and makes the rule treat
+the CPU as a device that runs them (``rule.device_facts``); ``setter`` is ``monkeypatch.setattr`` in a
+test, plain ``setattr`` in a spawned rank (whose process ends with the test).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from flexsp.runtime.kernels import flash as flash_mod
+from flexsp.runtime.kernels import rule
+from flexsp.runtime.kernels import varlen as varlen_mod
+from flexsp.runtime.kernels.rule import DeviceFacts
+from flexsp.runtime.kernels.varlen import VarlenAPI
+
+FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+# An A100-like device (auto runs varlen) whose kernels also take fp32/fp64 CPU tensors.
+FACTS = DeviceFacts("cpu", (8, 0), varlen=True, flash=2, kernel_dtypes=FLOATS)
+
+
+class Aux(NamedTuple):
+    lse: bool = False
+
+
+class Trace:
+    """What the stand-ins saw (per process): the calls and whether cuDNN alone was allowed then."""
+
+    calls: list[dict] = []
+
+
+def _bounds(cu) -> list[int]:
+    return [int(b) for b in cu.tolist()]
+
+
+def _scores(q, k, qa, qb, ka, kb, causal, scale):
+    s = torch.einsum("qhd,khd->hqk", q[qa:qb], k[ka:kb]) * scale
+    if causal:
+        lq, lk = qb - qa, kb - ka
+        seen = (lk - torch.arange(lk))[None, :] >= (lq - torch.arange(lq))[:, None]
+        s = s.masked_fill(~seen, -math.inf)
+    return s
+
+
+def _repeat(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), group
+
+
+def _forward(q, k, v, cu_q, cu_k, causal, scale, poison):
+    """Exact ``(out, lse [heads, tq] float32)`` on real rows (FA2: a row without keys is ``(0, +inf)``); poison after."""
+    q64 = q.double()
+    k64, v64, _ = _repeat(q64, k.double(), v.double())
+    bq, bk = _bounds(cu_q), _bounds(cu_k)
+    out = torch.full(q.shape, poison, dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), poison, dtype=torch.float64)
+    for (qa, qb), (ka, kb) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+        s = _scores(q64, k64, qa, qb, ka, kb, causal, scale)
+        row = torch.logsumexp(s, -1) if kb > ka else torch.full((q.shape[1], qb - qa), -math.inf, dtype=torch.float64)
+        p = torch.exp(s - torch.where(torch.isinf(row), 0.0, row)[..., None])
+        out[qa:qb] = torch.einsum("hqk,khd->qhd", p, v64[ka:kb])
+        lse[:, qa:qb] = torch.where(torch.isinf(row), math.inf, row)
+    return out.to(q.dtype), lse.float()
+
+
+def _backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison):
+    """``(dq, dk, dv)`` from the given statistics (``P = exp(S - lse)``, ``D = rowsum(dO * O)``); poison after."""
+    q64, do, o = q.double(), dout.double(), out.double()
+    k64, v64, group = _repeat(q64, k.double(), v.double())
+    bq, bk = _bounds(cu_q), _bounds(cu_k)
+    dq = torch.full(q.shape, poison, dtype=torch.float64)
+    dk = torch.zeros(k64.shape, dtype=torch.float64)
+    dv = torch.zeros(v64.shape, dtype=torch.float64)
+    stat = lse.double()
+    for (qa, qb), (ka, kb) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+        s = _scores(q64, k64, qa, qb, ka, kb, causal, scale)
+        p = torch.exp(s - stat[:, qa:qb, None])                                   # lse +inf: 0
+        delta = (do[qa:qb] * o[qa:qb]).sum(-1).t()                                 # [h, lq]
+        ds = p * (torch.einsum("qhd,khd->hqk", do[qa:qb], v64[ka:kb]) - delta[..., None])
+        dq[qa:qb] = torch.einsum("hqk,khd->qhd", ds, k64[ka:kb]) * scale
+        dk[ka:kb] = torch.einsum("hqk,qhd->khd", ds, q64[qa:qb]) * scale
+        dv[ka:kb] = torch.einsum("hqk,qhd->khd", p, do[qa:qb])
+    if group > 1:
+        dk, dv = (t.unflatten(1, (k.shape[1], group)).sum(2) for t in (dk, dv))
+    dk[bk[-1]:] = poison
+    dv[bk[-1]:] = poison
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _cudnn_only() -> bool:
+    return torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+
+
+class _Attention(torch.autograd.Function):
+    """The stand-in's autograd: its own backward writes poison into rows it does not own, as FA2's may."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, poison):
+        out, lse = _forward(q, k, v, cu_q, cu_k, causal, scale, poison)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = causal, scale, poison
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        causal, scale, poison = ctx.args
+        return (*_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison), None, None, None, None, None)
+
+
+POISON = {"value": float("nan")}   # per process; ``install`` sets it
+
+
+def hostile_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.12+'s ``varlen_attn`` signature; lse ``[heads, tokens]`` float32."""
+    assert tuple(window_size) in ((-1, 0), (-1, -1))
+    assert enable_gqa or key.shape[1] == query.shape[1]
+    Trace.calls.append({"op": "forward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1]})
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    out, lse = _Attention.apply(query, key, value, cu_seq_q, cu_seq_k, tuple(window_size) == (-1, 0), scale,
+                                POISON["value"])
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+def hostile_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                            rng_state, scale=None, window_size=None):
+    """The backward op's schema (``torch_attn::_varlen_attn_backward``)."""
+    Trace.calls.append({"op": "backward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1]})
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    return _backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, is_causal, scale, POISON["value"])
+
+
+def hostile_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                   alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2's ``flash_attn_varlen_func`` (GQA native)."""
+    assert dropout_p == 0.0
+    Trace.calls.append({"op": "flash", "cudnn": _cudnn_only(), "kv_heads": k.shape[1]})
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    out, lse = _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, POISON["value"])
+    return (out, lse, None) if return_attn_probs else out
+
+
+def install(setter=setattr, poison: float = float("nan"), facts: DeviceFacts = FACTS) -> VarlenAPI:
+    """The stand-ins in place of ``varlen_attn`` and flash-attn, the rule told the CPU runs them."""
+    api = VarlenAPI.detect(hostile_varlen_attn, Aux, hostile_varlen_backward)
+    assert api is not None and api.backward_op is not None and api.gqa and api.scale
+    setter(varlen_mod, "VARLEN", api)
+    setter(flash_mod, "FLASH", flash_mod.FlashAPI(hostile_flash_attn_varlen_func, 2))
+    setter(rule, "device_facts", lambda device=None: facts)
+    POISON["value"] = poison
+    Trace.calls.clear()
+    return api
