@@ -214,8 +214,11 @@ def run_simulate(args) -> int:
         if args.plot:
             print(f"wrote {plot_step_times(sim, args.plot)}")
         reference = sim.runs.get("flexsp")
-        if args.gantt and reference is not None and reference.first_plan is not None:
-            print(f"wrote {plot_gantt(reference.first_plan, sim.first_batch, cost, args.gantt)}")
+        if args.gantt and (reference is None or reference.error or reference.first_plan is None):
+            print(f"no Gantt chart written to {args.gantt}: "
+                  + ("flexsp is not among --strategies" if reference is None else "flexsp found no plan"))
+        elif args.gantt:
+            print(f"wrote {plot_gantt(reference.first_plan, sim.first_batch, cost, args.gantt, step=1)}")
     return 0
 
 

@@ -22,7 +22,7 @@ from flexsp.plan.communicator_memory import describe_reservation, pool_degrees, 
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel
 from flexsp.plan.lengths import LengthDistribution, preprocess
-from flexsp.plan.planner import plan_batch
+from flexsp.plan.planner import largest_held, plan_batch
 from flexsp.plan.strategies import get_strategy, strategies
 from flexsp.plan.types import Plan
 
@@ -201,8 +201,11 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     runs = {name: StrategyRun(name, cost=_strategy_cost(cost, cluster, name, communicator_bytes, config.degrees))
             for name in strategies}
     rng = np.random.default_rng(seed)
-    batches = [preprocess(pool[rng.integers(0, pool.size, size=batch_size)], context, cluster.num_gpus)[0]
-               for _ in range(steps)]
+    index = np.flatnonzero(distribution.lengths <= context)          # pool position -> distribution position
+    draws = [index[rng.integers(0, pool.size, size=batch_size)] for _ in range(steps)]
+    _check_held(distribution, draws, [cost] + [runs[n].cost for n in strategies if not _restricted(n)], cluster,
+                config, context)
+    batches = [preprocess(distribution.lengths[drawn], context, cluster.num_gpus)[0] for drawn in draws]
     bounds = [lower_bound(lengths, cost, cluster, degrees=config.degrees) for lengths in batches]
     coupled = [coupled_lower_bound(lengths, cost, cluster, degrees=config.degrees) for lengths in batches]
     bar = tqdm(total=steps * len(strategies), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
@@ -229,6 +232,42 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     bar.close()
     return Simulation(distribution.name, distribution.approximate, cluster.num_gpus, context, batch_size, steps,
                       dropped_share, runs, bounds, batches[0], coupled, communicator_bytes)
+
+
+def _restricted(name: str) -> bool:
+    """A strategy limited to a degree or a degree set (``static:8``, ``flexsp[1,8]``): it may find a batch
+    infeasible (reported in its row) where the cluster could hold it."""
+    spec = parse_strategy(name)
+    return spec.sp_degree is not None or spec.degrees is not None or get_strategy(spec.strategy).accepts_sp_degree
+
+
+def _check_held(distribution: LengthDistribution, draws: Sequence[np.ndarray], costs: Sequence[CostModel],
+                cluster: Cluster, config: PlanConfig, context: int) -> None:
+    """Before any bound or plan: a ``PlanError`` naming the first drawn sequence that, padded, is longer
+    than the cluster holds with ``config``'s degrees (the least of ``costs``' capacities), in the terms of
+    its source (a file's line and value), with what would make the run work."""
+    multiple = 2 * cluster.num_gpus
+    held, degree, cost = min(((*largest_held(c, cluster, config), c) for c in costs), key=lambda t: t[0])
+    kept_below = context - context % multiple                          # what preprocess keeps
+    for step, drawn in enumerate(draws):
+        raw = distribution.lengths[drawn]
+        padded = -(-raw // multiple) * multiple
+        over = np.flatnonzero((padded > held) & (raw <= kept_below))
+        if over.size:
+            i = int(drawn[over[0]])
+            length = int(distribution.lengths[i])
+            safe = held - held % multiple
+            pad = -length % multiple
+            top = cluster.all_degrees[-1]
+            raise PlanError(
+                f"{distribution.where(i)}: a sequence of {length:,} tokens"
+                + (f" ({length + pad:,} once padded to a multiple of 2 x {cluster.num_gpus} GPUs)" if pad else "")
+                + f", drawn for step {step}, is more than the cluster holds: {degree} GPUs x "
+                f"{cost.token_capacity:,.0f} tokens = {held:,}"
+                + ("" if degree == top else f" at the largest SP degree allowed (the cluster's largest is {top}: "
+                                            f"--degrees)")
+                + f"; use more GPUs, or a context limit of at most {safe:,} (--context {safe}) to leave such "
+                f"sequences out of the draws")
 
 
 def _strategy_cost(cost: CostModel, cluster: Cluster, name: str, communicator_bytes: float | None,
