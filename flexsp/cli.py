@@ -112,8 +112,17 @@ def _cost(args) -> CostModel:
                             gpus_per_node=args.gpus_per_node)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as the one ``flexsp <command>: error: ...`` line (status 2)
+    that every other input error gets, not the usage block first (``--help`` still shows it). Subcommand
+    parsers are built with the parent's class, so they all do this."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexsp", description="Plan heterogeneous sequence parallelism.")
+    parser = _Parser(prog="flexsp", description="Plan heterogeneous sequence parallelism.")
     parser.add_argument("--max-input", action="append", default=[], metavar="NAME=VALUE",
                         help="raise a cap on what an input may make FlexSP allocate: " + ", ".join(
                             f"{name} ({text}, default {default}, or ${var})"
@@ -180,8 +189,14 @@ def _strategies(args, cluster: Cluster) -> list[str]:
 
 
 def _outputs(*pairs: tuple[Path | None, str]) -> None:
+    from flexsp.evaluation.plots import figure_path
     for path, what in pairs:
         if path is not None:
+            if what in ("--plot", "--gantt"):
+                try:
+                    figure_path(path)
+                except FlexSPError as exc:
+                    raise FlexSPError(f"{what} {exc}") from None
             writable_file(path, what, FlexSPError)
 
 
@@ -269,7 +284,11 @@ def _write(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:         # named by the command they were given to, like every other argument error
+        parser.exit(2, f"flexsp {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
+                       f"(usage: flexsp {args.command} --help)\n")
     try:
         for assignment in args.max_input:
             set_limit(assignment)
