@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="plan one batch from a lengths file and write the plan JSON")
     plan.add_argument("lengths", type=Path, help="lengths file (.txt, .txt.gz or .npy)")
     _cost_args(plan)
-    plan.add_argument("--strategy", default="flexsp", help="one of: " + _strategy_help())
+    plan.add_argument("--strategy", default="flexsp",
+                      help="as in simulate --strategies: NAME, static:D (pins the degree) or NAME[1,8,64] (restricts "
+                           "the degrees); names: " + _strategy_help())
     plan.add_argument("--sp-degree", type=_count(1), help="the SP degree, for a strategy that takes one (static)")
     plan.add_argument("--over-context", choices=OVER_CONTEXT, default="error",
                       help="a sequence longer than --context: refuse the batch (error, the default) or cut it to "

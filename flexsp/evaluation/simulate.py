@@ -1,13 +1,13 @@
 """Offline simulation: plan many sampled global batches with several strategies and compare.
 
-A strategy is named as ``plan_batch`` names it; ``static:D`` pins the static degree (the paper's
+A strategy is named as ``plan_batch`` and ``PlanConfig`` name it (``flexsp.plan.strategies.parse_strategy``,
+one syntax for ``simulate --strategies``, ``plan --strategy`` and ``PlanConfig(strategy=...)``); ``static:D`` pins the static degree (the paper's
 DeepSpeed baseline is the better of ``static:64`` and ``static:32``), and a suffix ``[1,8,64]``
 restricts a strategy to those SP degrees, e.g. ``flexsp[1,8,64]``, to see what bounding the
 communicators per rank costs.
 """
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -23,7 +23,7 @@ from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel
 from flexsp.plan.lengths import LengthDistribution, preprocess
 from flexsp.plan.planner import largest_held, plan_batch
-from flexsp.plan.strategies import get_strategy, strategies
+from flexsp.plan.strategies import StrategySpec, get_strategy, parse_strategy, parse_strategy_list, strategies
 from flexsp.plan.types import Plan
 
 
@@ -73,40 +73,6 @@ class Simulation:
                                   "error": run.error, "token_capacity": run.cost.token_capacity if run.cost else None}
                            for name, run in self.runs.items()},
         }
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    strategy: str
-    sp_degree: int | None = None
-    degrees: tuple[int, ...] | str | None = None
-
-
-def parse_strategy_list(text: str) -> list[str]:
-    """Comma-separated names, commas inside ``[...]`` kept: ``flexsp,flexsp[1,8,64]``."""
-    return [m.strip() for m in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if m.strip()]
-
-
-def parse_strategy(name: str) -> StrategySpec:
-    """``flexsp`` / ``static:32`` / ``flexsp[1,8,64]`` -> what to pass to ``plan_batch``. ``NAME:D``
-    pins ``sp_degree`` for a strategy that accepts it (see ``flexsp.plan.strategies``)."""
-    degrees = None
-    if name.endswith("]") and "[" in name:
-        name, inside = name[:-1].split("[", 1)
-        try:
-            degrees = "any" if inside.strip().lower() == "any" else tuple(int(d) for d in inside.split(",") if d.strip())
-        except ValueError:
-            raise PlanError(f"degrees in [{inside}] must be integers or any, e.g. flexsp[1,8,64] or flexsp[any]") from None
-    if ":" in name:
-        base, degree = name.split(":", 1)
-        if not get_strategy(base).accepts_sp_degree:
-            raise PlanError(f"{name!r}: strategy {base!r} takes no SP degree; "
-                            f"{', '.join(s.name + ':D' for s in strategies() if s.accepts_sp_degree)} does")
-        try:
-            return StrategySpec(base, int(degree), degrees)
-        except ValueError:
-            raise PlanError(f"{base} degree in {name!r} must be an integer, e.g. {base}:32") from None
-    return StrategySpec(name, None, degrees)
 
 
 def default_strategies(cluster: Cluster, include_dynamic_cp: bool = True) -> list[str]:
