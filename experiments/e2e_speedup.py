@@ -93,10 +93,12 @@ def run_setting(model: str, dataset: str, context: int, iterations: int, batch_s
     return row
 
 
-def plot(rows: list[dict], models: list[str], contexts: list[int], path) -> None:
+def figure(rows: list[dict], models: list[str], contexts: list[int]):
+    """The speedup figure (returned open, for tests to read its text); its title gives the batch size and
+    iterations of ``rows``."""
     plt = common.pyplot()
-    fig, axes = plt.subplots(len(contexts), len(models), figsize=(4.2 * len(models), 3.4 * len(contexts)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(contexts), len(models), figsize=(max(6.0, 4.2 * len(models)), 3.4 * len(contexts)),
+                             squeeze=False, layout="constrained")
     series = [("megatron_s", "Megatron (TP8+CP)", "#7f7f7f"), ("deepspeed_s", "DeepSpeed (static SP)", "#1f77b4"),
               ("batchada_s", "BatchAda", "#ff7f0e"), ("dynamic_cp_s", "dynamic CP", "#9467bd"),
               ("flexsp_s", "FlexSP", "#2ca02c")]
@@ -116,10 +118,16 @@ def plot(rows: list[dict], models: list[str], contexts: list[int], path) -> None
             ax.set_title(f"{model}, {context // 1024}K context", fontsize=9)
             ax.set_ylabel("mean iteration time (s)", fontsize=8)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Simulated iteration time, 64 GPUs, batch 512 (label: FlexSP speedup over Megatron; "
-                 "* = approximated length distribution)", fontsize=9)
-    fig.tight_layout()
-    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
+    batch = "/".join(str(b) for b in sorted({int(r["batch_size"]) for r in rows}))
+    iterations = "/".join(str(n) for n in sorted({int(r["iterations"]) for r in rows}))
+    fig.suptitle(common.wrap_title(
+        f"Simulated iteration time, 64 GPUs, batch {batch}, {iterations} iteration(s) per setting (label: FlexSP "
+        "speedup over Megatron; * = approximated length distribution)", fig.get_figwidth()), fontsize=9)
+    return fig
+
+
+def plot(rows: list[dict], models: list[str], contexts: list[int], path) -> None:
+    common.save_figure(figure(rows, models, contexts), Path(path), Path(path).with_suffix(".csv"))
 
 
 def summarize(rows: list[dict]) -> str:
