@@ -15,7 +15,7 @@ from flexsp.plan.cluster import Cluster
 from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, pool_degrees, reserve_communicators
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel, describe_sources
-from flexsp.plan.lengths import OVER_CONTEXT, bound_context, get_distribution, load_lengths
+from flexsp.plan.lengths import OVER_CONTEXT, bound_context, get_distribution, load_lengths, locate
 from flexsp.plan.memory import SHARDINGS
 from flexsp.plan.presets import cost_from_preset
 from flexsp.profile import cli as profile_cli
@@ -144,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", type=Path, help="write step times per strategy as PNG")
     sim.add_argument("--gantt", type=Path, help="write the first step's FlexSP plan as a Gantt chart PNG")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.add_argument("--no-progress", dest="quiet", action="store_true", help=argparse.SUPPRESS)   # the scripts' old spelling
     sim.add_argument("--workers", type=_count(1), default=1,
                      help="plan this many steps at once in separate processes (same results; default 1)")
     replay_cli.add_simulate_options(sim)
@@ -240,10 +241,11 @@ def run_simulate(args) -> int:
 
 
 def run_plan(args) -> int:
-    from flexsp.plan.planner import plan_batch
+    from flexsp.plan.planner import check_held, largest_held, plan_batch
     _outputs((args.output, "-o/--output"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
-    lengths, cut = bound_context(load_lengths(args.lengths), args.context, args.over_context)
+    where = lambda i: locate(args.lengths, i)          # noqa: E731 (errors name the file's line, not an index)
+    lengths, cut = bound_context(load_lengths(args.lengths), args.context, args.over_context, where=where)
     if cut:
         print(f"cut {cut} sequence(s) to the context limit {args.context:,} tokens (--over-context truncate)")
     cost = _cost(args)
@@ -252,6 +254,8 @@ def run_plan(args) -> int:
         pool = pool_degrees(cluster, "flexsp", config.degrees, None, cost)     # every degree plans may use
         cost = reserve_communicators(cost, pool, _communicator_bytes(args), gpus_per_node=cluster.gpus_per_node)
         print(describe_reservation(cost))
+    check_held(lengths, cost, cluster, largest_held(cost, cluster, config)[1],
+               where=lambda i: f"{where(i)}: a sequence of {lengths[i]:,} tokens")
     plan = plan_batch(lengths, cost, cluster, config=config)
     print(f"{args.strategy}: {len(lengths)} sequences -> {len(plan.micro_batches)} micro-batches, "
           f"groups {plan.degree_histogram()}, predicted {plan.predicted_time:.3f} s, solved in {plan.solve_time:.2f} s")
