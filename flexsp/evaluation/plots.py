@@ -122,10 +122,11 @@ def gantt_figure(plan: Plan, lengths, cost: CostModel, title: str | None = None,
     handles = [plt.Rectangle((0, 0), 1, 1, color=shade[d]) for d in degrees]
     fig.legend(handles, [f"SP degree {d}" for d in degrees], fontsize=7, loc="outside right upper")
     which = f"step {step}, " if step is not None else ""
+    model = cost.meta.get("preset") or cost.meta.get("source") or "custom"
     ax.set(xlim=(0, start * 1.02), ylim=(plan.num_gpus, 0), xlabel="predicted time (s)", ylabel="rank",
            title=title or f"Simulated {plan.strategy} plan, {which}{len(lengths)} sequences: "
                           f"{len(plan.micro_batches)} micro-batch{'es' * (len(plan.micro_batches) != 1)}, "
-                          f"{plan.predicted_time:.2f} s")
+                          f"{plan.predicted_time:.2f} s\n{plan.num_gpus} GPUs, cost model: {model}")
     return fig
 
 
