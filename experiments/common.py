@@ -17,7 +17,7 @@ import numpy as np
 
 import flexsp
 from flexsp.errors import PlanError
-from flexsp.evaluation.simulate import parse_strategy
+from flexsp.plan.strategies import parse_strategy
 from flexsp.plan.lengths import LengthDistribution, get_distribution, preprocess
 
 from outputs import RESULTS, resolve_out

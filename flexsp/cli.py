@@ -174,8 +174,8 @@ def _strategy_help() -> str:
 
 def _strategies(args, cluster: Cluster) -> list[str]:
     """--strategies, each name checked before any solving."""
-    from flexsp.evaluation.simulate import default_strategies, parse_strategy, parse_strategy_list
-    from flexsp.plan.strategies import get_strategy, names
+    from flexsp.evaluation.simulate import default_strategies
+    from flexsp.plan.strategies import get_strategy, names, parse_strategy, parse_strategy_list
     if args.strategies is None:
         return default_strategies(cluster)
     listed = parse_strategy_list(args.strategies)

@@ -23,7 +23,7 @@ from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel
 from flexsp.plan.lengths import LengthDistribution, preprocess
 from flexsp.plan.planner import largest_held, plan_batch
-from flexsp.plan.strategies import StrategySpec, get_strategy, parse_strategy, parse_strategy_list, strategies
+from flexsp.plan.strategies import StrategySpec, get_strategy, parse_strategy, parse_strategy_list, strategies  # noqa: F401 (re-exported)
 from flexsp.plan.types import Plan
 
 
