@@ -67,6 +67,20 @@ def test_a_padded_length_is_named_by_its_value_in_the_file(tmp_path, capsys):
         in line
 
 
+def test_a_restricted_strategy_that_cannot_hold_a_draw_is_infeasible_in_the_files_terms(tmp_path):
+    from flexsp.evaluation.simulate import simulate
+    from flexsp.plan.lengths import get_distribution
+    lengths = tmp_path / "m.txt"
+    lengths.write_text("100\n200\n\n60000\n")
+    cluster, cost = flexsp.Cluster(64, 8), cost_from_preset("gpt-7b", num_gpus=64)
+    sim = simulate(get_distribution(str(lengths)), cost, cluster, ["batchada", "static:8", "flexsp[1,2]"], steps=2,
+                   batch_size=8, progress=False)
+    assert not sim.runs["batchada"].error
+    for name, degree in (("static:8", 8), ("flexsp[1,2]", 2)):
+        assert sim.runs[name].error.startswith(f"{lengths} line 4: a sequence of 60,000 tokens (60,032 once padded")
+        assert f"is more than {name} holds: {degree} GPUs x" in sim.runs[name].error
+
+
 def test_bounds_refuse_a_batch_no_plan_can_hold_without_nan():
     from flexsp.plan.bounds import coupled_lower_bound, lower_bound
     cluster, cost = flexsp.Cluster(16, 8), cost_from_preset("gpt-7b", num_gpus=16)

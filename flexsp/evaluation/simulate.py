@@ -169,16 +169,16 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     rng = np.random.default_rng(seed)
     index = np.flatnonzero(distribution.lengths <= context)          # pool position -> distribution position
     draws = [index[rng.integers(0, pool.size, size=batch_size)] for _ in range(steps)]
-    _check_held(distribution, draws, [cost] + [runs[n].cost for n in strategies if not _restricted(n)], cluster,
-                config, context)
+    _check_held(distribution, draws, cost, runs, cluster, config, context)
     batches = [preprocess(distribution.lengths[drawn], context, cluster.num_gpus)[0] for drawn in draws]
     bounds = [lower_bound(lengths, cost, cluster, degrees=config.degrees) for lengths in batches]
     coupled = [coupled_lower_bound(lengths, cost, cluster, degrees=config.degrees) for lengths in batches]
-    bar = tqdm(total=steps * len(strategies), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
-    planned = plan_steps(batches, cost, cluster, strategies, config=config, workers=workers,
-                         keep_plans=steps if keep_plans else 1, strategy_costs=[runs[name].cost for name in strategies])
+    active = [name for name in strategies if not runs[name].error]      # not those that cannot hold a draw
+    bar = tqdm(total=steps * len(active), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
+    planned = plan_steps(batches, cost, cluster, active, config=config, workers=workers,
+                         keep_plans=steps if keep_plans else 1, strategy_costs=[runs[name].cost for name in active])
     for lengths, outcomes in zip(batches, planned):
-        for name, outcome in zip(strategies, outcomes):
+        for name, outcome in zip(active, outcomes):
             run = runs[name]
             bar.update(1)
             if run.error:
@@ -207,33 +207,55 @@ def _restricted(name: str) -> bool:
     return spec.sp_degree is not None or spec.degrees is not None or get_strategy(spec.strategy).accepts_sp_degree
 
 
-def _check_held(distribution: LengthDistribution, draws: Sequence[np.ndarray], costs: Sequence[CostModel],
-                cluster: Cluster, config: PlanConfig, context: int) -> None:
-    """Before any bound or plan: a ``PlanError`` naming the first drawn sequence that, padded, is longer
-    than the cluster holds with ``config``'s degrees (the least of ``costs``' capacities), in the terms of
-    its source (a file's line and value), with what would make the run work."""
+def _held_by(name: str, cost: CostModel, cluster: Cluster, config: PlanConfig) -> tuple[int, int]:
+    """``(tokens, degree)``: the longest sequence strategy ``name`` can plan (``static:8``: a group of 8)."""
+    spec = parse_strategy(name)
+    if spec.sp_degree is not None:
+        return cost.group_capacity(spec.sp_degree), spec.sp_degree
+    return largest_held(cost, cluster, config.replace(
+        strategy=spec.strategy, degrees=spec.degrees if spec.degrees is not None else config.degrees))
+
+
+def _too_long(distribution: LengthDistribution, draws: Sequence[np.ndarray], held: int, degree: int,
+              cost: CostModel, cluster: Cluster, context: int, holder: str) -> str | None:
+    """The first drawn sequence that, padded, is longer than ``held`` tokens, in the terms of its source (a
+    file's line and value), or None: checked before any bound or plan."""
     multiple = 2 * cluster.num_gpus
-    held, degree, cost = min(((*largest_held(c, cluster, config), c) for c in costs), key=lambda t: t[0])
     kept_below = context - context % multiple                          # what preprocess keeps
     for step, drawn in enumerate(draws):
         raw = distribution.lengths[drawn]
-        padded = -(-raw // multiple) * multiple
-        over = np.flatnonzero((padded > held) & (raw <= kept_below))
+        over = np.flatnonzero((-(-raw // multiple) * multiple > held) & (raw <= kept_below))
         if over.size:
             i = int(drawn[over[0]])
             length = int(distribution.lengths[i])
-            safe = held - held % multiple
             pad = -length % multiple
-            top = cluster.all_degrees[-1]
-            raise PlanError(
-                f"{distribution.where(i)}: a sequence of {length:,} tokens"
-                + (f" ({length + pad:,} once padded to a multiple of 2 x {cluster.num_gpus} GPUs)" if pad else "")
-                + f", drawn for step {step}, is more than the cluster holds: {degree} GPUs x "
-                f"{cost.token_capacity:,.0f} tokens = {held:,}"
-                + ("" if degree == top else f" at the largest SP degree allowed (the cluster's largest is {top}: "
-                                            f"--degrees)")
-                + f"; use more GPUs, or a context limit of at most {safe:,} (--context {safe}) to leave such "
-                f"sequences out of the draws")
+            return (f"{distribution.where(i)}: a sequence of {length:,} tokens"
+                    + (f" ({length + pad:,} once padded to a multiple of 2 x {cluster.num_gpus} GPUs)" if pad else "")
+                    + f", drawn for step {step}, is more than {holder} holds: {degree} GPUs x "
+                    f"{cost.token_capacity:,.0f} tokens = {held:,}")
+    return None
+
+
+def _check_held(distribution: LengthDistribution, draws: Sequence[np.ndarray], cost: CostModel,
+                runs: dict[str, StrategyRun], cluster: Cluster, config: PlanConfig, context: int) -> None:
+    """Before any bound or plan: a ``PlanError`` when a drawn sequence is longer than the cluster holds with
+    ``config``'s degrees (the least capacity of ``cost`` and the unrestricted strategies' models), saying
+    what would make the run work; a restricted strategy (``static:8``, ``flexsp[1,2]``) that cannot hold
+    one is marked infeasible with the same words and not planned."""
+    costs = [cost] + [run.cost for name, run in runs.items() if not _restricted(name)]
+    held, degree, smallest = min(((*largest_held(c, cluster, config), c) for c in costs), key=lambda t: t[0])
+    problem = _too_long(distribution, draws, held, degree, smallest, cluster, context, "the cluster")
+    if problem is not None:
+        top = cluster.all_degrees[-1]
+        safe = held - held % (2 * cluster.num_gpus)
+        raise PlanError(problem + ("" if degree == top else f" at the largest SP degree allowed (the cluster's "
+                                                            f"largest is {top}: --degrees)")
+                        + f"; use more GPUs, or a context limit of at most {safe:,} (--context {safe}) to leave "
+                        f"such sequences out of the draws")
+    for name, run in runs.items():
+        if _restricted(name):
+            held, degree = _held_by(name, run.cost, cluster, config)
+            run.error = _too_long(distribution, draws, held, degree, run.cost, cluster, context, name)
 
 
 def _strategy_cost(cost: CostModel, cluster: Cluster, name: str, communicator_bytes: float | None,
