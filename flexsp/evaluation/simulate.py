@@ -254,7 +254,11 @@ def _check_held(distribution: LengthDistribution, draws: Sequence[np.ndarray], c
                         f"such sequences out of the draws")
     for name, run in runs.items():
         if _restricted(name):
-            held, degree = _held_by(name, run.cost, cluster, config)
+            try:
+                held, degree = _held_by(name, run.cost, cluster, config)
+            except PlanError as exc:         # e.g. a degree without a tile: its row says so, the others run
+                run.error = str(exc)
+                continue
             run.error = _too_long(distribution, draws, held, degree, run.cost, cluster, context, name)
 
 
