@@ -111,13 +111,13 @@ def figure(rows: list[dict], models: list[str], contexts: list[int]):
             for k, (key, name, color) in enumerate(series):
                 values = [r[key] / r["iterations"] for r in mine]
                 ax.bar(x + (k - len(series) / 2 + 0.5) * width, values, width, label=name, color=color)
-            for xi, r in zip(x, mine):
-                ax.text(xi, r["megatron_s"] / r["iterations"], f"{r['speedup_megatron']:.2f}x", ha="center",
-                        va="bottom", fontsize=7)
+            for xi, r in zip(x, mine):       # above the Megatron bar, the first of each group
+                ax.text(xi + (0.5 - len(series) / 2) * width, r["megatron_s"] / r["iterations"],
+                        f"{r['speedup_megatron']:.2f}x", ha="center", va="bottom", fontsize=7)
             ax.set_xticks(x, [("*" if r["approximate"] else "") + r["dataset"] for r in mine], fontsize=8)
             ax.set_title(f"{model}, {context // 1024}K context", fontsize=9)
             ax.set_ylabel("mean iteration time (s)", fontsize=8)
-    axes[0][0].legend(fontsize=7)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, loc="outside lower center", ncol=len(series))
     batch = "/".join(str(b) for b in sorted({int(r["batch_size"]) for r in rows}))
     iterations = "/".join(str(n) for n in sorted({int(r["iterations"]) for r in rows}))
     fig.suptitle(common.wrap_title(

@@ -40,7 +40,8 @@ def test_e2e_figure_title_gives_the_run_it_shows_and_fits():
     fig = experiment("e2e_speedup").figure(quick, ["gpt-7b"], [384 * 1024])
     title = fig.get_suptitle()
     assert "batch 64" in title and "batch 512" not in title and "Simulated" in title
-    assert text_problems(fig) == []
+    assert text_problems(fig) == [] and legends_over_axes(fig) == []
+    assert legend_texts(fig) == ["Megatron (TP8+CP)", "DeepSpeed (static SP)", "BatchAda", "dynamic CP", "FlexSP"]
 
 
 def _sim(tmp_path):
