@@ -57,7 +57,8 @@ args = parser.parse_args()
 model_config = ModelSpec(vocab=256, hidden=64, layers=2, heads=8, kv_heads=2, ffn=128, tie_embeddings=True)
 # every planning setting in one object, every runtime setting in another: the sharding the planner's
 # capacity assumes and the sharding FSDP2 runs are the same value
-plan_config = PlanConfig(strategy=args.strategy, time_limit=args.time_limit, sharding=args.sharding)
+try: plan_config = PlanConfig(strategy=args.strategy, time_limit=args.time_limit, sharding=args.sharding)  # noqa: E701
+except flexsp.FlexSPError as exc: sys.exit(f"{parser.prog}: error: {exc}")   # one line, before any setup  # noqa: E701
 
 # -----------------------------------------------------------------------------------------------
 # distributed setup: torchrun sets RANK/WORLD_SIZE; plain python is a world of one. On GPUs the

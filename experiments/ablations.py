@@ -135,9 +135,10 @@ def main() -> None:
     print((args.out / f"{args.stem}.md").read_text())
 
 
-def plot(rows: list[dict], datasets: list[str], path) -> None:
+def figure(rows: list[dict], datasets: list[str]):
+    """The bucket-count figure (returned open, for tests to read its text)."""
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained")
     sweep = [r for r in rows if r["pipeline"] == "full search" and (r["variant"].endswith("buckets")
                                                                    or r["variant"].startswith("default"))]
     for dataset in datasets:
@@ -146,13 +147,17 @@ def plot(rows: list[dict], datasets: list[str], path) -> None:
         axes[0].plot(x, [r["plan_over_lower_bound"] for r in mine], marker="o", label=dataset)
         axes[1].plot(x, [r["solve_mean_s"] for r in mine], marker="o", label=dataset)
     for ax, ylabel in ((axes[0], "plan / lower bound"), (axes[1], "solve time per batch (s)")):
-        ax.set(xscale="log", xlabel="DP buckets", ylabel=ylabel)
-        ax.set_xticks([4, 8, 16, 32, 64], ["4", "8", "16", "32", "64"])
+        common.log_axis(ax, [4, 8, 16, 32, 64])
+        ax.set(xlabel="DP buckets", ylabel=ylabel)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{MODEL}, {NUM_GPUS} GPUs, {CONTEXT // 1024}K: bucket count vs plan quality and solve time "
-                 "(search only; github/commoncrawl are approximations)", fontsize=9)
-    fig.tight_layout()
-    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
+    fig.suptitle(common.wrap_title(f"Simulated, {MODEL}, {NUM_GPUS} GPUs, {CONTEXT // 1024}K: bucket count vs plan "
+                                   "quality and solve time (search only; github/commoncrawl are approximations)", 11),
+                 fontsize=9)
+    return fig
+
+
+def plot(rows: list[dict], datasets: list[str], path) -> None:
+    common.save_figure(figure(rows, datasets), Path(path), Path(path).with_suffix(".csv"))
 
 
 if __name__ == "__main__":

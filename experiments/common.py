@@ -17,7 +17,7 @@ import numpy as np
 
 import flexsp
 from flexsp.errors import PlanError
-from flexsp.evaluation.simulate import parse_strategy
+from flexsp.plan.strategies import parse_strategy
 from flexsp.plan.lengths import LengthDistribution, get_distribution, preprocess
 
 from outputs import RESULTS, resolve_out
@@ -37,7 +37,8 @@ def parser(doc: str, default_stem: str) -> argparse.ArgumentParser:
                    help="directory for the .md/.csv/.png outputs (default: experiments/results/, a temporary "
                         "folder with --quick)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="hide the tqdm bar")
+    p.add_argument("--quiet", dest="no_progress", action="store_true", help="no progress bar (as flexsp simulate)")
+    p.add_argument("--no-progress", dest="no_progress", action="store_true", help=argparse.SUPPRESS)   # old spelling
     p.add_argument("--workers", type=int, default=1,
                    help="plan this many batches at once in separate processes (flexsp.evaluation.simulate.plan_steps)")
     p.add_argument("--replot", action="store_true",
@@ -153,3 +154,19 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def log_axis(ax, ticks: Sequence[float], axis: str = "x") -> None:
+    """A log-scale axis labelled only at ``ticks``: matplotlib also labels the minor ticks of an axis that
+    spans less than a decade or two (``2x10^1``, ``3x10^1``, ...), and those labels collide with the major ones."""
+    from matplotlib.ticker import NullFormatter
+    getattr(ax, f"set_{axis}scale")("log")
+    getattr(ax, f"set_{axis}ticks")(list(ticks), [f"{t:g}" for t in ticks])
+    getattr(ax, f"{axis}axis").set_minor_formatter(NullFormatter())
+
+
+def wrap_title(text: str, width_inches: float, fontsize: float = 9) -> str:
+    """``text`` broken into lines that fit a figure ``width_inches`` wide at ``fontsize`` points (a
+    figure's suptitle is not wrapped by matplotlib, and a long one is cut off at the edges)."""
+    import textwrap
+    return textwrap.fill(text, max(20, int(width_inches * 72 / (fontsize * 0.6))))

@@ -93,10 +93,12 @@ def run_setting(model: str, dataset: str, context: int, iterations: int, batch_s
     return row
 
 
-def plot(rows: list[dict], models: list[str], contexts: list[int], path) -> None:
+def figure(rows: list[dict], models: list[str], contexts: list[int]):
+    """The speedup figure (returned open, for tests to read its text); its title gives the batch size and
+    iterations of ``rows``."""
     plt = common.pyplot()
-    fig, axes = plt.subplots(len(contexts), len(models), figsize=(4.2 * len(models), 3.4 * len(contexts)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(contexts), len(models), figsize=(max(6.0, 4.2 * len(models)), 3.4 * len(contexts)),
+                             squeeze=False, layout="constrained")
     series = [("megatron_s", "Megatron (TP8+CP)", "#7f7f7f"), ("deepspeed_s", "DeepSpeed (static SP)", "#1f77b4"),
               ("batchada_s", "BatchAda", "#ff7f0e"), ("dynamic_cp_s", "dynamic CP", "#9467bd"),
               ("flexsp_s", "FlexSP", "#2ca02c")]
@@ -109,17 +111,23 @@ def plot(rows: list[dict], models: list[str], contexts: list[int], path) -> None
             for k, (key, name, color) in enumerate(series):
                 values = [r[key] / r["iterations"] for r in mine]
                 ax.bar(x + (k - len(series) / 2 + 0.5) * width, values, width, label=name, color=color)
-            for xi, r in zip(x, mine):
-                ax.text(xi, r["megatron_s"] / r["iterations"], f"{r['speedup_megatron']:.2f}x", ha="center",
-                        va="bottom", fontsize=7)
+            for xi, r in zip(x, mine):       # above the Megatron bar, the first of each group
+                ax.text(xi + (0.5 - len(series) / 2) * width, r["megatron_s"] / r["iterations"],
+                        f"{r['speedup_megatron']:.2f}x", ha="center", va="bottom", fontsize=7)
             ax.set_xticks(x, [("*" if r["approximate"] else "") + r["dataset"] for r in mine], fontsize=8)
             ax.set_title(f"{model}, {context // 1024}K context", fontsize=9)
             ax.set_ylabel("mean iteration time (s)", fontsize=8)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("Simulated iteration time, 64 GPUs, batch 512 (label: FlexSP speedup over Megatron; "
-                 "* = approximated length distribution)", fontsize=9)
-    fig.tight_layout()
-    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, loc="outside lower center", ncol=len(series))
+    batch = "/".join(str(b) for b in sorted({int(r["batch_size"]) for r in rows}))
+    iterations = "/".join(str(n) for n in sorted({int(r["iterations"]) for r in rows}))
+    fig.suptitle(common.wrap_title(
+        f"Simulated iteration time, 64 GPUs, batch {batch}, {iterations} iteration(s) per setting (label: FlexSP "
+        "speedup over Megatron; * = approximated length distribution)", fig.get_figwidth()), fontsize=9)
+    return fig
+
+
+def plot(rows: list[dict], models: list[str], contexts: list[int], path) -> None:
+    common.save_figure(figure(rows, models, contexts), Path(path), Path(path).with_suffix(".csv"))
 
 
 def summarize(rows: list[dict]) -> str:

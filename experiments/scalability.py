@@ -96,9 +96,10 @@ def main() -> None:
     print((args.out / f"{args.stem}.md").read_text())
 
 
-def plot(rows: list[dict], path, dataset: str, model: str) -> None:
+def figure(rows: list[dict], dataset: str, model: str):
+    """The scalability figure (returned open, for tests to read its text)."""
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), layout="constrained")
     keys = [("speedup_megatron", "vs Megatron"), ("speedup_deepspeed", "vs DeepSpeed"),
             ("speedup_batchada", "vs BatchAda"), ("speedup_dynamic_cp", "vs dynamic CP")]
     by_gpus = [r for r in rows if r["sweep"] != "context @64 GPUs"]
@@ -116,11 +117,16 @@ def plot(rows: list[dict], path, dataset: str, model: str) -> None:
     gpus = sorted({r["num_gpus"]: r for r in rows}.values(), key=lambda r: r["num_gpus"])
     axes[2].plot([r["num_gpus"] for r in gpus], [r["flexsp_solve_mean_s"] for r in gpus], marker="o", label="mean")
     axes[2].plot([r["num_gpus"] for r in gpus], [r["flexsp_solve_max_s"] for r in gpus], marker="s", label="max")
-    axes[2].set(xscale="log", xlabel="GPUs", ylabel="FlexSP solve time per batch (s)")
+    common.log_axis(axes[2], [r["num_gpus"] for r in gpus])
+    axes[2].set(xlabel="GPUs", ylabel="FlexSP solve time per batch (s)")
     axes[2].legend(fontsize=7)
-    fig.suptitle(f"{model}, {dataset}: speedup and solver time (>64 GPUs: bandwidth extrapolated)", fontsize=9)
-    fig.tight_layout()
-    common.save_figure(fig, Path(path), Path(path).with_suffix(".csv"))
+    fig.suptitle(f"Simulated, {model}, {dataset}: speedup and solver time (>64 GPUs: bandwidth extrapolated)",
+                 fontsize=9)
+    return fig
+
+
+def plot(rows: list[dict], path, dataset: str, model: str) -> None:
+    common.save_figure(figure(rows, dataset, model), Path(path), Path(path).with_suffix(".csv"))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from flexsp.plan.cluster import Cluster
 from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, pool_degrees, reserve_communicators
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel, describe_sources
-from flexsp.plan.lengths import OVER_CONTEXT, bound_context, get_distribution, load_lengths
+from flexsp.plan.lengths import OVER_CONTEXT, bound_context, get_distribution, load_lengths, locate
 from flexsp.plan.memory import SHARDINGS
 from flexsp.plan.presets import cost_from_preset
 from flexsp.profile import cli as profile_cli
@@ -112,8 +112,17 @@ def _cost(args) -> CostModel:
                             gpus_per_node=args.gpus_per_node)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as the one ``flexsp <command>: error: ...`` line (status 2)
+    that every other input error gets, not the usage block first (``--help`` still shows it). Subcommand
+    parsers are built with the parent's class, so they all do this."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexsp", description="Plan heterogeneous sequence parallelism.")
+    parser = _Parser(prog="flexsp", description="Plan heterogeneous sequence parallelism.")
     parser.add_argument("--max-input", action="append", default=[], metavar="NAME=VALUE",
                         help="raise a cap on what an input may make FlexSP allocate: " + ", ".join(
                             f"{name} ({text}, default {default}, or ${var})"
@@ -135,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", type=Path, help="write step times per strategy as PNG")
     sim.add_argument("--gantt", type=Path, help="write the first step's FlexSP plan as a Gantt chart PNG")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.add_argument("--no-progress", dest="quiet", action="store_true", help=argparse.SUPPRESS)   # the scripts' old spelling
     sim.add_argument("--workers", type=_count(1), default=1,
                      help="plan this many steps at once in separate processes (same results; default 1)")
     replay_cli.add_simulate_options(sim)
@@ -142,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="plan one batch from a lengths file and write the plan JSON")
     plan.add_argument("lengths", type=Path, help="lengths file (.txt, .txt.gz or .npy)")
     _cost_args(plan)
-    plan.add_argument("--strategy", default="flexsp", help="one of: " + _strategy_help())
+    plan.add_argument("--strategy", default="flexsp",
+                      help="as in simulate --strategies: NAME, static:D (pins the degree) or NAME[1,8,64] (restricts "
+                           "the degrees); names: " + _strategy_help())
     plan.add_argument("--sp-degree", type=_count(1), help="the SP degree, for a strategy that takes one (static)")
     plan.add_argument("--over-context", choices=OVER_CONTEXT, default="error",
                       help="a sequence longer than --context: refuse the batch (error, the default) or cut it to "
@@ -162,8 +174,8 @@ def _strategy_help() -> str:
 
 def _strategies(args, cluster: Cluster) -> list[str]:
     """--strategies, each name checked before any solving."""
-    from flexsp.evaluation.simulate import default_strategies, parse_strategy, parse_strategy_list
-    from flexsp.plan.strategies import get_strategy, names
+    from flexsp.evaluation.simulate import default_strategies
+    from flexsp.plan.strategies import get_strategy, names, parse_strategy, parse_strategy_list
     if args.strategies is None:
         return default_strategies(cluster)
     listed = parse_strategy_list(args.strategies)
@@ -180,8 +192,14 @@ def _strategies(args, cluster: Cluster) -> list[str]:
 
 
 def _outputs(*pairs: tuple[Path | None, str]) -> None:
+    from flexsp.evaluation.plots import figure_path
     for path, what in pairs:
         if path is not None:
+            if what in ("--plot", "--gantt"):
+                try:
+                    figure_path(path)
+                except FlexSPError as exc:
+                    raise FlexSPError(f"{what} {exc}") from None
             writable_file(path, what, FlexSPError)
 
 
@@ -214,16 +232,20 @@ def run_simulate(args) -> int:
         if args.plot:
             print(f"wrote {plot_step_times(sim, args.plot)}")
         reference = sim.runs.get("flexsp")
-        if args.gantt and reference is not None and reference.first_plan is not None:
-            print(f"wrote {plot_gantt(reference.first_plan, sim.first_batch, cost, args.gantt)}")
+        if args.gantt and (reference is None or reference.error or reference.first_plan is None):
+            print(f"no Gantt chart written to {args.gantt}: "
+                  + ("flexsp is not among --strategies" if reference is None else "flexsp found no plan"))
+        elif args.gantt:
+            print(f"wrote {plot_gantt(reference.first_plan, sim.first_batch, cost, args.gantt, step=1)}")
     return 0
 
 
 def run_plan(args) -> int:
-    from flexsp.plan.planner import plan_batch
+    from flexsp.plan.planner import check_held, largest_held, plan_batch
     _outputs((args.output, "-o/--output"))
     cluster = Cluster(args.gpus, args.gpus_per_node)
-    lengths, cut = bound_context(load_lengths(args.lengths), args.context, args.over_context)
+    where = lambda i: locate(args.lengths, i)          # noqa: E731 (errors name the file's line, not an index)
+    lengths, cut = bound_context(load_lengths(args.lengths), args.context, args.over_context, where=where)
     if cut:
         print(f"cut {cut} sequence(s) to the context limit {args.context:,} tokens (--over-context truncate)")
     cost = _cost(args)
@@ -232,6 +254,8 @@ def run_plan(args) -> int:
         pool = pool_degrees(cluster, "flexsp", config.degrees, None, cost)     # every degree plans may use
         cost = reserve_communicators(cost, pool, _communicator_bytes(args), gpus_per_node=cluster.gpus_per_node)
         print(describe_reservation(cost))
+    check_held(lengths, cost, cluster, largest_held(cost, cluster, config)[1],
+               where=lambda i: f"{where(i)}: a sequence of {lengths[i]:,} tokens")
     plan = plan_batch(lengths, cost, cluster, config=config)
     print(f"{args.strategy}: {len(lengths)} sequences -> {len(plan.micro_batches)} micro-batches, "
           f"groups {plan.degree_histogram()}, predicted {plan.predicted_time:.3f} s, solved in {plan.solve_time:.2f} s")
@@ -266,7 +290,11 @@ def _write(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:         # named by the command they were given to, like every other argument error
+        parser.exit(2, f"flexsp {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
+                       f"(usage: flexsp {args.command} --help)\n")
     try:
         for assignment in args.max_input:
             set_limit(assignment)

@@ -116,3 +116,16 @@ def test_case_study_groups_fill_the_cluster(tmp_path):
         if row["strategy"] == "DeepSpeed (static SP 32)":
             assert set(row["groups"].split(", ")) <= {"32x1", "32x2"}
     assert "**Simulated, not measured**" in (tmp_path / "case_study.md").read_text()
+
+
+def test_quick_run_says_where_it_wrote_and_reuses_one_folder(tmp_path):
+    """Without --out or $FLEXSP_QUICK_OUT, quick runs write to one scratch folder per user, reused, and name it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch), "FLEXSP_QUICK_OUT": ""}
+    first = run_script("case_study", "--quick", "--quiet", timeout=120, env=env)
+    run_script("case_study", "--quick", "--no-progress", timeout=120, env=env)   # the old spelling still works
+    folders = list(scratch.iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("flexsp-quick-"), folders
+    assert f"outputs in {folders[0]}" in first.stderr
+    assert (folders[0] / "case_study.md").is_file()

@@ -1,13 +1,13 @@
 """Offline simulation: plan many sampled global batches with several strategies and compare.
 
-A strategy is named as ``plan_batch`` names it; ``static:D`` pins the static degree (the paper's
+A strategy is named as ``plan_batch`` and ``PlanConfig`` name it (``flexsp.plan.strategies.parse_strategy``,
+one syntax for ``simulate --strategies``, ``plan --strategy`` and ``PlanConfig(strategy=...)``); ``static:D`` pins the static degree (the paper's
 DeepSpeed baseline is the better of ``static:64`` and ``static:32``), and a suffix ``[1,8,64]``
 restricts a strategy to those SP degrees, e.g. ``flexsp[1,8,64]``, to see what bounding the
 communicators per rank costs.
 """
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -22,8 +22,8 @@ from flexsp.plan.communicator_memory import describe_reservation, pool_degrees, 
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel
 from flexsp.plan.lengths import LengthDistribution, preprocess
-from flexsp.plan.planner import plan_batch
-from flexsp.plan.strategies import get_strategy, strategies
+from flexsp.plan.planner import largest_held, plan_batch
+from flexsp.plan.strategies import StrategySpec, get_strategy, parse_strategy, parse_strategy_list, strategies  # noqa: F401 (re-exported)
 from flexsp.plan.types import Plan
 
 
@@ -73,40 +73,6 @@ class Simulation:
                                   "error": run.error, "token_capacity": run.cost.token_capacity if run.cost else None}
                            for name, run in self.runs.items()},
         }
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    strategy: str
-    sp_degree: int | None = None
-    degrees: tuple[int, ...] | str | None = None
-
-
-def parse_strategy_list(text: str) -> list[str]:
-    """Comma-separated names, commas inside ``[...]`` kept: ``flexsp,flexsp[1,8,64]``."""
-    return [m.strip() for m in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if m.strip()]
-
-
-def parse_strategy(name: str) -> StrategySpec:
-    """``flexsp`` / ``static:32`` / ``flexsp[1,8,64]`` -> what to pass to ``plan_batch``. ``NAME:D``
-    pins ``sp_degree`` for a strategy that accepts it (see ``flexsp.plan.strategies``)."""
-    degrees = None
-    if name.endswith("]") and "[" in name:
-        name, inside = name[:-1].split("[", 1)
-        try:
-            degrees = "any" if inside.strip().lower() == "any" else tuple(int(d) for d in inside.split(",") if d.strip())
-        except ValueError:
-            raise PlanError(f"degrees in [{inside}] must be integers or any, e.g. flexsp[1,8,64] or flexsp[any]") from None
-    if ":" in name:
-        base, degree = name.split(":", 1)
-        if not get_strategy(base).accepts_sp_degree:
-            raise PlanError(f"{name!r}: strategy {base!r} takes no SP degree; "
-                            f"{', '.join(s.name + ':D' for s in strategies() if s.accepts_sp_degree)} does")
-        try:
-            return StrategySpec(base, int(degree), degrees)
-        except ValueError:
-            raise PlanError(f"{base} degree in {name!r} must be an integer, e.g. {base}:32") from None
-    return StrategySpec(name, None, degrees)
 
 
 def default_strategies(cluster: Cluster, include_dynamic_cp: bool = True) -> list[str]:
@@ -201,15 +167,18 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     runs = {name: StrategyRun(name, cost=_strategy_cost(cost, cluster, name, communicator_bytes, config.degrees))
             for name in strategies}
     rng = np.random.default_rng(seed)
-    batches = [preprocess(pool[rng.integers(0, pool.size, size=batch_size)], context, cluster.num_gpus)[0]
-               for _ in range(steps)]
+    index = np.flatnonzero(distribution.lengths <= context)          # pool position -> distribution position
+    draws = [index[rng.integers(0, pool.size, size=batch_size)] for _ in range(steps)]
+    _check_held(distribution, draws, cost, runs, cluster, config, context)
+    batches = [preprocess(distribution.lengths[drawn], context, cluster.num_gpus)[0] for drawn in draws]
     bounds = [lower_bound(lengths, cost, cluster, degrees=config.degrees) for lengths in batches]
     coupled = [coupled_lower_bound(lengths, cost, cluster, degrees=config.degrees) for lengths in batches]
-    bar = tqdm(total=steps * len(strategies), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
-    planned = plan_steps(batches, cost, cluster, strategies, config=config, workers=workers,
-                         keep_plans=steps if keep_plans else 1, strategy_costs=[runs[name].cost for name in strategies])
+    active = [name for name in strategies if not runs[name].error]      # not those that cannot hold a draw
+    bar = tqdm(total=steps * len(active), desc=f"simulate {distribution.name}", disable=not progress, leave=False)
+    planned = plan_steps(batches, cost, cluster, active, config=config, workers=workers,
+                         keep_plans=steps if keep_plans else 1, strategy_costs=[runs[name].cost for name in active])
     for lengths, outcomes in zip(batches, planned):
-        for name, outcome in zip(strategies, outcomes):
+        for name, outcome in zip(active, outcomes):
             run = runs[name]
             bar.update(1)
             if run.error:
@@ -229,6 +198,68 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     bar.close()
     return Simulation(distribution.name, distribution.approximate, cluster.num_gpus, context, batch_size, steps,
                       dropped_share, runs, bounds, batches[0], coupled, communicator_bytes)
+
+
+def _restricted(name: str) -> bool:
+    """A strategy limited to a degree or a degree set (``static:8``, ``flexsp[1,8]``): it may find a batch
+    infeasible (reported in its row) where the cluster could hold it."""
+    spec = parse_strategy(name)
+    return spec.sp_degree is not None or spec.degrees is not None or get_strategy(spec.strategy).accepts_sp_degree
+
+
+def _held_by(name: str, cost: CostModel, cluster: Cluster, config: PlanConfig) -> tuple[int, int]:
+    """``(tokens, degree)``: the longest sequence strategy ``name`` can plan (``static:8``: a group of 8)."""
+    spec = parse_strategy(name)
+    if spec.sp_degree is not None:
+        return cost.group_capacity(spec.sp_degree), spec.sp_degree
+    return largest_held(cost, cluster, config.replace(
+        strategy=spec.strategy, degrees=spec.degrees if spec.degrees is not None else config.degrees))
+
+
+def _too_long(distribution: LengthDistribution, draws: Sequence[np.ndarray], held: int, degree: int,
+              cost: CostModel, cluster: Cluster, context: int, holder: str) -> str | None:
+    """The first drawn sequence that, padded, is longer than ``held`` tokens, in the terms of its source (a
+    file's line and value), or None: checked before any bound or plan."""
+    multiple = 2 * cluster.num_gpus
+    kept_below = context - context % multiple                          # what preprocess keeps
+    for step, drawn in enumerate(draws):
+        raw = distribution.lengths[drawn]
+        over = np.flatnonzero((-(-raw // multiple) * multiple > held) & (raw <= kept_below))
+        if over.size:
+            i = int(drawn[over[0]])
+            length = int(distribution.lengths[i])
+            pad = -length % multiple
+            return (f"{distribution.where(i)}: a sequence of {length:,} tokens"
+                    + (f" ({length + pad:,} once padded to a multiple of 2 x {cluster.num_gpus} GPUs)" if pad else "")
+                    + f", drawn for step {step}, is more than {holder} holds: {degree} GPUs x "
+                    f"{cost.token_capacity:,.0f} tokens = {held:,}")
+    return None
+
+
+def _check_held(distribution: LengthDistribution, draws: Sequence[np.ndarray], cost: CostModel,
+                runs: dict[str, StrategyRun], cluster: Cluster, config: PlanConfig, context: int) -> None:
+    """Before any bound or plan: a ``PlanError`` when a drawn sequence is longer than the cluster holds with
+    ``config``'s degrees (the least capacity of ``cost`` and the unrestricted strategies' models), saying
+    what would make the run work; a restricted strategy (``static:8``, ``flexsp[1,2]``) that cannot hold
+    one is marked infeasible with the same words and not planned."""
+    costs = [cost] + [run.cost for name, run in runs.items() if not _restricted(name)]
+    held, degree, smallest = min(((*largest_held(c, cluster, config), c) for c in costs), key=lambda t: t[0])
+    problem = _too_long(distribution, draws, held, degree, smallest, cluster, context, "the cluster")
+    if problem is not None:
+        top = cluster.all_degrees[-1]
+        safe = held - held % (2 * cluster.num_gpus)
+        raise PlanError(problem + ("" if degree == top else f" at the largest SP degree allowed (the cluster's "
+                                                            f"largest is {top}: --degrees)")
+                        + f"; use more GPUs, or a context limit of at most {safe:,} (--context {safe}) to leave "
+                        f"such sequences out of the draws")
+    for name, run in runs.items():
+        if _restricted(name):
+            try:
+                held, degree = _held_by(name, run.cost, cluster, config)
+            except PlanError as exc:         # e.g. a degree without a tile: its row says so, the others run
+                run.error = str(exc)
+                continue
+            run.error = _too_long(distribution, draws, held, degree, run.cost, cluster, context, name)
 
 
 def _strategy_cost(cost: CostModel, cluster: Cluster, name: str, communicator_bytes: float | None,

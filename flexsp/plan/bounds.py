@@ -48,13 +48,19 @@ EXTRA_COUNTS = 8
 SAFETY = 1e-6
 
 
-def _degree_costs(cost: CostModel, cluster: Cluster, max_degree: int | None, degrees) -> DegreeCosts:
+def _degree_costs(cost: CostModel, cluster: Cluster, max_degree: int | None, degrees,
+                  lengths: np.ndarray) -> DegreeCosts:
     """Costs of the degrees a plan may use: ``degrees`` (a set, ``"any"`` or None for the powers of two).
-    Bounds ignore where groups sit (tiles), a relaxation, so they hold for non-nesting sets too."""
+    Bounds ignore where groups sit (tiles), a relaxation, so they hold for non-nesting sets too. A batch
+    no plan can hold (a sequence longer than the largest degree holds) is refused with ``plan_batch``'s
+    ``PlanError``: it has no finite bound, and its infinite areas would turn the LP's sums into NaN."""
+    from flexsp.plan.planner import check_held  # the planner imports the strategies: only when asked
     if isinstance(degrees, str):
-        from flexsp.plan.config import PlanConfig   # the config imports the strategies: only when asked
+        from flexsp.plan.config import PlanConfig
         degrees = PlanConfig(degrees=degrees, max_degree=max_degree).checked(cost, cluster).degrees
-    return cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
+    costs = cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
+    check_held(lengths, cost, cluster, costs.degrees[-1])
+    return costs
 
 
 def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None,
@@ -62,7 +68,7 @@ def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | No
     """Every sequence at its cheapest degree (GPU-seconds) spread perfectly over all GPUs, plus
     beta1 for each of the fewest micro-batches whose memory could hold the batch."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    costs = _degree_costs(cost, cluster, max_degree, degrees)
+    costs = _degree_costs(cost, cluster, max_degree, degrees, lengths)
     area = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
     micro_batches = max(1, math.ceil(lengths.sum() / (cost.token_capacity * cluster.num_gpus) - 1e-12))
     return float(area.sum()) / cluster.num_gpus + cost.beta1 * micro_batches
@@ -76,7 +82,7 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     ``_split_spans`` (memory caps what the longest sequence's micro-batch can compute); False gives
     the LP bound alone (issue 27's baseline)."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    costs = _degree_costs(cost, cluster, max_degree, degrees)
+    costs = _degree_costs(cost, cluster, max_degree, degrees, lengths)
     n = cluster.num_gpus
     times = costs.times(lengths)                                     # inf where it cannot fit
     area = (times * np.asarray(costs.degrees)[None, :]).min(axis=1)
@@ -273,7 +279,7 @@ def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster, degrees=None
     the coupled bound is that sum minus ``coupled_lower_bound - lower_bound``."""
     lengths = np.asarray(lengths, dtype=np.float64)
     n = cluster.num_gpus
-    costs = _degree_costs(cost, cluster, None, degrees)
+    costs = _degree_costs(cost, cluster, None, degrees, lengths)
     cheapest = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
     area = float(cheapest.sum()) / n
     used, idle = 0.0, 0.0

@@ -2,9 +2,11 @@
 
 The CLI, the loader, ``simulate``, the examples and ``plan_batch`` all build or receive one and pass it
 down whole. ``PlanConfig`` checks the type and range of every field when it is built (a ``PlanError``
-naming the field: ``degrees="18"`` is not (1, 8), ``2.5`` is not 2, ``nan`` is not a time limit);
-``checked(cost, cluster)`` adds the checks that need the cost model and cluster (strategy name,
-degrees the cluster has, ``sp_degree`` only for a strategy that takes one).
+naming the field: ``degrees="18"`` is not (1, 8), ``2.5`` is not 2, ``nan`` is not a time limit, ``"fast"``
+is not a registered strategy). ``strategy="static:8"`` means ``strategy="static", sp_degree=8`` and
+``"flexsp[1,8,64]"`` sets ``degrees``: the syntax of ``flexsp simulate --strategies`` and ``flexsp plan
+--strategy`` too. ``checked(cost, cluster)`` adds the checks that need the cost model and cluster
+(degrees the cluster has, ``sp_degree`` only for a strategy that takes one).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import DEFAULT as DEFAULT_SHARDING
 from flexsp.plan.memory import check as check_sharding
 from flexsp.plan.memory import check_recompute
-from flexsp.plan.strategies import get_strategy, strategies
+from flexsp.plan.strategies import get_strategy, parse_strategy, strategies
 from solver.search import SearchOptions
 
 
@@ -57,6 +59,7 @@ class PlanConfig:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise PlanError(f"{name} must be True or False, got {getattr(self, name)!r}")
         set_ = lambda name, value: object.__setattr__(self, name, value)   # noqa: E731 (frozen)
+        self._strategy(set_)
         set_("time_limit", number(self.time_limit, "time_limit (seconds)", PlanError, positive=True))
         set_("num_buckets", integer(self.num_buckets, "num_buckets", PlanError, maximum=2**20))
         if self.max_degree is not None:
@@ -70,6 +73,22 @@ class PlanConfig:
             check_sharding(self.sharding)
         except Exception as exc:
             raise PlanError(str(exc)) from None
+
+    def _strategy(self, set_) -> None:
+        """``strategy`` in the one strategy syntax (``parse_strategy``): ``static:8`` sets ``sp_degree``,
+        ``flexsp[1,8,64]`` sets ``degrees`` (a clash with the field given too is refused); the name must be
+        registered, so ``strategy="fast"`` fails here, before a model or a loader is built."""
+        if isinstance(self.strategy, str) and (":" in self.strategy or "[" in self.strategy):
+            spec = parse_strategy(self.strategy)
+            for name, value in (("sp_degree", spec.sp_degree), ("degrees", spec.degrees)):
+                given = getattr(self, name)
+                if value is not None and given is not None and given != value:
+                    raise PlanError(f"strategy={self.strategy!r} sets {name}={value!r} but {name}={given!r} is given "
+                                    f"too; give it once")
+                if value is not None:
+                    set_(name, value)
+            set_("strategy", spec.strategy)
+        get_strategy(self.strategy)                 # PlanError naming the registered strategies (None too)
 
     def replace(self, **changes: Any) -> "PlanConfig":
         """A copy with ``changes`` (each checked as at construction)."""

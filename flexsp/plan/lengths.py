@@ -13,7 +13,7 @@ import gzip
 import os
 import types
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -260,6 +260,23 @@ def load_lengths(path: PathLike) -> np.ndarray:
     return _load_text(path)
 
 
+def locate(path: PathLike, index: int) -> str:
+    """Where the ``index``-th length of a lengths file sits, in the file's terms, for error messages:
+    ``"big.txt line 7"`` (blank lines counted, as an editor numbers them) or ``"x.npy entry 7"`` (from 0,
+    as numpy indexes). Reads the file again, so only error paths call it."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        return f"{path} entry {index}"
+    seen = 0
+    for first, lines in _text_chunks(path):
+        for number, line in enumerate(lines, start=first):
+            if line.strip():
+                if seen == index:
+                    return f"{path} line {number}"
+                seen += 1
+    return f"{path} length {index + 1}"
+
+
 # ------------------------------------------------------------------------------------ distributions
 
 @dataclass(frozen=True, eq=False)
@@ -267,13 +284,19 @@ class LengthDistribution:
     """An empirical distribution of sequence lengths (tokens) to draw global batches from.
 
     ``approximate`` marks synthetic stand-ins for corpora whose real lengths are not available;
-    ``source`` says where the numbers come from. ``lengths`` is stored read-only.
+    ``source`` says where the numbers come from; ``path``: the file it was loaded from (errors name its
+    lines, ``locate``), None for a built-in one. ``lengths`` is stored read-only.
     """
 
     name: str
     lengths: np.ndarray
     approximate: bool
     source: str
+    path: Path | None = None
+
+    def where(self, index: int) -> str:
+        """The ``index``-th length in the terms of its source: a file's line, else ``"<name> length i"``."""
+        return locate(self.path, index) if self.path is not None else f"{self.name} length {index}"
 
     def __post_init__(self) -> None:
         lengths = as_lengths(self.lengths, name=f"{self.name} lengths")
@@ -393,7 +416,7 @@ def get_distribution(name_or_path: PathLike, seed: int = 0) -> LengthDistributio
         raise LengthsError(f"unknown length distribution {name_or_path!r}; choose one of "
                            f"{', '.join(BUILTIN_DISTRIBUTIONS)}, or give a path to {_FORMATS}")
     name = path.name.removesuffix(".gz").removesuffix(".txt").removesuffix(".npy")
-    return LengthDistribution(name, load_lengths(path), False, f"file {path}")
+    return LengthDistribution(name, load_lengths(path), False, f"file {path}", path)
 
 
 # ------------------------------------------------------------------------------------ preprocessing
@@ -433,9 +456,11 @@ def preprocess(lengths: Iterable[int] | np.ndarray, context_limit: int, num_gpus
 OVER_CONTEXT = ("error", "truncate")   # what bound_context does with a sequence above the context limit
 
 
-def bound_context(lengths: Iterable[int] | np.ndarray, context: int, policy: str = "error") -> tuple[np.ndarray, int]:
+def bound_context(lengths: Iterable[int] | np.ndarray, context: int, policy: str = "error",
+                  where: Callable[[int], str] | None = None) -> tuple[np.ndarray, int]:
     """Hold every length to ``context``. ``policy="error"`` (the default) refuses a longer sequence
-    with a ``ContextError`` naming it; ``"truncate"`` cuts it to ``context`` tokens (what a loader
+    with a ``ContextError`` naming it (``where(i)``, e.g. a file's line, default ``"sequence i"``);
+    ``"truncate"`` cuts it to ``context`` tokens (what a loader
     that drops the tail does). Dropping is not offered: plans index sequences by position, so a
     dropped sequence would silently shift every id after it. Returns ``(lengths, cut_count)``."""
     arr = as_lengths(lengths)
@@ -445,7 +470,8 @@ def bound_context(lengths: Iterable[int] | np.ndarray, context: int, policy: str
     over = np.flatnonzero(arr > limit)
     if over.size and policy == "error":
         first = int(over[0])
+        name = where(first) if where is not None else f"sequence {first}"
         raise ContextError(f"{over.size} sequence(s) longer than the context limit {limit:,} tokens, the first is "
-                           f"sequence {first} with {int(arr[first]):,}; raise --context, or cut them with "
+                           f"{name} with {int(arr[first]):,}; raise --context, or cut them with "
                            f"--over-context truncate")
     return np.minimum(arr, limit), int(over.size)

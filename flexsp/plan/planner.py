@@ -7,15 +7,17 @@ two, the default) that always succeeds when the degrees sum to at most N, and th
 aligned blocks ``[k*d, (k+1)*d)``. For other sets (``degrees="any"``, ``(1, 2, 3, 6, 12)``) the solver's
 packer checks placement itself (``DegreeCosts.placeable``); a micro-batch a strategy still returns
 unplaceable (a strategy that counts GPUs only) is repaired: the groups without a tile move to extra
-micro-batches, and when that happens the same strategy also plans on the nesting subset of the
-degrees, and the faster plan wins, so a non-power-of-two set never loses to its nesting part by repair.
+micro-batches, and when that happens the strategy's candidates (flexsp: batchada, dynamic-cp) and the
+same strategy on the nesting subset of the degrees also plan, and the fastest placed plan wins, so a
+non-power-of-two set never loses to its nesting part by repair. A set with no nesting part at all
+(``(3,)``, ``(3, 6)`` on nodes of 8) is planned with exactly the degrees given.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -117,15 +119,17 @@ def repair(schedule: Schedule, cluster: Cluster, lengths: np.ndarray, costs: Deg
 
 def solver_costs(cost: CostModel, cluster: Cluster, degrees) -> tuple[DegreeCosts, DegreeCosts | None]:
     """The solver's per-degree costs for ``degrees`` and, when they do not nest, the costs of their
-    nesting subset (the fallback; None when they nest). Non-nesting costs carry the placement check
-    and the tile counts; nesting ones carry neither, so power-of-two planning is unchanged."""
+    nesting subset (the fallback; None when they nest, or when no degree of theirs nests, as in
+    ``(3,)`` or ``(3, 6)`` on nodes of 8: then the set is planned as given and repaired). Non-nesting
+    costs carry the placement check and the tile counts; nesting ones carry neither, so power-of-two
+    planning is unchanged."""
     costs = cost.degree_costs(degrees)
     if cluster.nests(costs.degrees):
         return costs, None
     placement = Placement(costs.degrees, cluster.num_gpus, cluster.gpus_per_node)
     costs = dataclasses.replace(costs, tiles=placement.tiles(), placeable=placement)
     subset = nesting_subset(costs.degrees, cluster.num_gpus, cluster.gpus_per_node)
-    return costs, cost.degree_costs(subset)
+    return costs, cost.degree_costs(subset) if subset else None
 
 
 class TimeLimitWarning(UserWarning):
@@ -134,7 +138,37 @@ class TimeLimitWarning(UserWarning):
     bounded in work and deterministic). Raise ``time_limit`` for a reproducible plan."""
 
 
-_FROM_CONFIG: Any = object()   # plan_batch's strategy default: the config's (None is a bad name, not "unset")
+def largest_held(cost: CostModel, cluster: Cluster, config: PlanConfig | None = None) -> tuple[int, int]:
+    """``(tokens, degree)``: the longest sequence a plan with ``config`` can hold on ``cluster`` (the
+    capacity of its largest usable degree), what a batch is checked against before any planning."""
+    config = (config if config is not None else PlanConfig()).checked(cost, cluster)
+    degree = cluster.usable_degrees(config.max_degree, config.degrees)[-1]
+    return cost.group_capacity(degree), degree
+
+
+def check_held(lengths: np.ndarray, cost: CostModel, cluster: Cluster, degree: int,
+               where: Callable[[int], str] | None = None) -> None:
+    """A ``PlanError`` when the longest of ``lengths`` is more than a group of ``degree`` GPUs (the largest
+    usable) holds, naming it by ``where(i)`` (e.g. a file's line; default ``"sequence i has L tokens"``),
+    its length and the cluster's capacity. Integers: exact at any size."""
+    longest = int(np.argmax(lengths))
+    length, held = int(lengths[longest]), cost.group_capacity(degree)
+    if length > held:
+        name = where(longest) if where is not None else f"sequence {longest} has {length} tokens"
+        top = cluster.all_degrees[-1]
+        raise PlanError(f"{name}, more than the whole cluster can hold: {degree} GPUs x {cost.token_capacity:.0f} "
+                        f"tokens = {held}" + ("" if degree == top else f" (largest allowed degree; the cluster's "
+                                                                      f"largest is {top})"))
+
+
+class _FromConfig:
+    """``plan_batch``'s strategy default: the config's strategy (None is a bad name, not "unset")."""
+
+    def __repr__(self) -> str:
+        return "<the config's strategy>"
+
+
+_FROM_CONFIG: Any = _FromConfig()
 
 
 def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str = _FROM_CONFIG,
@@ -166,18 +200,14 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
         settings["strategy"] = strategy
     config = (config.replace(**settings) if settings else config).checked(cost, cluster)
     costs, fallback = solver_costs(cost, cluster, cluster.usable_degrees(config.max_degree, config.degrees))   # CostModelError names a degree without bandwidth
-    longest = int(lengths.argmax())
-    if int(lengths[longest]) > cost.group_capacity(costs.degrees[-1]):      # integers: exact at any size
-        raise PlanError(
-            f"sequence {longest} has {int(lengths[longest])} tokens, more than the whole cluster can hold: "
-            f"{costs.degrees[-1]} GPUs x {cost.token_capacity:.0f} tokens = {cost.group_capacity(costs.degrees[-1])}"
-            + ("" if costs.degrees[-1] == cluster.degrees[-1] else " (largest allowed degree)"))
+    nesting = costs.placeable is None
+    check_held(lengths, cost, cluster, costs.degrees[-1])
     options = SearchOptions(num_buckets=config.num_buckets)
     strategy = config.strategy
     meta: dict[str, Any] = {}
 
-    def run(with_costs: DegreeCosts) -> Schedule:
-        return registry.run_strategy(strategy, registry.PlanRequest(
+    def run(with_costs: DegreeCosts, name: str = strategy) -> Schedule:
+        return registry.run_strategy(name, registry.PlanRequest(
             lengths, with_costs, cluster.num_gpus, options, started + config.time_limit, config.sp_degree,
             fallback=fallback if with_costs is costs else None))
     try:
@@ -189,17 +219,24 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
             schedule, costs, meta["fallback"] = run(fallback), fallback, list(fallback.degrees)
         except (InfeasibleDegree, Infeasible):
             raise PlanError(f"{strategy}: {exc}") from None
-    if fallback is not None and "fallback" not in meta:
+    if not nesting and "fallback" not in meta:
         schedule, moved = repair(schedule, cluster, lengths, costs)
         if moved:
+            # the repaired plan may be slower than a candidate's (placed as planned) or the nesting subset's
             meta["repaired_groups"] = moved
-            if config.sp_degree is None or config.sp_degree in fallback.degrees:
+            tries = [(c, costs) for c in registry.get_strategy(strategy).candidates]
+            if fallback is not None and (config.sp_degree is None or config.sp_degree in fallback.degrees):
+                tries.append((strategy, fallback))
+            for name, with_costs in tries:
                 try:
-                    other = run(fallback)
+                    other = run(with_costs, name)
                 except (InfeasibleDegree, Infeasible):
-                    other = None
-                if other is not None and other.time(lengths, fallback) < schedule.time(lengths, costs):
-                    schedule, costs, meta["fallback"] = other, fallback, list(fallback.degrees)
+                    continue
+                if with_costs is costs:
+                    other = repair(other, cluster, lengths, costs)[0]
+                if other.time(lengths, with_costs) < schedule.time(lengths, costs):
+                    schedule, costs = other, with_costs
+                    meta.update({"fallback": list(fallback.degrees)} if with_costs is fallback else {"candidate": name})
     searched = time.perf_counter() - started
     hit = searched > config.time_limit
     if hit:
@@ -219,4 +256,4 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     return plan
 
 
-__all__ = ["plan_batch", "place", "repair", "solver_costs", "TimeLimitWarning"]
+__all__ = ["plan_batch", "place", "repair", "solver_costs", "largest_held", "check_held", "TimeLimitWarning"]

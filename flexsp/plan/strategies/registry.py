@@ -8,6 +8,7 @@ planner places, scores and validates it like any other strategy's.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -129,6 +130,44 @@ def _without_candidates(request: PlanRequest) -> PlanRequest:
                        fallback=request.fallback)
 
 
+@dataclass(frozen=True)
+class StrategySpec:
+    """A strategy written as ``NAME``, ``NAME:D`` or ``NAME[D,D,...]``, taken apart (``parse_strategy``)."""
+
+    strategy: str
+    sp_degree: int | None = None
+    degrees: tuple[int, ...] | str | None = None
+
+
+def parse_strategy_list(text: str) -> list[str]:
+    """Comma-separated names, commas inside ``[...]`` kept: ``flexsp,flexsp[1,8,64]``."""
+    return [m.strip() for m in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if m.strip()]
+
+
+def parse_strategy(name: str) -> StrategySpec:
+    """``flexsp`` / ``static:32`` / ``flexsp[1,8,64]`` -> what to pass to ``plan_batch``: the one strategy
+    syntax of ``PlanConfig(strategy=...)``, ``flexsp plan --strategy`` and ``flexsp simulate --strategies``.
+    ``NAME:D`` pins ``sp_degree`` for a strategy that accepts it; ``NAME[1,8,64]`` or ``NAME[any]`` restricts
+    its degrees. The name itself is checked by ``get_strategy`` (a ``PlanError`` listing the registered ones)."""
+    degrees = None
+    if name.endswith("]") and "[" in name:
+        name, inside = name[:-1].split("[", 1)
+        try:
+            degrees = "any" if inside.strip().lower() == "any" else tuple(int(d) for d in inside.split(",") if d.strip())
+        except ValueError:
+            raise PlanError(f"degrees in [{inside}] must be integers or any, e.g. flexsp[1,8,64] or flexsp[any]") from None
+    if ":" in name:
+        base, degree = name.split(":", 1)
+        if not get_strategy(base).accepts_sp_degree:
+            raise PlanError(f"{name!r}: strategy {base!r} takes no SP degree; "
+                            f"{', '.join(s.name + ':D' for s in strategies() if s.accepts_sp_degree)} does")
+        try:
+            return StrategySpec(base, int(degree), degrees)
+        except ValueError:
+            raise PlanError(f"{base} degree in {name!r} must be an integer, e.g. {base}:32") from None
+    return StrategySpec(name, None, degrees)
+
+
 def describe_strategies(indent: str = "") -> str:
     """One line per strategy: ``name: description`` (the CLI help and the README list)."""
     return "\n".join(f"{indent}{s.name}: {s.description}" for s in strategies())
@@ -139,5 +178,5 @@ def markdown_list() -> str:
     return "\n".join(f"- `{s.name}`: {s.description}" for s in strategies())
 
 
-__all__ = ["Strategy", "PlanRequest", "register_strategy", "unregister_strategy", "get_strategy", "strategies",
+__all__ = ["Strategy", "StrategySpec", "parse_strategy", "parse_strategy_list", "PlanRequest", "register_strategy", "unregister_strategy", "get_strategy", "strategies",
            "names", "run_strategy", "describe_strategies", "markdown_list", "COMMON_OPTIONS"]
