@@ -198,7 +198,7 @@ def test_chunk_follows_free_device_memory_up_to_a_cap(monkeypatch):
     assert host == loss_mod.HOST_CHUNK_BYTES // (loss_mod.bytes_per_logit(bf16) * vocab)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (_ for _ in ()).throw(RuntimeError("no driver")))
     assert loss_mod.default_chunk(vocab, "cuda", bf16) == host
-    assert loss_mod.default_chunk(vocab, "cpu", torch.float32) == 2 * host   # fp32: no bf16 copies per logit
+    assert loss_mod.default_chunk(vocab, "cpu", torch.float32) in (2 * host, 2 * host + 1)   # fp32: no bf16 copies
 
 
 @pytest.mark.parametrize("vocab", [37, 20])   # 37 rows: 8 blocks of 5 and a short one

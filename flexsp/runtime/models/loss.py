@@ -35,7 +35,7 @@ from flexsp.runtime.sp.context import IGNORE_INDEX
 
 CUDA_FREE_FRACTION = 1 / 8          # of free device memory: a chunk's logits and their gradient
 CUDA_CHUNK_BYTES = 4 * 2**30        # more buys nothing: a chunk of a few thousand tokens is matmul-bound
-HOST_CHUNK_BYTES = 2**30            # CPU, or a device whose free memory is unknown
+HOST_CHUNK_BYTES = 256 * 2**20      # CPU, or a device whose free memory is unknown (fp32: what it always was)
 VOCAB_BLOCKS = 8                    # weight-gradient blocks where no out_dtype matmul exists (CPU)
 BLOCK_BYTES = 64 * 2**20            # ... and at most this much per block's low-precision product
 
