@@ -52,7 +52,7 @@ from step_benchmark import Contender, HFContender, HostMeter, hf_model, measure 
 
 from flexsp.plan.specs import ModelSpec  # noqa: E402
 from flexsp.runtime.fsdp import shard_model  # noqa: E402
-from flexsp.runtime.models.fused_loss import LIBRARY_MODULE, library_refusal  # noqa: E402
+from flexsp.runtime.models.fused_loss import KERNELS, library_refusal  # noqa: E402
 from flexsp.runtime.models.plain import plain_loss  # noqa: E402
 from flexsp.runtime.models.tiny import TinyLM  # noqa: E402
 from flexsp.runtime.pool import GroupPool  # noqa: E402
@@ -100,7 +100,7 @@ class TinyContender(Contender):
                  backend: str) -> None:
         super().__init__("flexsp" if name == "executor" else name, model, batch)
         self.label, self.autocast = name, autocast
-        if name == "executor":
+        if name == "executor" and backend != "auto":
             self.executor = StepExecutor(model, self.optimizer, GroupPool(), backend=backend)
 
     def run(self) -> float:
@@ -292,7 +292,8 @@ def main() -> None:
                         help="wall seconds for all groups; no new round starts in a group past its share")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 (fp32 with --quick)")
     parser.add_argument("--backend", default="auto", help="attention backend of the flexsp contenders")
-    parser.add_argument("--loss-kernel", default=None, help="auto (default), liger or flexsp")
+    parser.add_argument("--loss-kernel", choices=KERNELS, default=None,
+                        help="the flexsp contenders' LM-head loss (default: auto, the library where it serves)")
     parser.add_argument("--groups", default="tiny,hf,short,long", help="which groups to run, in order")
     parser.add_argument("--output", type=Path, default=None,
                         help=f"results JSON (default: {RESULTS.relative_to(RESULTS.parents[2])} on a GPU, a temporary "
@@ -314,8 +315,8 @@ def main() -> None:
     if not gpu:
         torch.set_num_threads(1)
         print("No GPU in this run: it checks the benchmark's machinery and measured nothing about GPUs.", flush=True)
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    # shard_model wants a process group; a world of one runs no collective, so gloo serves on either device
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     env = environment(device)
     print(f"{env['device']}, torch {env['torch']}; LM-head loss: {env['lm_head_loss']}", flush=True)
     wanted = [g.strip() for g in args.groups.split(",") if g.strip()]

@@ -76,8 +76,8 @@ def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_toke
     """Check ``model`` can train under FlexSP, install the attention wrapper on its key, wrap it.
 
     ``max_seqlen``: the longest sequence you will train (needed by sliding-window models: exact only
-    within the window). ``chunk_tokens`` / ``loss_kernel``: the LM-head loss's (``flexsp.runtime.models.fused_loss``;
-None: a memory budget / "auto"). ``probe``: run ``flexsp.hf.probe`` (one packed forward at SP degree 1 against the
+    within the window). ``chunk_tokens`` / ``loss_kernel``: the LM-head loss's
+    (``flexsp.runtime.models.fused_loss``; None: a memory budget / "auto"). ``probe``: run ``flexsp.hf.probe`` (one packed forward at SP degree 1 against the
     native model, no collective) so that a model FlexSP would get wrong is refused here. ``shard``: True (or a dict of keyword arguments) applies FSDP2 through
     ``flexsp.runtime.shard_model`` - ``fully_shard`` per decoder layer, then the root.
     """

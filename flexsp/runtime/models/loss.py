@@ -171,6 +171,7 @@ def accumulate_outer(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> Non
 
 
 def has_out_dtype_matmul(device: torch.device) -> bool:
-    """Whether ``addmm(..., out_dtype=)`` runs on ``device``: CUDA's kernels have it, CPU's have not (torch
-    2.13), and a fake CUDA tensor of a CPU-only build cannot write an ``out=`` it did not allocate."""
-    return device.type == "cuda" and torch.cuda.is_available()
+    """Whether ``addmm(..., out_dtype=)`` runs on ``device``: CUDA's kernels have it for bf16/fp16 on Ampere
+    and newer, CPU's have not (torch 2.13), and a fake CUDA tensor of a CPU-only build cannot write an ``out=``
+    it did not allocate."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
