@@ -23,7 +23,7 @@ short leaves what it measured). A CPU run (``--quick``: a tiny shape, fp32, one 
 says it measured nothing about GPUs and writes only to ``--output`` or a temporary folder. A contender that
 runs out of memory is reported as such and the others go on; ``--budget-s`` bounds the rounds.
 
-    python experiments/gpu_step_benchmark.py                     # on a GPU: ~5 minutes
+    python experiments/gpu_step_benchmark.py                     # on a GPU; --budget-s bounds the rounds
     python experiments/gpu_step_benchmark.py --quick --output /tmp/gpu_step.json   # CI, on CPU
 """
 from __future__ import annotations
@@ -300,7 +300,10 @@ def main() -> None:
                              "folder otherwise)")
     args = parser.parse_args()
     start = time.monotonic()
-    gpu = torch.cuda.is_available() and not args.quick
+    if not args.quick and not torch.cuda.is_available():
+        parser.exit(2, "No CUDA device: the full Llama-3-8B-layer shape needs a GPU; --quick checks the machinery on "
+                       "CPU. Nothing was measured or written.\n")
+    gpu = not args.quick
     device = torch.device("cuda" if gpu else "cpu")
     args.dtype = args.dtype or ("fp32" if args.quick or not gpu else "bf16")
     if args.quick:
