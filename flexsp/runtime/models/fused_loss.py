@@ -13,7 +13,8 @@ at its best chunk (issue 36). It is taken when all of these hold, else the own l
 
 What the call keeps the same as the own loss: SUM reduction over labels ``!= IGNORE_INDEX``, a tied head (the
 weight is any ``[vocab, hidden]`` tensor), a bias, autocast's matmul dtype (the inputs are cast to it here, with
-autocast off inside the library, so it sees one dtype), the weight gradient accumulated in fp32, an fp32 result,
+autocast off inside the library, so it sees one dtype), the weight gradient accumulated in fp32 (``accum_dtype``,
+where the installed version takes it), an fp32 result,
 and gradients in each input's own dtype (the casts' backward: fp32 masters get fp32 gradients). One difference:
 the library returns the weight gradient in the matmul dtype (bf16 under autocast), as ``F.linear``'s own
 backward under autocast does; the own loss keeps it fp32. The library also syncs the host once per call (it
@@ -97,7 +98,7 @@ def _library_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     compute = compute_dtype(hidden, weight)
     acc = torch.promote_types(compute, torch.float32)
     options = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
-    if "accum_dtype" in inspect.signature(fn).parameters:   # liger >= 0.6: fp32 weight-gradient sums
+    if "accum_dtype" in inspect.signature(fn).parameters:   # fp32 weight-gradient sums where the version has them
         options["accum_dtype"] = acc
     with torch.autocast(hidden.device.type, enabled=False):   # one dtype in; the casts carry gradients back
         loss = fn(hidden.to(compute).contiguous(), weight.to(compute), labels.contiguous(),
