@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,36 @@ def lengths_for(total: int) -> list[int]:
     return [max(2, round(n * scale)) for n in MIX]
 
 
+class HostMeter:
+    """How a step is timed and its memory measured on the host: wall and this process's CPU time; peak =
+    growth of the resident high-water mark over one step (Linux). ``experiments/gpu_step_benchmark.py``
+    swaps in a CUDA meter (synchronised wall time, the allocator's peak)."""
+
+    recoverable: tuple[type[BaseException], ...] = ()    # errors that fail one contender, not the run
+
+    def time(self, run: Callable[[], float]) -> tuple[float, float, float]:
+        """``(loss, wall seconds, CPU seconds)`` of ``run()``."""
+        start, cpu = time.perf_counter(), time.process_time()
+        loss = run()
+        return loss, time.perf_counter() - start, time.process_time() - cpu
+
+    def peak_mib(self, run: Callable[[], float]) -> float:
+        """Resident high-water mark growth over ``run()`` (Linux), MiB; NaN where /proc cannot be reset."""
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return float("nan")
+        before = _status_kib("VmRSS")
+        run()
+        return (_status_kib("VmHWM") - before) / 1024
+
+
+HOST = HostMeter()
+
+
 class Contender:
     """One way to run the step, with its own copy of the weights and its own AdamW."""
 
@@ -81,15 +112,27 @@ class Contender:
         self.cpu: list[float] = []                 # this process's CPU time: what a loaded machine blurs least
         self.losses: list[float] = []
         self.peak_mib = float("nan")
+        self.failed: str | None = None             # why it stopped (a meter's recoverable error), None: it ran
 
-    def step(self) -> float:
-        """One timed step (wall and CPU seconds recorded); returns its loss."""
-        start, cpu = time.perf_counter(), time.process_time()
-        loss = self.run()
-        self.seconds.append(time.perf_counter() - start)
-        self.cpu.append(time.process_time() - cpu)
+    def step(self, meter: HostMeter = HOST) -> float:
+        """One timed step (wall and CPU seconds recorded); returns its loss (NaN once it has failed)."""
+        if self.failed:
+            return float("nan")
+        try:
+            loss, wall, cpu = meter.time(self.run)
+        except meter.recoverable as exc:
+            self.fail(exc)
+            return float("nan")
+        self.seconds.append(wall)
+        self.cpu.append(cpu)
         self.losses.append(loss)
         return loss
+
+    def fail(self, exc: BaseException) -> None:
+        """Record why this contender stopped and drop what its step held (its gradients)."""
+        self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
 
     def run(self) -> float:
         """Forward, backward and optimizer step, untimed."""
@@ -108,16 +151,16 @@ HF_NAMES = ("flexsp hf", "hf packed", "hf each")
 class HFContender(Contender):
     """One way to run a transformers causal LM's step: the FlexSP adapter, or the model called natively."""
 
-    def __init__(self, name: str, model: torch.nn.Module, batch: list[torch.Tensor]) -> None:
+    def __init__(self, name: str, model: torch.nn.Module, batch: list[torch.Tensor], backend: str = "auto") -> None:
         self.name, self.model, self.batch = name, model, batch
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        lengths = [s.numel() for s in batch]
+        lengths, device = [s.numel() for s in batch], batch[0].device
         self.ids = torch.cat(batch)
-        self.positions = torch.cat([torch.arange(n) for n in lengths])
-        self.labels = torch.cat([torch.cat([s[1:], torch.tensor([IGNORE_INDEX])]) for s in batch])
-        self.ctx = AttentionContext.packed([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        self.labels = torch.cat([torch.cat([s[1:], torch.tensor([IGNORE_INDEX], device=device)]) for s in batch])
+        self.ctx = AttentionContext.packed([0, *torch.tensor(lengths).cumsum(0).tolist()], device, backend=backend)
         self.count = sum(n - 1 for n in lengths)
-        self.seconds, self.cpu, self.losses, self.peak_mib = [], [], [], float("nan")
+        self.seconds, self.cpu, self.losses, self.peak_mib, self.failed = [], [], [], float("nan"), None
 
     def loss(self) -> torch.Tensor:
         """Mean next-token loss over the batch (a sum over tokens / their count, whatever the path)."""
@@ -159,32 +202,27 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def _peak_mib(contender: Contender) -> float:
-    """Resident high-water mark growth over one step (Linux), MiB; NaN where /proc cannot be reset."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return float("nan")
-    before = _status_kib("VmRSS")
-    contender.step()
-    return (_status_kib("VmHWM") - before) / 1024
-
-
-def _measure(contenders: list[Contender], repeats: int) -> list[float]:
-    """Warm-up (the first losses: same weights, same batch), interleaved rounds, then one step for peak memory."""
-    first = [c.step() for c in contenders]
+def measure(contenders: list[Contender], repeats: int, meter: HostMeter = HOST,
+            deadline: float | None = None) -> list[float]:
+    """Warm-up (the first losses: same weights, same batch), interleaved rounds in rotating order (at most
+    ``repeats``; past ``deadline``, a ``time.monotonic()``, no new round starts once one has run), then one
+    step each for peak memory. A contender that fails (``meter.recoverable``) is skipped from then on."""
+    first = [c.step(meter) for c in contenders]
     for c in contenders:
         c.seconds.clear()
         c.cpu.clear()
     n = len(contenders)
     for r in range(repeats):
-        for c in contenders[r % n:] + contenders[:r % n]:                    # interleaved, rotating order
-            c.step()
+        if r and deadline is not None and time.monotonic() > deadline:
+            break
+        for c in contenders[r % n:] + contenders[:r % n]:
+            c.step(meter)
     for c in contenders:
-        c.peak_mib = _peak_mib(c)
+        if not c.failed:
+            try:
+                c.peak_mib = meter.peak_mib(c.run)
+            except meter.recoverable as exc:
+                c.fail(exc)
     return first
 
 
@@ -195,7 +233,7 @@ def run_size(total: int, repeats: int, spec: ModelSpec, hf: bool = True) -> dict
     torch.manual_seed(0)
     base = TinyLM(spec)
     contenders = [Contender(name, copy.deepcopy(base), batch) for name in ("flexsp", "plain loop", "4-D mask")]
-    out = {"total": sum(lengths), "lengths": lengths, "first_losses": _measure(contenders, repeats),
+    out = {"total": sum(lengths), "lengths": lengths, "first_losses": measure(contenders, repeats),
            "contenders": {c.name: c for c in contenders}}
     if hf:
         from flexsp.hf import prepare_model
@@ -203,7 +241,7 @@ def run_size(total: int, repeats: int, spec: ModelSpec, hf: bool = True) -> dict
         native = hf_model(spec)
         models = {"flexsp hf": prepare_model(copy.deepcopy(native)), "hf packed": copy.deepcopy(native), "hf each": native}
         hf_contenders = [HFContender(name, models[name], batch) for name in HF_NAMES]
-        first = _measure(hf_contenders, repeats)
+        first = measure(hf_contenders, repeats)
         if not all(math.isclose(x, first[0], rel_tol=1e-5) for x in first):   # fp32: the same step, other kernels
             raise AssertionError(f"HF contenders' losses differ: {dict(zip(HF_NAMES, first))}")
         out.update(hf_first_losses=first, hf_contenders={c.name: c for c in hf_contenders})

@@ -5,7 +5,8 @@ per sequence) and an ``AttentionContext``. The adapter runs the model's decoder 
 context in the forward kwargs (transformers passes them down to every attention call, where the
 registry wrapper of ``attention.py`` picks them up) and an empty prepared 4-D mask, which
 transformers' mask builders return as is: no ``[tokens, tokens]`` mask is built for a shard whose
-real layout is ``ctx.cu_seqlens``. The loss goes through the LM head in chunks (``flexsp.runtime.models.loss``).
+real layout is ``ctx.cu_seqlens``. The loss goes through the LM head fused with its backward (``flexsp.runtime.models.fused_loss``: a
+field library's kernel on CUDA where it serves the call, FlexSP's own chunked loss otherwise).
 
 Why not a mask function in transformers' ``AttentionMaskInterface``: a mask function is chosen by
 the model's key and gets no forward kwargs, so one registered under the key FlexSP keeps (``sdpa``,
@@ -22,7 +23,7 @@ from torch import nn
 
 from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, install
 from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
-from flexsp.runtime.models.loss import linear_cross_entropy
+from flexsp.runtime.models.fused_loss import lm_head_loss
 from flexsp.hf.route import route_context
 from flexsp.plan.memory import check_recompute
 from flexsp.runtime.sp.context import AttentionContext, check_heads
@@ -34,12 +35,13 @@ class HFCausalLM(nn.Module):
     ``forward(input_ids, position_ids, ctx)`` -> this shard's logits ``[tokens, vocab]``;
     ``forward(..., labels=labels)`` / ``shard_loss`` -> the summed next-token loss of the shard.
     Build it with ``flexsp.hf.prepare_model``, which also installs the attention function.
+    ``chunk_tokens`` / ``loss_kernel``: ``lm_head_loss``'s (None: a memory budget / "auto").
     """
 
-    def __init__(self, model: nn.Module, *, chunk_tokens: int | None = None) -> None:
+    def __init__(self, model: nn.Module, *, chunk_tokens: int | None = None, loss_kernel: str | None = None) -> None:
         super().__init__()
         self.model = model
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.loss_kernel = chunk_tokens, loss_kernel
         self.name = model_name(model)
         self.window = sliding_window(model)
         head = model.get_output_embeddings()
@@ -134,4 +136,4 @@ class HFCausalLM(nn.Module):
         head = self.model.get_output_embeddings()
         if labels is None:
             return head(hidden)
-        return linear_cross_entropy(hidden, head.weight, head.bias, labels, self.chunk_tokens)
+        return lm_head_loss(hidden, head.weight, head.bias, labels, self.chunk_tokens, self.loss_kernel)

@@ -72,11 +72,12 @@ def load_config(source: str | os.PathLike | Any):
 
 
 def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_tokens: int | None = None,
-                  shard: bool | dict = False, probe: bool = True) -> HFCausalLM:
+                  loss_kernel: str | None = None, shard: bool | dict = False, probe: bool = True) -> HFCausalLM:
     """Check ``model`` can train under FlexSP, install the attention wrapper on its key, wrap it.
 
     ``max_seqlen``: the longest sequence you will train (needed by sliding-window models: exact only
-    within the window). ``probe``: run ``flexsp.hf.probe`` (one packed forward at SP degree 1 against the
+    within the window). ``chunk_tokens`` / ``loss_kernel``: the LM-head loss's
+    (``flexsp.runtime.models.fused_loss``; None: a memory budget / "auto"). ``probe``: run ``flexsp.hf.probe`` (one packed forward at SP degree 1 against the
     native model, no collective) so that a model FlexSP would get wrong is refused here. ``shard``: True (or a dict of keyword arguments) applies FSDP2 through
     ``flexsp.runtime.shard_model`` - ``fully_shard`` per decoder layer, then the root.
     """
@@ -85,7 +86,7 @@ def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_toke
     check_supported(model, max_seqlen)
     key = model.config._attn_implementation
     install(key)
-    adapter = HFCausalLM(model, chunk_tokens=chunk_tokens)
+    adapter = HFCausalLM(model, chunk_tokens=chunk_tokens, loss_kernel=loss_kernel)
     if probe:
         run_probe(adapter)
     if shard:

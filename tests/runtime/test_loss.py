@@ -131,3 +131,83 @@ def test_empty_shard():
             got = linear_cross_entropy(h, w, None, torch.zeros(0, dtype=torch.long), 4)
         gh, gw = torch.autograd.grad(got, (h, w))
         assert got.item() == 0.0 and gh.shape == (0, 8) and float(gw.abs().max()) == 0.0
+
+
+class _WeightShaped(TorchDispatchMode):
+    """Counts the new tensors of one shape that ops produce (a view, an in-place or ``out=`` result aliases an
+    input: the schema says so), and the chunks (one ``amax`` per chunk's logits)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.new, self.chunks = tuple(shape), 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t, ret in zip(outs, func._schema.returns):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape and ret.alias_info is None:
+                self.new += 1
+        self.chunks += func is torch.ops.aten.amax.default
+        return out
+
+
+@pytest.mark.parametrize("path", ["autocast bf16, blocked (CPU)", "autocast bf16, out_dtype (CUDA)", "fp32"])
+def test_no_weight_shaped_temporary_per_chunk_at_llama3_vocab(path, monkeypatch):
+    """Vocabulary 128,256 and 16,384 tokens (fake tensors: shapes only; the hidden size is small, it does not
+    change the chunk count): the weight gradient is accumulated in place, so forward makes the accumulator and
+    (under autocast) the weight's bf16 copy, backward one scaled gradient - however many chunks there are."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import flexsp.runtime.models.loss as loss_mod
+    if "out_dtype" in path:   # CUDA's branch on fake CPU tensors (their meta kernel has out_dtype)
+        monkeypatch.setattr(loss_mod, "has_out_dtype_matmul", lambda device: True)
+    tokens, hidden, vocab = 16384, 8, 128256
+    with FakeTensorMode():
+        h = torch.randn(tokens, hidden, requires_grad=True)
+        w = torch.randn(vocab, hidden, requires_grad=True)
+        y = torch.randint(0, vocab, (tokens,))
+        seen = _WeightShaped(w.shape)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled="autocast" in path), seen:
+            loss = linear_cross_entropy(h, w, None, y)
+        forward = seen.new
+        with seen:
+            loss.backward()
+        assert w.grad.dtype == torch.float32 and w.grad.shape == w.shape
+    assert seen.chunks >= 8                                   # the budget's chunks at this vocabulary
+    assert forward <= (2 if "autocast" in path else 1)        # accumulator (+ the weight's bf16 copy)
+    assert seen.new - forward <= 1                            # backward: the kept gradient times grad_output
+
+
+def test_chunk_follows_free_device_memory_up_to_a_cap(monkeypatch):
+    """On CUDA the chunk is a fraction of free memory (driver-free plus the allocator's unused cache); on CPU,
+    or where the driver does not answer, a documented cap."""
+    import flexsp.runtime.models.loss as loss_mod
+    free = {"bytes": 8 * 2**30}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**30)
+    vocab, bf16 = 128256, torch.bfloat16
+    small = loss_mod.default_chunk(vocab, "cuda", bf16)
+    free["bytes"] = 17 * 2**30
+    assert loss_mod.default_chunk(vocab, "cuda", bf16) in (2 * small, 2 * small + 1)   # (8 + 1) GiB -> (17 + 1) GiB
+    assert small * loss_mod.bytes_per_logit(bf16) * vocab <= 9 * 2**30 * loss_mod.CUDA_FREE_FRACTION
+    free["bytes"] = 10**15
+    assert loss_mod.default_chunk(vocab, "cuda", bf16) * loss_mod.bytes_per_logit(bf16) * vocab <= loss_mod.CUDA_CHUNK_BYTES
+    host = loss_mod.default_chunk(vocab, "cpu", bf16)
+    assert host == loss_mod.HOST_CHUNK_BYTES // (loss_mod.bytes_per_logit(bf16) * vocab)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (_ for _ in ()).throw(RuntimeError("no driver")))
+    assert loss_mod.default_chunk(vocab, "cuda", bf16) == host
+    assert loss_mod.default_chunk(vocab, "cpu", torch.float32) in (2 * host, 2 * host + 1)   # fp32: no bf16 copies
+
+
+@pytest.mark.parametrize("vocab", [37, 20])   # 37 rows: 8 blocks of 5 and a short one
+def test_blocked_weight_gradient_accumulation_equals_one_matmul(vocab):
+    """The CPU branch for bf16 matmuls into an fp32 accumulator sums the same bf16 products block by block."""
+    from flexsp.runtime.models.loss import accumulate_outer
+    gen = torch.Generator().manual_seed(3)
+    g, h = (torch.randn(11, vocab, generator=gen).bfloat16(), torch.randn(11, 6, generator=gen).bfloat16())
+    acc = torch.randn(vocab, 6, generator=gen)
+    want = acc + (g.t().float() @ h.float())
+    accumulate_outer(acc, g, h)
+    torch.testing.assert_close(acc, want, rtol=1e-2, atol=1e-2)

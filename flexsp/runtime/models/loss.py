@@ -12,6 +12,19 @@ Against ``F.linear`` + ``F.cross_entropy`` on the whole shard: the same three ma
 logits instead of two (log-softmax, then softmax in backward), and logits memory O(chunk x vocab).
 The price: the gradients exist from forward on (``[tokens, hidden]`` + ``[vocab, hidden]`` in fp32),
 and they are computed even if backward never runs (call it under ``torch.no_grad()`` to skip them).
+
+Chunk size: a memory budget, not a fixed count (``default_chunk``). On CUDA a chunk's logits and their
+gradient may take ``CUDA_FREE_FRACTION`` of the free device memory (the driver's free memory plus what
+torch's allocator holds unused) up to ``CUDA_CHUNK_BYTES``; on CPU, or where free memory is unknown,
+``HOST_CHUNK_BYTES``. The weight gradient is one preallocated accumulator in the accumulation dtype,
+added to in place: ``addmm_`` when the matmul dtype is the accumulator's, on CUDA ``addmm(out_dtype=fp32)``
+for bf16/fp16 matmuls (bf16 products summed in fp32, no temporary), elsewhere a few vocabulary blocks
+whose bf16 products are added one block at a time (a ``[vocab/8, hidden]`` temporary at most). Before
+this, each chunk made a ``[vocab, hidden]`` product and its fp32 copy (65 adds of 2 GiB at Llama-3's
+vocabulary and 523-token chunks).
+
+On CUDA the LM-head loss of ``TinyLM`` and the HF adapter goes to a field library when it can serve the
+call (``flexsp.runtime.models.fused_loss``); this module stays the reference and the fallback.
 """
 from __future__ import annotations
 
@@ -20,12 +33,51 @@ import torch.nn.functional as F
 
 from flexsp.runtime.sp.context import IGNORE_INDEX
 
-CHUNK_BYTES = 256 * 2**20   # fp32 logits per chunk
+CUDA_FREE_FRACTION = 1 / 8          # of free device memory: a chunk's logits and their gradient
+CUDA_CHUNK_BYTES = 4 * 2**30        # more buys nothing: a chunk of a few thousand tokens is matmul-bound
+HOST_CHUNK_BYTES = 256 * 2**20      # CPU, or a device whose free memory is unknown (fp32: what it always was)
+VOCAB_BLOCKS = 8                    # weight-gradient blocks where no out_dtype matmul exists (CPU)
+BLOCK_BYTES = 64 * 2**20            # ... and at most this much per block's low-precision product
 
 
-def default_chunk(vocab: int) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits take ``CHUNK_BYTES``."""
-    return max(1, CHUNK_BYTES // (4 * max(1, vocab)))
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's where autocast is on, else the inputs' promoted dtype."""
+    device = hidden.device.type
+    return (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+            else torch.promote_types(hidden.dtype, weight.dtype))
+
+
+def chunk_budget(device: torch.device | str | None) -> int:
+    """Bytes one chunk's logits (and their gradient) may take on ``device``; see the module docstring."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return HOST_CHUNK_BYTES
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    except RuntimeError:   # no driver answer (a fake or lost device): the documented cap
+        return HOST_CHUNK_BYTES
+    return int(min(CUDA_CHUNK_BYTES, (free + max(0, cached)) * CUDA_FREE_FRACTION))
+
+
+def bytes_per_logit(compute: torch.dtype) -> int:
+    """Bytes per ``[token, vocab]`` element of one chunk: the logits in the accumulation dtype, plus the
+    matmul's low-precision output and the gradient's low-precision copy when the two dtypes differ."""
+    acc = torch.promote_types(compute, torch.float32)
+    low = 2 * compute.itemsize if compute != acc else 0
+    return acc.itemsize + low
+
+
+def default_chunk(vocab: int, device: torch.device | str | None = None,
+                  compute: torch.dtype = torch.float32) -> int:
+    """Tokens per chunk so that one chunk fits ``chunk_budget(device)``."""
+    return max(1, chunk_budget(device) // (bytes_per_logit(compute) * max(1, vocab)))
+
+
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"hidden must be [tokens, h], weight [vocab, h] and labels [tokens], got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}")
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -36,16 +88,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     [tokens]``. The matmuls run in the compute dtype (autocast's where autocast is on, else the inputs'
     promoted dtype); the softmax and the sum in fp32 (fp64 when the inputs are fp64), which is the result's
     dtype. Gradients come back in each input's own dtype (fp32 master weights under autocast).
+    ``chunk_tokens`` None: ``default_chunk`` (a memory budget).
     """
-    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"hidden must be [tokens, h], weight [vocab, h] and labels [tokens], got "
-                         f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}")
-    chunk = int(chunk_tokens or default_chunk(weight.shape[0]))
+    check_inputs(hidden, weight, labels)
+    compute = compute_dtype(hidden, weight)
+    chunk = int(chunk_tokens or default_chunk(weight.shape[0], hidden.device, compute))
     if chunk < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    device = hidden.device.type
-    compute = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-               else torch.promote_types(hidden.dtype, weight.dtype))
     return _LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, compute, torch.is_grad_enabled())
 
 
@@ -87,10 +136,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     else:
                         pieces.append(g @ w)
                 if need_w:
-                    if g.dtype == acc:
-                        grad_w.addmm_(g.t(), h)
-                    else:
-                        grad_w += (g.t() @ h).to(acc)
+                    accumulate_outer(grad_w, g, h)
                 if need_b:
                     grad_b += z.sum(dim=0)
         if need_h and grad_h is None:
@@ -106,3 +152,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads = [(next(saved) * grad_out).to(dtype) if present else None
                  for present, dtype in zip(ctx.present, ctx.dtypes)]
         return grads[0], grads[1], grads[2], None, None, None, None
+
+
+def accumulate_outer(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += g.T @ h`` in place, never a temporary of ``acc``'s shape (``acc [vocab, hidden]``, ``g
+    [n, vocab]``, ``h [n, hidden]``; ``g`` and ``h`` in one dtype, ``acc`` that dtype or wider)."""
+    if g.dtype == acc.dtype:
+        acc.addmm_(g.t(), h)
+    elif has_out_dtype_matmul(acc.device):   # bf16/fp16 products summed into fp32 by the matmul itself
+        torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
+    else:                              # no out_dtype matmul here (CPU): a block of the vocabulary at a time
+        vocab, width = acc.shape
+        rows = max(1, min(-(-vocab // VOCAB_BLOCKS), BLOCK_BYTES // max(1, width * g.dtype.itemsize)))
+        gt = g.t()
+        for start in range(0, vocab, rows):
+            n = min(rows, vocab - start)
+            acc.narrow(0, start, n).add_(torch.mm(gt.narrow(0, start, n), h))
+
+
+def has_out_dtype_matmul(device: torch.device) -> bool:
+    """Whether ``addmm(..., out_dtype=)`` runs on ``device``: CUDA's kernels have it for bf16/fp16 on Ampere
+    and newer, CPU's have not (torch 2.13), and a fake CUDA tensor of a CPU-only build cannot write an ``out=``
+    it did not allocate."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from flexsp.errors import CostModelError
 from flexsp.plan.memory import check_recompute
 from flexsp.plan.specs import ModelSpec
-from flexsp.runtime.models.loss import linear_cross_entropy
+from flexsp.runtime.models.fused_loss import lm_head_loss
 from flexsp.runtime.models.protocol import loss_dtype
 from flexsp.runtime.sp.attention import sp_attention
 from flexsp.runtime.sp.context import AttentionContext
@@ -151,16 +151,17 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Decoder-only LM over a flat token shard: ``input_ids [tokens]`` -> ``logits [tokens, vocab]``.
 
-    ``shard_loss`` (the ``SPModel`` entry the executor uses) never materialises more than
-    ``loss_chunk_tokens`` tokens' logits at once (None: ``loss.default_chunk``, 256 MiB of fp32 logits);
-    ``forward`` returns all logits (tests, inference).
+    ``shard_loss`` (the ``SPModel`` entry the executor uses) never materialises all logits: it calls
+    ``fused_loss.lm_head_loss`` with ``loss_kernel`` (None: "auto", a fused library kernel on CUDA where it
+    can serve the call, else FlexSP's own loss in chunks of ``loss_chunk_tokens``, None: a memory budget,
+    ``loss.default_chunk``); ``forward`` returns all logits (tests, inference).
     """
 
-    def __init__(self, cfg: ModelSpec, *, loss_chunk_tokens: int | None = None,
+    def __init__(self, cfg: ModelSpec, *, loss_chunk_tokens: int | None = None, loss_kernel: str | None = None,
                  recompute: str | Sequence[str] = "none") -> None:
         super().__init__()
         self.cfg = check_spec(cfg)
-        self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_chunk_tokens, self.loss_kernel = loss_chunk_tokens, loss_kernel
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -187,11 +188,12 @@ class TinyLM(nn.Module):
 
     def shard_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
                    ctx: AttentionContext) -> torch.Tensor:
-        """Summed next-token cross-entropy of this shard (fp32 or wider), logits chunk by chunk, fused with
-        their backward (``linear_cross_entropy``)."""
+        """Summed next-token cross-entropy of this shard (fp32 or wider), the LM head fused with the loss and
+        its backward (``fused_loss.lm_head_loss``)."""
         hidden = self.hidden_states(input_ids, position_ids, ctx)
         head = self.embed if self.lm_head is None else self.lm_head
-        return linear_cross_entropy(hidden, head.weight, getattr(head, "bias", None), labels, self.loss_chunk_tokens)
+        return lm_head_loss(hidden, head.weight, getattr(head, "bias", None), labels, self.loss_chunk_tokens,
+                            self.loss_kernel)
 
     # --- plain use ----------------------------------------------------------------------------
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
