@@ -200,11 +200,14 @@ def parts(document: Mapping[str, Any]) -> dict[str, str]:
     memory, assumed = meta["memory"], meta.get("assumed") or {}
     assumed_parts = assumed.get("parts", ())
     figures = assumed.get("figures") or {}
-    source = (f"assumed from the documented {assumed.get('interconnect')} interconnect figures "
-              f"({figures.get('intra_node_bandwidth', 0) / 1e9:g} GB/s all-to-all inside a node, "
-              f"{figures.get('inter_node_bandwidth', 0) / 1e9:g} GB/s per GPU across nodes, "
-              f"{figures.get('latency', 0) * 1e6:g} us per hop: {assumed.get('source', 'no source recorded')}); "
-              f"profiled on {meta.get('world_size', 1)} GPU(s), where no all-to-all can be measured")
+    name = assumed.get("interconnect")
+    source = (f"assumed from the documented {name} interconnect figures, "
+              f"{figures.get('intra_node_bandwidth', 0) / 1e9:g} GB/s all-to-all inside a node and "
+              f"{figures.get('inter_node_bandwidth', 0) / 1e9:g} GB/s per GPU across nodes "
+              f"({assumed.get('source', 'no source recorded')}; profiled on {meta.get('world_size', 1)} GPU(s), "
+              f"where no all-to-all can be measured)")
+    ring_source = (f"assumed from the {name} figures, {figures.get('inter_node_bandwidth', 0) / 1e9:g} GB/s per GPU "
+                   f"and {figures.get('latency', 0) * 1e6:g} us per hop")
     fits = sorted(int(d) for d in (meta.get("comm") or {}).get("fits") or {})
     ring = meta.get("ring") or {}
     return {
@@ -214,7 +217,7 @@ def parts(document: Mapping[str, Any]) -> dict[str, str]:
         "alltoall": (f"measured at degrees {fits}" + ("; other degrees " + source if "alltoall_bandwidth" in assumed_parts
                                                       else "")) if fits else
                     (source if "alltoall_bandwidth" in assumed_parts else "none: degree 1 only"),
-        "ring": ("measured" if ring.get("measured") else source if "ring_bandwidth" in assumed_parts
+        "ring": ("measured" if ring.get("measured") else ring_source if "ring_bandwidth" in assumed_parts
                  else "none: degrees up to the Ulysses limit only"),
     }
 
