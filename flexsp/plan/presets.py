@@ -26,7 +26,6 @@ from flexsp.inputs import integer
 from flexsp.plan.cluster import is_power_of_two, tileable_degrees
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import check as check_sharding
-from flexsp.plan.measured_presets import measured_cost_model, measured_names
 from flexsp.plan.memory import model_state_bytes, token_capacity
 from flexsp.plan.specs import get_model, model_names
 
@@ -74,6 +73,7 @@ def interpolate_bandwidth(measured: dict[int, float], degree: int, gpus_per_node
 
 def preset_names() -> tuple[str, ...]:
     """Every preset ``cost_from_preset`` takes: the paper's, then the measured ones."""
+    from flexsp.plan.measured_presets import measured_names   # here, so python -m flexsp.plan.measured_presets runs clean
     return (*model_names(paper=True), *measured_names())
 
 
@@ -84,6 +84,7 @@ def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *
     says which non-power-of-two degrees get an (interpolated) bandwidth. ``name`` is a paper preset
     (gpt-7b, gpt-13b, gpt-30b: the published A100 constants) or a measured one (``preset_names()``, e.g.
     h200-llama3-8b: measured compute and memory, provenance in ``meta["provenance"]``)."""
+    from flexsp.plan.measured_presets import measured_cost_model, measured_names
     papers = model_names(paper=True)
     if isinstance(name, str) and name.lower() in measured_names():
         return measured_cost_model(name.lower(), context, num_gpus, sharding=sharding, gpus_per_node=gpus_per_node)
