@@ -153,3 +153,16 @@ def test_simulate_prints_the_measured_provenance(capsys):
     assert "cost model: h200-llama3-8b, token capacity 16692 per GPU" in out
     assert "measured preset h200-llama3-8b: measured on NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130)" in out
     assert "assumed all-to-all at degrees 2..8" in out
+
+
+def test_readme_calibration_block_reads_the_preset_and_its_replay(tmp_path, monkeypatch):
+    from scripts import experiment
+    tables = experiment("readme_tables")
+    block = tables.calibration()
+    assert "| `h200-llama3-8b` | NVIDIA H200 (driver 580.159.04" in block
+    assert "| 1.22% / 2.64% | 3.5% / 4.6% (" in block and "1.473 s vs 1.406 s (-4.6%)" in block
+    document = _document()
+    document["profile"]["meta"]["compute"]["mean_abs_rel_error"] = 0.05    # the figure follows the file
+    (tmp_path / f"{H200}.json").write_text(json.dumps(document))
+    monkeypatch.setattr(measured_presets, "FOLDER", tmp_path)
+    assert "| 5.00% / 2.64% |" in tables.calibration()

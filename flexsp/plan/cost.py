@@ -331,6 +331,8 @@ def describe_sources(cost: CostModel) -> str:
         provenance = meta.get("provenance")      # a measured preset (flexsp.plan.measured_presets) says where from
         if isinstance(provenance, Mapping) and provenance.get("summary"):
             line += f"\nmeasured preset {meta.get('preset')}: {provenance['summary']}"
+            if meta.get("context_note"):
+                line += f" ({meta['context_note']})"
         return line
     if source == "analytic":
         return "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"
