@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import flexsp
+from flexsp.errors import FlexSPError
 from flexsp.evaluation.simulate import plan_steps
 from flexsp.inputs import parse_tokens
 from flexsp.plan.specs import SHAPE_FIELDS, ModelSpec
@@ -158,8 +159,9 @@ def replay_all(args, state: dict, cost: flexsp.CostModel, path: Path | None, clo
     from flexsp.profile.compute import DeviceSetup
     from flexsp.replay import Replayer
 
+    import torch
+
     if args.quick:
-        import torch
         torch.set_num_threads(1)          # a shared CI machine: one thread is the steadiest
     setup = DeviceSetup.resolve(args.device, "auto", "auto")
     spec = model_of(args, cost)
@@ -179,7 +181,14 @@ def replay_all(args, state: dict, cost: flexsp.CostModel, path: Path | None, clo
                 print(state["stopped"], flush=True)
                 return
             started = time.monotonic()
-            report = replayer.replay(plan, step["lengths"], cost)
+            try:
+                report = replayer.replay(plan, step["lengths"], cost)
+            except (FlexSPError, torch.OutOfMemoryError) as exc:   # one plan this device cannot run: note it, go on
+                state["replays"][key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+                print(f"step {i} {name} not replayed: {state['replays'][key]['error']}", flush=True)
+                if setup.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             seconds = time.monotonic() - started
             clock.record(estimate, seconds)
             state["replays"][key] = dict(report.to_dict(), wall_s=seconds, estimate_s=estimate)
@@ -192,7 +201,7 @@ def replay_all(args, state: dict, cost: flexsp.CostModel, path: Path | None, clo
 
 
 def complete_steps(state: dict) -> list[int]:
-    """Steps whose every plan was replayed: the ones speedups may compare."""
+    """Steps whose every plan was replayed (or found unreplayable): the ones speedups may compare."""
     return [i for i, step in enumerate(state["steps"])
             if all(f"{i}/{name}" in state["replays"] for name in step["plans"])]
 
@@ -203,8 +212,10 @@ def rows(state: dict) -> list[dict]:
     steps = complete_steps(state) or ([] if state["replays"] else list(range(len(state["steps"]))))
     out = []
     for name in state["setting"]["strategies"]:
-        if not steps or any(name not in state["steps"][i]["plans"] for i in steps):
-            error = next((step["errors"][name] for step in state["steps"] if name in step["errors"]), None)
+        failed = [state["replays"].get(f"{i}/{name}", {}).get("error") for i in steps]
+        if not steps or any(name not in state["steps"][i]["plans"] for i in steps) or any(failed):
+            error = next((step["errors"][name] for step in state["steps"] if name in step["errors"]),
+                         next((f"not replayed: {e}" for e in failed if e), None))
             out.append({"strategy": name, "error": error or "not replayed"})
             continue
         row = {"strategy": name, "simulated": sum(state["steps"][i]["plans"][name]["predicted_time"] for i in steps)}

@@ -48,3 +48,14 @@ def test_totals_compare_only_steps_every_strategy_replayed():
     assert rows["static:8"]["error"] == "too small"
     planned_only = {r["strategy"]: r for r in module.rows(_state({}))}   # a dry run: simulated over every step
     assert planned_only["batchada"]["simulated"] == 3.0 and "replayed" not in planned_only["batchada"]
+
+
+def test_a_plan_the_device_cannot_replay_is_reported_not_compared():
+    module = experiment("gpu_replay")
+    state = _state({"0/flexsp": 2.0, "0/batchada": 4.0})
+    state["replays"]["1/flexsp"] = {"step": {"replayed_time": 2.0, "measured_share": 0.9}, "groups": [{"compute_error": 0.0}]}
+    state["replays"]["1/batchada"] = {"error": "OutOfMemoryError: CUDA out of memory"}
+    assert module.complete_steps(state) == [0, 1]
+    rows = {r["strategy"]: r for r in module.rows(state)}
+    assert rows["batchada"]["error"] == "not replayed: OutOfMemoryError: CUDA out of memory"
+    assert rows["flexsp"]["replayed"] == 4.0 and "speedup_replayed" not in rows.get("batchada", {})
