@@ -166,3 +166,14 @@ def test_readme_calibration_block_reads_the_preset_and_its_replay(tmp_path, monk
     (tmp_path / f"{H200}.json").write_text(json.dumps(document))
     monkeypatch.setattr(measured_presets, "FOLDER", tmp_path)
     assert "| 5.00% / 2.64% |" in tables.calibration()
+
+
+def test_every_preset_file_is_package_data():
+    """An installed FlexSP carries the folder: pyproject's package-data covers every preset file."""
+    import fnmatch
+    from pathlib import Path
+    tomllib = pytest.importorskip("tomllib")      # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flexsp"]
+    files = [p.relative_to(root / "flexsp").as_posix() for p in FOLDER.glob("*.json")]
+    assert files and all(any(fnmatch.fnmatch(f, pattern) for pattern in patterns) for f in files), (files, patterns)
