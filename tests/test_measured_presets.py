@@ -177,3 +177,34 @@ def test_every_preset_file_is_package_data():
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flexsp"]
     files = [p.relative_to(root / "flexsp").as_posix() for p in FOLDER.glob("*.json")]
     assert files and all(any(fnmatch.fnmatch(f, pattern) for pattern in patterns) for f in files), (files, patterns)
+
+
+def _paths(value, path=()):
+    yield path
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _paths(child, (*path, key))
+
+
+JUNK = [None, "abc", "5", -1, 0, 1e308, True, [], {}, [1, "x"], {"x": 1}]
+
+
+def test_any_damaged_field_is_a_named_error_never_a_crash(tmp_path):
+    """Every field of the shipped preset replaced by junk, one at a time: loading, building the cost model for a
+    setting and describing it either work or raise CostModelError, never another exception."""
+    import copy
+    import random
+    document = _document()
+    paths = [p for p in _paths(document) if p]
+    rng = random.Random(7)
+    for path in rng.sample(paths, 120):
+        damaged = copy.deepcopy(document)
+        target = damaged
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = rng.choice(JUNK)
+        (tmp_path / f"{H200}.json").write_text(json.dumps(damaged))
+        try:
+            describe_sources(measured_presets.measured_cost_model(H200, num_gpus=64, gpus_per_node=4, folder=tmp_path))
+        except flexsp.CostModelError:
+            pass

@@ -41,6 +41,7 @@ from flexsp.plan.cluster import tileable_degrees, ulysses_split
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import check as check_sharding
 from flexsp.plan.memory import model_state_bytes, token_capacity
+from flexsp.plan.specs import SHAPE_FIELDS, ModelSpec
 
 FOLDER = Path(__file__).resolve().parent / "measured"
 FORMAT = "flexsp measured preset"
@@ -122,8 +123,37 @@ def check_preset(data: Any, stem: str) -> dict[str, Any]:
     for key in ("bytes_per_token", "memory_bytes", "usable_fraction"):
         number(memory.get(key), f"profile.meta.memory.{key}", CostModelError, positive=True)
     number(meta.get("params"), "profile.meta.params", CostModelError, positive=True)
+    lengths = _field(meta, "lengths", list, "profile.meta.")
+    for n in lengths:
+        integer(n, "profile.meta.lengths entries", CostModelError)
+    ModelSpec(**{k: meta["model"].get(k) for k in SHAPE_FIELDS}, name=str(meta["model"].get("name", "custom")))
+    if not all(isinstance(e, str) for e in _field(dict(meta, estimates=meta.get("estimates", [])), "estimates", list,
+                                                  "profile.meta.")):
+        raise CostModelError(f"profile.meta.estimates must be a list of strings, got {meta.get('estimates')!r}")
+    _check_comm(meta)
     CostModel.from_dict(profile)        # the coefficients themselves: every CostModel check
     return dict(data)
+
+
+def _check_comm(meta: Mapping[str, Any]) -> None:
+    """The communication records a preset reads: measured fits (by degree) and the assumed interconnect."""
+    for key in ("comm", "assumed", "ring"):
+        if meta.get(key) is not None:
+            _field(meta, key, dict, "profile.meta.")
+    fits = (meta.get("comm") or {}).get("fits", {})
+    if not isinstance(fits, dict) or not all(isinstance(d, str) and d.isdigit() and len(d) < 12 for d in fits):
+        raise CostModelError(f"profile.meta.comm.fits must map SP degrees to fits, got {fits!r:.80}")
+    assumed = meta.get("assumed")
+    if assumed:
+        parts = _field(assumed, "parts", list, "profile.meta.assumed.")
+        figures = _field(assumed, "figures", dict, "profile.meta.assumed.")
+        for key in ("interconnect", "source"):
+            _field(assumed, key, str, "profile.meta.assumed.")
+        if not all(isinstance(part, str) for part in parts):
+            raise CostModelError(f"profile.meta.assumed.parts must be a list of names, got {parts!r:.80}")
+        for key in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            number(figures.get(key), f"profile.meta.assumed.figures.{key}", CostModelError, positive=True)
+        number(figures.get("latency"), "profile.meta.assumed.figures.latency", CostModelError)
 
 
 def measured_cost_model(name: str, context: int = 384 * 1024, num_gpus: int = 64, *, sharding: str = "full",
