@@ -127,9 +127,9 @@ def check_preset(data: Any, stem: str) -> dict[str, Any]:
     for n in lengths:
         integer(n, "profile.meta.lengths entries", CostModelError)
     ModelSpec(**{k: meta["model"].get(k) for k in SHAPE_FIELDS}, name=str(meta["model"].get("name", "custom")))
-    if not all(isinstance(e, str) for e in _field(dict(meta, estimates=meta.get("estimates", [])), "estimates", list,
-                                                  "profile.meta.")):
-        raise CostModelError(f"profile.meta.estimates must be a list of strings, got {meta.get('estimates')!r}")
+    estimates = meta.get("estimates", [])
+    if not isinstance(estimates, list) or not all(isinstance(e, str) for e in estimates):
+        raise CostModelError(f"profile.meta.estimates must be a list of strings, got {estimates!r:.80}")
     _check_comm(meta)
     CostModel.from_dict(profile)        # the coefficients themselves: every CostModel check
     return dict(data)
