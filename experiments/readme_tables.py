@@ -3,7 +3,8 @@
 A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``. ``simulate``
 is the output of the README's default command (``flexsp simulate``); ``file:FILE`` copies the whole of
 ``experiments/results/FILE``; ``results:FILE`` copies the block of the same name out of it, where the benchmark script that owns the
-figures wrote it. ``--check`` exits 1 when the README differs (for ``simulate``, solve times and the
+figures wrote it; ``calibration`` tabulates the measured presets (``flexsp/plan/measured/``) with their fit and replay
+errors and any GPU run of ``experiments/gpu_replay.py``. ``--check`` exits 1 when the README differs (for ``simulate``, solve times and the
 time-limited search's plan details, which vary from run to run, are ignored; its total time must agree
 within 1%: see ``simulation_differs``).
 
@@ -68,9 +69,56 @@ def results_file(file_name: str) -> str:
     return body.replace("<!-- generated: ", "<!-- inner: ").replace("<!-- end: ", "<!-- inner-end: ") + "\n"
 
 
+def calibration() -> str:
+    """The measured presets against the hardware they came from: each preset's compute-fit error (its profile's
+    ``meta``) and the replay that checked it (the results file its provenance names), then the e2e comparison
+    replayed with measured compute (``experiments/gpu_replay.py``) wherever a GPU run left its results."""
+    import json
+
+    from flexsp.plan.measured_presets import preset_files, read_preset
+
+    rows = ["| measured preset | measured on | measured | assumed | compute fit error (mean / max) | replay check: "
+            "group compute error (mean / max) | replay check: step replayed vs predicted (prediction error) |",
+            "|---|---|---|---|---|---|---|"]
+    for name, path in preset_files().items():
+        document = read_preset(path)
+        meta, provenance = document["profile"]["meta"], document["provenance"]
+        compute, lengths = meta["compute"], meta.get("lengths") or [0]
+        check = provenance.get("replay_check")
+        replay = json.loads((ROOT / check).read_text()) if check and (ROOT / check).is_file() else None
+        assumed = meta.get("assumed") or {}
+        cells = [f"`{name}`", f"{meta['device']} (driver {provenance['driver']}, torch {meta['torch']}), {meta['date'][:10]}",
+                 f"compute ({min(lengths):,}-{max(lengths):,} tokens, {meta.get('dtype')}), activation memory",
+                 f"all-to-all and ring: `{assumed.get('interconnect')}` figures" if assumed else "nothing",
+                 f"{compute['mean_abs_rel_error']:.2%} / {compute['max_abs_rel_error']:.2%}"]
+        if replay:
+            step = replay["step"]
+            tokens = sum(g["tokens"] for g in replay["groups"])
+            cells += [f"{step['group_compute_mean_abs_error']:.1%} / {step['group_compute_max_abs_error']:.1%} "
+                      f"([{len(replay['groups'])} groups of a plan for {replay['num_gpus']} GPUs, {tokens:,} tokens]({check}))",
+                      f"{step['replayed_time']:.3f} s vs {step['predicted_time']:.3f} s ({step['step_error']:+.1%})"]
+        else:
+            cells += ["not checked", ""]
+        rows.append("| " + " | ".join(cells) + " |")
+    replays = sorted((ROOT / "experiments" / "results").glob("gpu_replay_*.md"))
+    if replays:
+        tail = "\n\n".join(f"[{p.stem}](experiments/results/{p.name}):\n\n"
+                            + "\n".join(line for line in p.read_text().splitlines() if line.startswith("|"))
+                            for p in replays)
+    else:
+        tail = ("The paper's comparison replayed with this measured compute (`python experiments/gpu_replay.py`: every "
+                "strategy's plans for 64 GPUs, each group's compute measured on one GPU, communication modelled; about "
+                "15 minutes on one H200) has not run yet: no GPU was at hand when it was written.")
+    return ("Measured on a real GPU (compute and memory; the all-to-all and ring are assumed, since one GPU measures no "
+            "all-to-all). `flexsp simulate --model NAME` plans with a measured preset and prints its provenance.\n\n"
+            + "\n".join(rows) + "\n\n" + tail + "\n")
+
+
 def render(name: str) -> str:
     if name == "simulate":
         return default_simulation()
+    if name == "calibration":
+        return calibration()
     if name.startswith("file:"):
         return results_file(name.split(":", 1)[1])
     if name.startswith("results:"):

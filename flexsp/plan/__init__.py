@@ -7,6 +7,7 @@
 | ``memory`` | model-state bytes per sharding and the one token-capacity formula |
 | ``cost`` | ``CostModel``: the paper's alpha-beta time model and the capacity rule |
 | ``analytic`` / ``presets`` | cost models from a model + GPU description / the paper's constants |
+| ``measured_presets`` | cost models measured on real GPUs, shipped as JSON in ``measured/`` with provenance |
 | ``communicator_memory`` | memory the SP communicators take from the capacity |
 | ``cluster`` | ``Cluster`` and the tile placement rule (any degree: inside a node or whole nodes) |
 | ``types`` | ``Plan``, ``MicroBatch``, ``Group``: JSON form and validation |

@@ -327,7 +327,13 @@ def describe_sources(cost: CostModel) -> str:
                 assumed["degrees"]) + ["ring bandwidth and hop latency"] * ("ring_bandwidth" in parts))
             if what:
                 estimates.append(f"{what} from the {assumed['interconnect']} preset")
-        return f"cost model parts: measured {', '.join(measured)}; assumed {'; '.join(estimates) or 'nothing'}"
+        line = f"cost model parts: measured {', '.join(measured)}; assumed {'; '.join(estimates) or 'nothing'}"
+        provenance = meta.get("provenance")      # a measured preset (flexsp.plan.measured_presets) says where from
+        if isinstance(provenance, Mapping) and provenance.get("summary"):
+            line += f"\nmeasured preset {meta.get('preset')}: {provenance['summary']}"
+            if meta.get("context_note"):
+                line += f" ({meta['context_note']})"
+        return line
     if source == "analytic":
         return "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"
     if meta.get("preset"):

@@ -14,6 +14,10 @@ side of the node boundary, with the time per byte ``1 / bw`` linear in ``1 / d``
 analytic model, ``flexsp.plan.analytic``: inside a node ``1/bw = (1 - 1/d) / intra``, across nodes
 ``(1 - g/d) / inter``), and flat beyond the last measured degree of its side; ``meta["bandwidth"]``
 lists the interpolated degrees.
+
+``cost_from_preset`` also serves the measured presets (``flexsp.plan.measured_presets``): cost models
+``flexsp profile`` fitted on a real GPU, shipped as JSON in ``flexsp/plan/measured/`` with their
+provenance, e.g. ``h200-llama3-8b``. ``preset_names()`` lists both kinds.
 """
 from __future__ import annotations
 
@@ -67,14 +71,25 @@ def interpolate_bandwidth(measured: dict[int, float], degree: int, gpus_per_node
     return 1.0 / ((1 - w) / measured[a] + w / measured[b])
 
 
+def preset_names() -> tuple[str, ...]:
+    """Every preset ``cost_from_preset`` takes: the paper's, then the measured ones."""
+    from flexsp.plan.measured_presets import measured_names   # here, so python -m flexsp.plan.measured_presets runs clean
+    return (*model_names(paper=True), *measured_names())
+
+
 def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *, sharding: str = "full",
                      gpus_per_node: int = PAPER_GPUS_PER_NODE) -> CostModel:
-    """The paper's cost model for ``name`` (gpt-7b, gpt-13b, gpt-30b) at ``context`` tokens, model states
-    sharded ``sharding`` (``flexsp.plan.memory``; the paper ran ZeRO-3, ``"full"``) over ``num_gpus`` GPUs;
-    ``gpus_per_node`` says which non-power-of-two degrees get an (interpolated) bandwidth."""
+    """The cost model of preset ``name`` at ``context`` tokens, model states sharded ``sharding``
+    (``flexsp.plan.memory``; the paper ran ZeRO-3, ``"full"``) over ``num_gpus`` GPUs; ``gpus_per_node``
+    says which non-power-of-two degrees get an (interpolated) bandwidth. ``name`` is a paper preset
+    (gpt-7b, gpt-13b, gpt-30b: the published A100 constants) or a measured one (``preset_names()``, e.g.
+    h200-llama3-8b: measured compute and memory, provenance in ``meta["provenance"]``)."""
+    from flexsp.plan.measured_presets import measured_cost_model, measured_names
     papers = model_names(paper=True)
+    if isinstance(name, str) and name.lower() in measured_names():
+        return measured_cost_model(name.lower(), context, num_gpus, sharding=sharding, gpus_per_node=gpus_per_node)
     if not isinstance(name, str) or name.lower() not in papers:
-        raise CostModelError(f"unknown preset {name!r}; choose one of {sorted(papers)}")
+        raise CostModelError(f"unknown preset {name!r}; choose one of {sorted(preset_names())}")
     context = integer(context, "context (tokens, e.g. 393216; the CLI also reads 384K)", CostModelError)
     num_gpus = integer(num_gpus, "num_gpus", CostModelError)
     gpus_per_node = integer(gpus_per_node, "gpus_per_node", CostModelError)

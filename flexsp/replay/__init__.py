@@ -11,7 +11,8 @@ group, micro-batch and step, the makespan with measured compute against the cost
 | ``exchange`` | ``LocalExchange``: the all-to-all stand-in | yes |
 | ``runner`` | ``ReplayModel``, representative ranks, timing one rank | yes |
 | ``replay`` | ``Replayer`` / ``replay_plan``: checks, every group, the report | yes |
-| ``comm`` | modelled all-to-all time, bandwidth tables | no |
+| ``comm_time`` | modelled all-to-all time, bandwidth tables | no |
+| ``budget`` | device seconds a replay will take, before it runs (device-time budgets) | no |
 | ``report`` | ``ReplayReport``: makespans, JSON, Markdown | no |
 | ``plot`` | Gantt chart, predicted above replayed | no |
 | ``cli`` | ``flexsp replay`` and ``flexsp simulate --replay`` | lazily |

@@ -55,7 +55,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=Path, required=True, help="the lengths file the plan was made for")
     c = p.add_mutually_exclusive_group(required=True)
     c.add_argument("--cost", type=Path, help="cost model JSON (flexsp profile, CostModel.save)")
-    c.add_argument("--preset", help="paper preset cost model: gpt-7b, gpt-13b, gpt-30b (with --context)")
+    c.add_argument("--preset", help="preset cost model: the paper's gpt-7b, gpt-13b, gpt-30b or a measured one "
+                                    "(e.g. h200-llama3-8b), with --context")
     p.add_argument("--context", default="384K", help="context of --preset (default 384K)")
     _device_options(p, "model")
     o = p.add_argument_group("output")

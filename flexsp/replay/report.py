@@ -81,6 +81,14 @@ class ReplayReport:
     def step_error(self) -> float:
         return (self.predicted_time - self.replayed_time) / self.replayed_time
 
+    @property
+    def measured_share(self) -> float:
+        """Share of the replayed makespan that is measured compute: on each micro-batch's slowest group (the
+        critical path), its compute over its compute plus modelled communication."""
+        critical = [max(self.micro_batch(m), key=lambda g: g.replayed) for m in range(self.num_micro_batches)]
+        total = sum(g.replayed for g in critical)
+        return sum(g.compute for g in critical) / total if total > 0 else float("nan")
+
     def compute_errors(self) -> tuple[float, float]:
         """Mean and max |relative error| of the cost model's per-group compute."""
         errors = np.abs([g.compute_error for g in self.groups])
@@ -91,7 +99,7 @@ class ReplayReport:
         return {"strategy": self.strategy, "num_gpus": self.num_gpus, "meta": dict(self.meta),
                 "step": {"replayed_time": self.replayed_time, "predicted_time": self.predicted_time,
                          "step_error": self.step_error, "group_compute_mean_abs_error": mean,
-                         "group_compute_max_abs_error": worst},
+                         "group_compute_max_abs_error": worst, "measured_share": self.measured_share},
                 "micro_batches": [{"micro_batch": m, "replayed_time": r, "predicted_time": p}
                                   for m, (r, p) in enumerate(zip(self.micro_batch_replayed, self.micro_batch_predicted))],
                 "groups": [g.to_dict() for g in self.groups]}
