@@ -88,6 +88,8 @@ training = FlexSPTrainingArguments(
     flexsp_run_dir=None if args.run_dir is None else str(args.run_dir),
     per_device_train_batch_size=args.batch // world, max_steps=args.steps, learning_rate=1e-3, lr_scheduler_type="linear",
     warmup_steps=1, logging_steps=1, save_steps=args.save_steps, save_strategy="steps", report_to=[], seed=args.seed,
+    # use_cpu: CPU ranks (gloo) for both runs. FlexSP sets it itself where there is no CUDA; the plain
+    # Trainer needs it to run DDP over torchrun's ranks on CPUs instead of a world of one per rank.
     use_cpu=True, dataloader_drop_last=False, remove_unused_columns=False, disable_tqdm=True)
 trainer = SameBatches(model=model, args=training, train_dataset=dataset, data_collator=pad)
 output = trainer.train(resume_from_checkpoint=True if args.resume else None)

@@ -1,5 +1,6 @@
-"""The package's import graph, read from the source (an AST walk, imports inside functions included;
-``if TYPE_CHECKING:`` imports, which never run, left out).
+"""The package's import graph, read from the source (an AST walk, imports inside functions and
+``if TYPE_CHECKING:`` imports included: a type-only import is still a dependency of the design, and
+a circle through one is a circle a reader has to untangle).
 
 ``tests/test_layout.py`` checks it and ``docs/design.md``'s layer table is generated from ``LAYERS``.
 """
@@ -63,12 +64,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Project modules ``name`` imports anywhere in its source (``from pkg import mod`` counts ``pkg.mod``)."""
     is_package = path.name == "__init__.py"
     found = set()
-    tree = ast.parse(path.read_text())
-    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
-                 for stmt in block.body for n in ast.walk(stmt)}
-    for node in ast.walk(tree):
-        if id(node) in type_only:      # ``if TYPE_CHECKING:`` imports never execute: annotations only
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -86,11 +82,6 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             if target and target != name:
                 found.add(target)
     return found
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def graph() -> dict[str, set[str]]:

@@ -5,11 +5,28 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from layering import LAYERS, ROOT, TORCH_FREE, cycles, graph, layer_of, markdown_table
+from layering import LAYERS, ROOT, TORCH_FREE, cycles, graph, imports, layer_of, markdown_table
 
 
 def test_no_import_circle():
     assert cycles(graph()) == []
+
+
+def test_type_only_imports_count(tmp_path):
+    """An ``if TYPE_CHECKING:`` import is an edge of the graph: a circle through one is a circle."""
+    source = tmp_path / "a.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n"
+                      "def f():\n    import pkg.c\n")
+    assert imports("pkg.a", source, {"pkg.a", "pkg.b", "pkg.c"}) == {"pkg.b", "pkg.c"}
+
+
+def test_attention_context_and_its_ring_half_live_together():
+    """``AttentionContext.ring`` is a ``RingContext``: both in ``sp.context``, which the ring axis
+    imports and no token layout imports back (the old ``context -> ring -> zigzag -> context``)."""
+    edges = graph()
+    assert "flexsp.runtime.sp.context" in edges["flexsp.runtime.sp.ring"]
+    assert "flexsp.runtime.sp.ring" not in edges["flexsp.runtime.sp.context"]
+    assert "flexsp.runtime.sp.context" not in edges["flexsp.runtime.sp.zigzag"]
 
 
 def test_cycle_finder_finds_a_circle():

@@ -22,6 +22,11 @@ With ``flexsp=False`` it is the plain ``Trainer``. With ``flexsp=True`` FlexSP s
   next unseen global batch (the Trainer's batch skipping is off: the loader state replaces it).
 
 One global batch is one optimizer step: ``gradient_accumulation_steps`` must be 1.
+
+Launch: ``torchrun --nproc_per_node=N train.py`` (or ``accelerate launch``). FlexSP runs on CUDA or on
+CPUs (gloo); on a machine without CUDA, ``flexsp=True`` sets ``use_cpu=True``, which is what makes
+the Trainer join torchrun's ranks there (without it every rank trains alone as a world of one, logs
+every line and writes the same checkpoints). A Trainer whose world is not the launch's is refused.
 """
 from __future__ import annotations
 
@@ -61,6 +66,13 @@ class FlexSPTrainingArguments(TrainingArguments):
         "help": "record every step measured against its plan there (flexsp.telemetry; `flexsp report DIR`)"})
     flexsp_refit: bool = field(default=False, metadata={
         "help": "refit the cost model from measured group times and plan later steps with it (needs flexsp_run_dir)"})
+
+    def __post_init__(self) -> None:
+        # Without CUDA, FlexSP runs on CPUs; the Trainer (accelerate) sets up torchrun's ranks on CPUs
+        # only with use_cpu, and otherwise runs each rank as a world of one.
+        if self.flexsp and not self.use_cpu and not torch.cuda.is_available():
+            self.use_cpu = True
+        super().__post_init__()
 
 
 class _Deferred:
@@ -114,6 +126,12 @@ class FlexSPTrainer(Trainer):
         if not self.flexsp:
             return
         args = self.args
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.world_size != launched:
+            raise TrainerSetupError(
+                f"the Trainer runs as a world of {args.world_size} (parallel_mode {args.parallel_mode.value}) but the "
+                f"launch has WORLD_SIZE={launched} ranks: FlexSP plans each global batch over every launched rank; "
+                f"use the launch's process group (use_cpu=True on CPUs, CUDA devices otherwise)")
         if args.gradient_accumulation_steps != 1:
             raise TrainerSetupError(f"gradient_accumulation_steps={args.gradient_accumulation_steps}: under FlexSP one "
                                     f"planned global batch is one optimizer step; raise per_device_train_batch_size")

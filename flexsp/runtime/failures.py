@@ -206,13 +206,40 @@ def _agree_secret() -> bytes:
     return bytes(t.cpu().tolist())
 
 
+class _Watcher(threading.Thread):
+    """A ``FailureChannel``'s watcher thread; ``stop_watchers`` finds live ones through
+    ``threading.enumerate()``, so no registry of channels is kept."""
+
+    def __init__(self, target: Callable[..., None], args: tuple, stop: threading.Event, name: str) -> None:
+        super().__init__(target=target, args=args, daemon=True, name=name)
+        self.stop_event = stop
+
+    def stop(self, timeout: float) -> None:
+        self.stop_event.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout)
+
+
+def stop_watchers(timeout: float = 2.0) -> int:
+    """Stop every failure watcher thread still running in this process and wait for each (at most
+    ``timeout`` seconds apiece); returns how many there were. The runtime's teardown at exit calls it
+    before it destroys process groups: a daemon thread caught inside a store call while the interpreter
+    shuts down aborts the process (``terminate called without an active exception``)."""
+    watchers = [t for t in threading.enumerate() if isinstance(t, _Watcher) and t.is_alive()]
+    for t in watchers:
+        t.stop(timeout)
+    return len(watchers)
+
+
 class FailureChannel:
     """The first in-step failure of the world, recorded in the c10d store and watched by every rank.
 
     Build it on every rank at the same point (``name`` the same everywhere, unique per channel in the
     job; construction broadcasts the job's record secret). ``post`` records this rank's failure (unless
     another came first) and returns the agreed message; ``failure`` returns the recorded message,
-    waiting up to ``wait`` seconds for one to appear.
+    waiting up to ``wait`` seconds for one to appear. ``close()`` (or ``with FailureChannel(...)``)
+    stops the watcher thread; one left running is stopped by the pool's teardown at exit
+    (``flexsp.runtime.pool``).
     """
 
     def __init__(self, name: str = "executor", *, ack_timeout: float = 5.0,
@@ -235,8 +262,7 @@ class FailureChannel:
         self._ignored: set[bytes] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(watch_store,), daemon=True,
-                                        name=f"flexsp-failure-watch-{self.rank}")
+        self._thread = _Watcher(self._watch, (watch_store,), self._stop, f"flexsp-failure-watch-{self.rank}")
         self._thread.start()
 
     @property
@@ -366,7 +392,11 @@ class FailureChannel:
             time.sleep(0.05)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop the watcher thread (and wait for it, so no thread outlives the training loop)."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        """Stop the watcher thread (and wait for it, so no thread outlives the training loop); idempotent."""
+        self._thread.stop(timeout)
+
+    def __enter__(self) -> "FailureChannel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -17,11 +17,21 @@ Communicators are connected eagerly: NCCL creates them lazily at their first col
 pool runs one tiny all-reduce on each of its groups (and the world) right after creating them;
 ``pool.stats.seconds`` counts that. ``init_distributed`` starts the world with ``device_id`` on GPUs
 so the world communicator is eager too.
+
+Teardown: ``pool.close()`` (or ``with GroupPool() as pool:``) destroys the pool's communicators, last
+created first. Whatever is still open when the interpreter exits - failure watcher threads, the
+pool's groups, the world - is torn down in that order by a handler each pool registers with
+``atexit`` (holding only a weak reference to the pool): left to interpreter shutdown, a watcher
+thread caught inside a store call or gloo's threads going down in any order abort the process now
+and then (``terminate called without an active exception``), and torchrun reports the job failed.
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Iterable
@@ -32,10 +42,13 @@ import torch.distributed as dist
 
 from flexsp.errors import PlanError
 from flexsp.plan.cluster import is_tile_start, node_size, tile_starts, tileable
+from flexsp.runtime.failures import stop_watchers
 from flexsp.runtime.sp.ring_comm import place, pool_splits, split_blocks
 
 if TYPE_CHECKING:
     from flexsp.plan.cluster import Cluster
+
+_log = logging.getLogger("flexsp.pool")
 
 
 @dataclass(frozen=True)
@@ -135,6 +148,34 @@ class GroupPool:
         held = {id(g) for g in self._groups.values() if g is not None}
         warmed = self._warm_up() if warm_up and dist.is_initialized() else False
         self.stats = PoolStats(count=created, seconds=time.perf_counter() - start, per_rank=len(held), warmed=warmed)
+        self.closed = False
+        if dist.is_initialized():
+            atexit.register(_teardown_at_exit, weakref.ref(self))
+
+    def close(self) -> None:
+        """Destroy this pool's communicators, last created first (rings and Ulysses sub-groups, then
+        the tiles); idempotent. Local, but call it on every rank once no step uses the pool any more
+        (close the executors built on it first: their failure watchers). The world stays up: a new
+        pool can be built on it; ``dist.destroy_process_group()`` ends it (at exit, the pool's
+        handler does). A closed pool refuses every lookup."""
+        if self.closed:
+            return
+        self.closed = True
+        handles = list({id(h): h for h in self._groups.values() if h is not None}.values())
+        self._groups = {}
+        if not (dist.is_available() and dist.is_initialized()):
+            return   # the world went down first, and took every group with it
+        for handle in reversed(handles):
+            try:
+                dist.destroy_process_group(handle)
+            except ValueError:
+                pass   # already destroyed by its owner
+
+    def __enter__(self) -> "GroupPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _node_size(self, gpus_per_node: int | None, cluster: "Cluster | None") -> int:
         """The node size this pool tiles by; a world of several nodes must be a whole number of them."""
@@ -208,6 +249,8 @@ class GroupPool:
     def check(self, ranks: Iterable[int], ring: int = 1) -> None:
         """Raise ``PlanError`` if a plan asks for a group (or a Ulysses x ring split) the pool does not hold."""
         ranks = tuple(ranks)
+        if self.closed:
+            raise PlanError(f"SP group on ranks {list(ranks)} asked of a closed GroupPool; build a new pool")
         if not self.has(ranks):
             g = node_size(self.world_size, self.gpus_per_node)
             raise PlanError(f"SP group on ranks {list(ranks)} is not in the pool: pooled groups are the tiles of "
@@ -230,6 +273,23 @@ class GroupPool:
         s = self.stats
         return (f"GroupPool(world_size={self.world_size}, gpus_per_node={self.gpus_per_node}, "
                 f"degrees={list(self.degrees)}, groups={s.count}, per_rank={s.per_rank}, seconds={s.seconds:.3f})")
+
+
+def _teardown_at_exit(pool: "weakref.ref[GroupPool]") -> None:
+    """At interpreter exit, in order: every failure watcher thread, this pool's groups, the world.
+
+    No barrier: a teardown at exit must never wait on a rank that crashed. Errors are logged, never
+    raised (the training already finished). The first pool's handler to run ends the world; the
+    others find it gone and only stop what is theirs."""
+    try:
+        stop_watchers()
+        live = pool()
+        if live is not None:
+            live.close()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:   # at exit there is no caller left to handle it
+        _log.warning("flexsp: process-group teardown at exit failed: %s: %s", type(exc).__name__, exc)
 
 
 def init_distributed(timeout: float = 600.0) -> torch.device:

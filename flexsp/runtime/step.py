@@ -148,7 +148,8 @@ class StepExecutor:
         self.probe = probe if probe is not None else NO_PROBE
 
     def close(self) -> None:
-        """Stop the failure watcher thread; call at the end of training (or use ``with``)."""
+        """Stop the failure watcher thread; call at the end of training (or use ``with``), before
+        ``pool.close()``. Idempotent; one left open is stopped at exit by the pool's teardown."""
         if self.channel is not None:
             self.channel.close()
 

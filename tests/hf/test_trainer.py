@@ -73,3 +73,31 @@ def test_settings_flexsp_cannot_run_are_named(tmp_path, settings, pattern):
     args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[], **settings)
     with pytest.raises(TrainerSetupError, match=pattern):
         FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+
+
+def test_trainer_under_torchrun_joins_the_launch_world(tmp_path):
+    """docs/huggingface.md's arguments (no use_cpu) under a 2-rank gloo torchrun: the Trainer sees a
+    world of 2 (#38.3: each rank used to train as a world of one, logging and saving twice)."""
+    launcher, env = experiment("launch").torchrun(2)
+    proc = subprocess.run([*launcher, str(ROOT / "tests" / "hf" / "trainer_world.py"), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [s["world_size"] for s in seen] == [2, 2] and [s["process_index"] for s in seen] == [0, 1]
+    assert all(s["parallel_mode"] == "ParallelMode.DISTRIBUTED" and s["dist_world"] == s["loader_world"] == 2
+               for s in seen)
+    assert [s["should_save"] for s in seen] == [True, False]   # one rank writes checkpoint-2/
+    assert "parallel_mode != ParallelMode.DISTRIBUTED" not in proc.stdout + proc.stderr
+
+
+def test_a_trainer_world_other_than_the_launch_is_refused(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments, TrainerSetupError
+    from .models import build
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, flexsp_tokens_per_rank=64, report_to=[])
+    assert args.use_cpu == (not torch.cuda.is_available()) and args.world_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")   # as if launched on 2 ranks that the Trainer did not join
+    with pytest.raises(TrainerSetupError, match="world of 1 .* WORLD_SIZE=2"):
+        FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))

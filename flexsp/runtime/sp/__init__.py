@@ -2,7 +2,8 @@
 
 | module | job |
 |---|---|
-| ``context`` | ``AttentionContext`` (group, packed layout, backend), ``check_heads``, pad/ignore ids |
+| ``tokens`` | ``Shard`` (one rank's tokens), pad/ignore ids: imported by the layouts and the context |
+| ``context`` | ``AttentionContext`` (group, packed layout, backend) and its ring half ``RingContext``, ``check_heads`` |
 | ``ulysses_comm`` | the autograd all-to-all and the ``Exchange`` seam replay substitutes |
 | ``ulysses`` | Ulysses attention: token shard -> head shard, local kernel, back |
 | ``ring_comm`` | which ranks form rings; one non-blocking K/V hop |

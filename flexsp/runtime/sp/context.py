@@ -1,6 +1,6 @@
 """What every attention layer of one forward pass needs: ``AttentionContext`` (the SP group and the
-packed layout), the head-divisibility rule, the token ids every SP axis pads and ignores with, and
-``Shard``, one rank's tokens.
+packed layout) with its ring half ``RingContext``, and the head-divisibility rule; the token ids every
+SP axis pads and ignores with and ``Shard``, one rank's tokens, are re-exported from ``tokens``.
 
 The context is built once per micro-batch (``AttentionContext.packed`` or the ring axis's
 ``ring_context``) and handed to every layer; ``flexsp.runtime.sp.attention.sp_attention`` reads it to
@@ -9,19 +9,30 @@ decide which SP axis serves the group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from flexsp.errors import FlexSPError
+from flexsp.runtime.sp.ring_comm import RingComm
+from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard
 from flexsp.runtime.sp.ulysses_comm import AllToAllExchange, Exchange
+from flexsp.runtime.sp.zigzag import RingTensors
 
-if TYPE_CHECKING:
-    from flexsp.runtime.sp.ring import RingContext
+__all__ = ["AttentionContext", "RingContext", "ShardingError", "check_heads", "IGNORE_INDEX", "PAD_TOKEN", "Shard"]
 
-IGNORE_INDEX = -100   # label of tokens that have no next token (sequence ends, padding)
-PAD_TOKEN = 0
+
+@dataclass(frozen=True)
+class RingContext:
+    """The ring half of an ``AttentionContext``: this rank's place on its ring and the block layout."""
+
+    comm: RingComm
+    tensors: RingTensors
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
 
 
 class ShardingError(FlexSPError):
@@ -35,7 +46,7 @@ class AttentionContext:
     ``cu_seqlens`` (int32, on the compute device) bounds the group's real sequences in its full
     packed stream (not this shard); it is built once per micro-batch (``packed``) so no layer copies
     or reads it on the host. ``max_seqlen`` is a host int for the kernels. ``group`` is None for degree 1.
-    ``ring`` (a ``flexsp.runtime.sp.ring.RingContext``) is set for a Ulysses x ring group: then ``group``
+    ``ring`` (a ``RingContext``) is set for a Ulysses x ring group: then ``group``
     is the Ulysses sub-group and ``cu_seqlens`` bounds this rank's ring shard.
     ``exchange`` replaces the all-to-all over ``group`` (replay's local stand-in); None means the real one.
     ``bounds``: ``cu_seqlens`` as host ints (the per-sequence kernels read these, never the device tensor);
@@ -46,7 +57,7 @@ class AttentionContext:
     max_seqlen: int
     group: dist.ProcessGroup | None = None
     backend: str = "auto"
-    ring: "RingContext | None" = None
+    ring: RingContext | None = None
     exchange: Exchange | None = None
     bounds: tuple[int, ...] | None = None
 
@@ -91,19 +102,3 @@ def check_heads(heads: int, kv_heads: int, degree: int) -> None:
                             f"a larger group runs Ulysses gcd(degree, heads) x ring")
     if heads % kv_heads:
         raise ShardingError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One rank's tokens of a group (Ulysses packing or a ring group's zigzag slice): its first
-    ``real_tokens`` tokens are data, the rest padding."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-    real_tokens: int
-
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "Shard":
-        """The shard on ``device`` (three copies per micro-batch, nothing per sequence)."""
-        move = lambda t: t.to(device, non_blocking=non_blocking)   # noqa: E731
-        return Shard(move(self.input_ids), move(self.position_ids), move(self.labels), self.real_tokens)

@@ -28,29 +28,16 @@ backward (one message of ``3(r-1)``) and the per-hop latency, which ``beta1``/``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from flexsp.runtime.kernels import AttentionError, LseSpec, lse_backward, lse_forward, merge_partials
 from flexsp.runtime.kernels.rule import lse_kernel
-from flexsp.runtime.sp.context import AttentionContext, check_heads
+from flexsp.runtime.sp.context import AttentionContext, RingContext, check_heads
 from flexsp.runtime.sp.ring_comm import RingComm, place
 from flexsp.runtime.sp.ulysses_comm import head_to_seq, seq_to_head
 from flexsp.runtime.sp.zigzag import RingTensors, zigzag_layout
-
-
-@dataclass(frozen=True)
-class RingContext:
-    """The ring half of an ``AttentionContext``: this rank's place on its ring and the block layout."""
-
-    comm: RingComm
-    tensors: RingTensors
-
-    @property
-    def size(self) -> int:
-        return self.comm.size
 
 
 def _block(rt: RingTensors, j: int, kernel: str, scale: float):

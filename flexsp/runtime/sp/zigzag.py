@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from flexsp.errors import PlanError
-from flexsp.runtime.sp.context import IGNORE_INDEX, PAD_TOKEN, Shard
+from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard
 
 
 def chunk_bounds(lengths: np.ndarray, ring: int) -> np.ndarray:
