@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from scripts import experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+FENCE = re.compile(r"^([ \t]*)```(\w*)[^\n]*\n(.*?)^\1```[ \t]*$", re.S | re.M)   # list items indent theirs
 DIRECTIVE = re.compile(r"<!--\s*snippet:\s*(.*?)\s*-->\s*$")
 RUN = {"python", "bash"}
 TIMEOUT = 300
@@ -61,14 +62,14 @@ def snippets(page: Path) -> list[Snippet]:
     """The runnable blocks of ``page``, each with the directive on the line above its fence."""
     text, out, program = page.read_text(), [], ""
     for match in FENCE.finditer(text):
-        language = match.group(1)
+        language = match.group(2)
         if language not in RUN:
             continue
         above = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         directive = DIRECTIVE.search(above)
         directive = directive.group(1) if directive else ""
         line = text.count("\n", 0, match.start()) + 1
-        code = match.group(2)
+        code = textwrap.dedent(match.group(3))
         before = program if language == "python" and "after" in [p.strip() for p in directive.split(",")] else ""
         if language == "python":
             program = before + code
