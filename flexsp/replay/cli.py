@@ -35,7 +35,8 @@ def _device_options(parser: argparse.ArgumentParser, model_flag: str) -> None:
                         "flexsp profile under torchrun) or {\"2\": bytes_per_s, ...}")
     d.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
     d.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
-    d.add_argument("--attention", default="auto", help="attention backend: auto (varlen on CUDA, sdpa_each on CPU), varlen, flash, sdpa, sdpa_each")
+    d.add_argument("--attention", default="auto", help="attention backend: auto (the kernel rule of flexsp.runtime.kernels.rule on CUDA, sdpa_each on CPU), "
+                   "varlen, varlen_cudnn, flash, sdpa, sdpa_each")
     d.add_argument("--threads", type=int, default=None, help="CPU threads for torch (1 is steadier on a shared box)")
     d.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                    help="wall (default), or cpu: this process's CPU time (CPU runs with --threads 1 on a shared box)")
