@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-limit", type=float, default=2.0, help="FlexSP search time limit per batch (s)")
     p.add_argument("--workers", type=int, default=1, help="plan this many batches at once in separate processes")
     p.add_argument("--out", type=Path, default=None, help="Markdown output file (default: results/dynamic_cp.md; a temporary file with --quick)")
-    p.add_argument("--no-progress", action="store_true", help="(kept for compatibility; no bar is drawn)")
+    p.add_argument("--quiet", "--no-progress", dest="no_progress", action="store_true", help="(accepted like every experiment's; no bar is drawn)")
     args = p.parse_args(argv)
     args.out = resolve_out(args.out, args.quick, DEFAULT_OUT)
     if args.quick:

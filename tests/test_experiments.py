@@ -23,7 +23,7 @@ EXPECTED = {
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_quick_mode_outputs(script, tmp_path, tree_unchanged):
     """Without --out, a quick run writes to a temporary folder ($FLEXSP_QUICK_OUT here), never results/."""
-    run_script(script, "--quick", "--no-progress", timeout=120, env={"FLEXSP_QUICK_OUT": str(tmp_path)})
+    run_script(script, "--quick", "--quiet", timeout=120, env={"FLEXSP_QUICK_OUT": str(tmp_path)})
     markdown = (tmp_path / f"{script}.md").read_text()
     assert "quick mode" in markdown
     assert "Simulated, not measured" in markdown and "measured max" not in markdown
@@ -105,7 +105,7 @@ def test_speedup_direction_on_constructed_batches():
 def test_case_study_groups_fill_the_cluster(tmp_path):
     """Every micro-batch of the case study's Table 3 uses at most the 64 GPUs, static SP uses exactly its
     degree, and the group counts written out add up (``DxK`` = K groups of degree D)."""
-    run_script("case_study", "--quick", "--no-progress", "--out", tmp_path, timeout=120)
+    run_script("case_study", "--quick", "--quiet", "--out", tmp_path, timeout=120)
     with (tmp_path / "case_study_groups.csv").open() as f:
         rows = list(csv.DictReader(f))
     for row in rows:

@@ -12,13 +12,13 @@ STEM = "gpu_replay_h200-llama3-8b_8gpu"
 def test_quick_mode_stops_at_its_budget_and_resumes(tmp_path, tree_unchanged):
     pytest.importorskip("torch")
     env = {"FLEXSP_QUICK_OUT": str(tmp_path)}
-    first = run_script("gpu_replay", "--quick", "--no-progress", "--budget", "0", env=env)
+    first = run_script("gpu_replay", "--quick", "--quiet", "--budget", "0", env=env)
     assert "device-time budget" in first.stdout
     stopped = json.loads((tmp_path / f"{STEM}.json").read_text())
     assert stopped["replays"] == {} and "run the same command again" in stopped["stopped"]
     assert "**Incomplete**" in (tmp_path / f"{STEM}.md").read_text()
 
-    second = run_script("gpu_replay", "--quick", "--no-progress", env=env)
+    second = run_script("gpu_replay", "--quick", "--quiet", env=env)
     assert "resuming" in second.stdout
     state = json.loads((tmp_path / f"{STEM}.json").read_text())
     assert state["steps"] == stopped["steps"]                       # the saved plans, not new ones
