@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flexsp.errors import FlexSPError
+from flexsp.runtime.transfer import host_tensor, to_device
 from flexsp.runtime.sp.ulysses_comm import AllToAllExchange, Exchange
 
 if TYPE_CHECKING:
@@ -66,9 +67,7 @@ class AttentionContext:
         bounds = [int(b) for b in bounds]
         if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 and bound at least one sequence, got {bounds}")
-        cu = torch.tensor(bounds, dtype=torch.int32)
-        if device is not None and torch.device(device).type != "cpu":
-            cu = cu.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else cu.to(device)
+        cu = host_tensor(bounds, torch.int32, device)   # pinned + non_blocking to CUDA: no host wait
         max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
         return cls(cu_seqlens=cu, max_seqlen=max_seqlen, group=group, backend=backend, bounds=tuple(bounds))
 
@@ -104,6 +103,7 @@ class Shard:
     real_tokens: int
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "Shard":
-        """The shard on ``device`` (three copies per micro-batch, nothing per sequence)."""
-        move = lambda t: t.to(device, non_blocking=non_blocking)   # noqa: E731
+        """The shard on ``device`` (three copies per micro-batch, nothing per sequence; from pinned memory
+        with ``non_blocking``, ``flexsp.runtime.transfer``)."""
+        move = (lambda t: to_device(t, device)) if non_blocking else (lambda t: t.to(device))   # noqa: E731
         return Shard(move(self.input_ids), move(self.position_ids), move(self.labels), self.real_tokens)
