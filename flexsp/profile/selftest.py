@@ -225,8 +225,11 @@ def call_site(exc: BaseException) -> str:
 
 def _resident_bytes(model, optimizer) -> int:
     """Bytes of the states the capacity model counts that exist now: parameters, gradients, optimizer states."""
-    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [t for s in optimizer.state.values() for t in s.values() if hasattr(t, "is_cuda") and t.is_cuda]
+    params = list(model.parameters())
+    device = params[0].device
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    tensors += [t for s in optimizer.state.values() for t in s.values()   # moments, not AdamW's scalar step count
+                if getattr(t, "device", None) == device and t.dim() > 0]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
