@@ -32,6 +32,9 @@ def to_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.
 
 
 def host_tensor(data: Any, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
-    """``torch.tensor(data, dtype=dtype)`` built on the host and moved with ``to_device`` (never
-    ``torch.tensor(..., device=cuda)``, which copies from pageable memory and blocks the host)."""
-    return to_device(torch.tensor(data, dtype=dtype), device)
+    """``torch.tensor(data, dtype=dtype)`` on ``device``: built on the host, pinned and copied without blocking
+    where pinning is available (never ``torch.tensor(..., device=cuda)`` there, which copies from pageable
+    memory and blocks the host); elsewhere built on ``device`` directly."""
+    if device is not None and pinning_available(torch.device(device)):
+        return to_device(torch.tensor(data, dtype=dtype), device)
+    return torch.tensor(data, dtype=dtype, device=device)

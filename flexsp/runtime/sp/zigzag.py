@@ -199,7 +199,7 @@ class RingTensors:
                  [layout.cu_second(index)]
         rows = [layout.first_rows(j) for j in range(r)] + [layout.second_rows(index)]
         cu_flat = host_tensor([b for bs in bounds for b in bs], torch.int32, device)   # pinned, non_blocking
-        row_flat = to_device(torch.from_numpy(np.concatenate(rows).astype(np.int64)), device)
+        row_flat = host_tensor(np.concatenate(rows).astype(np.int64).tolist(), torch.int64, device)
         cu_parts = cu_flat.split([len(b) for b in bounds])
         row_parts = row_flat.split([x.size for x in rows])
         longest = lambda sizes: int(sizes.max()) if sizes.size else 0  # noqa: E731
