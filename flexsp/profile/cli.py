@@ -17,7 +17,7 @@ from typing import Any
 from flexsp.errors import FlexSPError
 from flexsp.inputs import parse_sizes
 from flexsp.plan.memory import SHARDINGS
-from flexsp.profile.fit import FIT_ERROR_LIMIT
+from flexsp.profile.preflight import FIT_ERROR_LIMIT
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

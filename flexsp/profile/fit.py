@@ -23,11 +23,6 @@ from flexsp.errors import CostModelError
 
 MIN_COMPUTE_POINTS = 4   # 3 coefficients + at least one spare point, so the reported error means something
 MIN_COMM_POINTS = 3      # 2 coefficients + one spare point
-# Mean |relative error| of a compute fit above which ``flexsp profile`` refuses to write the profile (without
-# --force): the paper's cost model is within 6% on A100s, a GPU profile fits within ~1%, a CPU one with one
-# thread and the CPU clock within ~3%; above 10% the timings were disturbed (a shared machine, thread
-# contention) and the plans made with the fit would be too.
-FIT_ERROR_LIMIT = 0.10
 
 
 class FitWarning(UserWarning):

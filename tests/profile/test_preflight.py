@@ -11,7 +11,7 @@ from flexsp import CostModel  # noqa: E402
 from flexsp.plan.specs import get_model  # noqa: E402
 from flexsp.profile import compute  # noqa: E402
 from flexsp.profile import memory as profile_memory  # noqa: E402
-from flexsp.profile.fit import FIT_ERROR_LIMIT  # noqa: E402
+from flexsp.profile.preflight import FIT_ERROR_LIMIT  # noqa: E402
 from flexsp.profile.preflight import fitting_gpus  # noqa: E402
 
 from flexsp.profile import cli  # noqa: E402
