@@ -180,8 +180,8 @@ def _step(torch, device, built: "sm.Built", batch, repeats: int) -> tuple[dict, 
                f"{sum(lengths)} tokens ({built.kind}, {'bf16 autocast' if half else 'fp32'}): loss {first[0]:.6f} vs "
                f"plain {first[1]:.6f} (rel {loss_gap:.1e}, tolerance {loss_tol:.0e}); SGD updates differ by "
                f"{update_gap:.1e} of the largest (tolerance {update_tol:.0e}); plain / flexsp time {ratio:.2f}x "
-               f"(measured: flexsp {flops / med['flexsp'] / 1e12:.1f} TFLOP/s, plain "
-               f"{flops / med['plain'] / 1e12:.1f} TFLOP/s)",
+               f"(measured: flexsp {flops / med['flexsp'] / 1e12:.3g} TFLOP/s, plain "
+               f"{flops / med['plain'] / 1e12:.3g} TFLOP/s)",
                tokens=sum(lengths), loss_gap=loss_gap, update_gap=update_gap, speed_ratio=ratio,
                flexsp_ms=1000 * med["flexsp"], plain_ms=1000 * med["plain"],
                flexsp_tflops=flops / med["flexsp"] / 1e12, plain_tflops=flops / med["plain"] / 1e12)
@@ -190,25 +190,25 @@ def _step(torch, device, built: "sm.Built", batch, repeats: int) -> tuple[dict, 
 
 
 # --- 3./4. memory and host syncs (CUDA): one AdamW executor, a probe around its forward and backward --------
-class _Window:
+def _window(on_open: Callable[[], None], on_close: Callable[[], None]):
     """A ``StepProbe`` that brackets a step's packing + forward + backward (not the loss read or the
-    optimizer step): ``on_open`` at ``step_begin``, ``on_close`` after the last micro-batch's backward."""
+    optimizer step): ``on_open`` at ``step_begin``, ``on_close`` after the last micro-batch's backward.
+    The callbacks are attributes, so one executor can measure memory, then syncs."""
+    from flexsp.runtime.probe import StepProbe
 
-    def __init__(self, on_open: Callable[[], None], on_close: Callable[[], None]) -> None:
-        self.on_open, self.on_close, self.last = on_open, on_close, -1
+    class Window(StepProbe):
+        def __init__(self) -> None:
+            self.on_open, self.on_close, self.last = on_open, on_close, -1
 
-    def step_begin(self, plan, source) -> None:
-        self.last = len(plan.micro_batches) - 1
-        self.on_open()
+        def step_begin(self, plan, source) -> None:
+            self.last = len(plan.micro_batches) - 1
+            self.on_open()
 
-    def micro_batch_end(self, index: int) -> None:
-        if index == self.last:
-            self.on_close()
+        def micro_batch_end(self, index: int) -> None:
+            if index == self.last:
+                self.on_close()
 
-    def checked(self) -> None: ...
-    def micro_batch_begin(self, index, group, real_tokens) -> None: ...
-    def forward_end(self, index) -> None: ...
-    def step_end(self, result) -> None: ...
+    return Window()
 
 
 def call_site(exc: BaseException) -> str:
@@ -249,7 +249,7 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
     def close_memory() -> None:
         marks["peak"] = torch.cuda.max_memory_allocated(device)
 
-    probe = _Window(lambda: None, lambda: None)
+    probe = _window(lambda: None, lambda: None)
     executor = StepExecutor(model, optimizer, GroupPool(), config=TrainConfig(param_dtype=torch.bfloat16),
                             probe=probe, failure_name="selftest-memory")
     executor.run_plan(plan, batch)                  # warm: AdamW's moments exist from here on
@@ -385,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     load = os.getloadavg()
     print(f"flexsp selftest on {label}, torch {torch.__version__}, load average {load[0]:.1f}")
     print(f"  model: {spec.name} {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, ffn "
-          f"{spec.ffn}, vocab {spec.vocab} ({spec.params / 1e9:.2f} B params); batch {lengths}"
+          f"{spec.ffn}, vocab {spec.vocab} ({spec.params / 1e6:,.1f} M params); batch {lengths}"
           + (f"; {setup['vocab_note']}" if setup["vocab_note"] else ""))
     width = max(len(r["check"]) for r in rows)
     for r in rows:

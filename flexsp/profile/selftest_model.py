@@ -191,13 +191,12 @@ def hf_config_for(source: str, layers: int | None, vocab: int | None = None):
 
 def _hf_plain_loss(adapter, sequences):
     """The plain loop for a transformers model: the model itself, once per sequence (SDPA's ``is_causal``)."""
-    import torch
     import torch.nn.functional as F
 
     from flexsp.runtime.models.protocol import loss_dtype
     labels = sum(max(0, int(s.numel()) - 1) for s in sequences)
-    total = 0.0
+    losses = []
     for s in sequences:
         logits = adapter.model(input_ids=s[None], use_cache=False).logits[0, :-1]
-        total = total + F.cross_entropy(logits.to(loss_dtype(logits.dtype)), s[1:], reduction="sum")
-    return total / labels if isinstance(total, torch.Tensor) else torch.zeros(())
+        losses.append(F.cross_entropy(logits.to(loss_dtype(logits.dtype)), s[1:], reduction="sum"))
+    return sum(losses) / labels
