@@ -85,14 +85,40 @@ def _device_sequences_packed():
     assert packed.position_ids.device == packed.labels.device == CUDA
 
 
+def _executor_step_up_to_forward(monkeypatch):
+    """``StepExecutor.run_plan`` for a CUDA model up to its forward: checks, packing of every micro-batch
+    (this rank's group, and an idle micro-batch's dummy), agreement. The model computes on the host here
+    (a fake CUDA forward cannot run backward on a CPU-only torch), so the executor's device is set to
+    CUDA after construction and the forward/backward is stopped where it would start."""
+    from flexsp import MicroBatch, Plan
+    from flexsp.plan.specs import ModelSpec
+    from flexsp.runtime.models.tiny import TinyLM
+    from flexsp.runtime.pool import GroupPool
+    from flexsp.runtime.step import StepExecutor
+
+    model = TinyLM(ModelSpec(vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64))
+    executor = StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), GroupPool(), backend="sdpa")
+    executor.device = CUDA
+    seen = []
+    monkeypatch.setattr(executor, "_run", lambda work, denominator: seen.append(work))
+    plan = Plan(num_gpus=1, predicted_time=0.0, micro_batches=(MicroBatch((Group((0,), (0, 2)),)),
+                                                              MicroBatch((Group((0,), (1,)),))))
+    executor.run_plan(plan, _host_seqs([9, 4, 6]))
+    (work,) = seen
+    assert [w.input_ids.device for w in work] == [CUDA, CUDA] and work[0].ctx.cu_seqlens.device == CUDA
+    executor._dummy = None
+    assert executor._idle().ctx.cu_seqlens.device == CUDA   # what an idle micro-batch runs
+
+
 def _pageable(watch):
     return [site for pinned, non_blocking, site in watch.copies if not (pinned and non_blocking)]
 
 
-@pytest.mark.parametrize("packing,copies", [(_host_packed_groups, 8), (_device_sequences_packed, 3)])
-def test_the_step_packing_copies_to_cuda_only_from_pinned_memory(watch, packing, copies):
+@pytest.mark.parametrize("packing,copies", [(_host_packed_groups, 8), (_device_sequences_packed, 3),
+                                            (_executor_step_up_to_forward, 8)])
+def test_the_step_packing_copies_to_cuda_only_from_pinned_memory(watch, packing, copies, monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=True), watch:
-        packing()
+        packing(monkeypatch) if packing is _executor_step_up_to_forward else packing()
     assert len(watch.copies) >= copies, watch.copies   # the watch saw the copies (not a vacuous pass)
     assert _pageable(watch) == [], f"pageable or blocking host-to-device copies at {_pageable(watch)}"
 
