@@ -326,18 +326,24 @@ def _ring(args, pool, setup, comm_sizes, say):
 
 def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
     """Compute and memory profile on rank 0 alone: (compute fit, memory profile, capacity, estimates)."""
-    from flexsp.profile.compute import compute_sweep
+    from flexsp.profile.compute import compute_sweep, matmul_rate
     from flexsp.profile.fit import fit_compute
     from flexsp.profile.memory import activation_profile, capacity, device_memory_bytes
     from flexsp.errors import CostModelError
-    from flexsp.profile.preflight import duration, sweep_seconds
+    from flexsp.profile.preflight import duration, sweep_flops, sweep_seconds
 
     estimates = []
     memory_lengths = args.memory_lengths or lengths[-3:]
 
+    runs = args.warmup + args.repeats
+    rate = matmul_rate(setup)
+    say(f"estimate: the sweep takes at least {duration(sweep_flops(lengths, runs, memory_lengths, runner.spec) / rate)} "
+        f"({sweep_flops(lengths, runs, memory_lengths, runner.spec) / 1e12:.3g} TFLOP at this device's "
+        f"{rate / 1e12:.3g} TFLOP/s of a bare matmul; refined after the first run)")
+
     def estimate(first_length: int, seconds: float) -> None:
         total = sweep_seconds(runner.spec, lengths, args.warmup + args.repeats, memory_lengths, first_length, seconds)
-        say(f"estimate: the sweep takes about {duration(total)} ({len(lengths)} lengths x {args.warmup + args.repeats} "
+        say(f"estimate: the sweep takes about {duration(total)} ({len(lengths)} lengths x {runs} "
             f"runs + {len(memory_lengths)} memory runs; one {first_length}-token run took {seconds:.2f} s, the others "
             f"scaled by their FLOPs)")
 

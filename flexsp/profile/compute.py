@@ -177,6 +177,20 @@ class GroupRunner:
         return times
 
 
+def matmul_rate(setup: DeviceSetup, size: int | None = None) -> float:
+    """FLOP/s of one square matmul in the setup's dtype on its device (after one warm-up): the
+    device's best case, for a sweep estimate before any model run (a model reaches a fraction of it)."""
+    size = size or (4096 if setup.device.type == "cuda" else 512)
+    a = torch.randn(size, size, device=setup.device, dtype=setup.dtype)
+    clock = CLOCKS["wall"]
+    a @ a
+    setup.sync()
+    start = clock()
+    a @ a
+    setup.sync()
+    return 2.0 * size ** 3 / max(clock() - start, 1e-9)
+
+
 @dataclass(frozen=True)
 class ComputeSweep:
     lengths: tuple[int, ...]    # one entry per timed run (lengths repeat)

@@ -74,9 +74,10 @@ def test_cpu_defaults_are_one_thread_and_the_cpu_clock_and_the_sweep_is_estimate
     meta = CostModel.load(tmp_path / "c.json").meta
     assert meta["clock"] == "cpu" and meta["threads"] == 1
     out = capsys.readouterr().out
-    estimate = next(line for line in out.splitlines() if line.startswith("estimate:"))
-    assert out.index("estimate:") < out.index("compute:")   # printed before the sweep
-    assert "5 lengths x 3 runs + 2 memory runs; one 32-token run took" in estimate
+    before, after = [line for line in out.splitlines() if line.startswith("estimate:")]
+    assert out.index(before) < out.index(after) < out.index("compute:")   # both before the sweep's lengths
+    assert "the sweep takes at least" in before and "TFLOP/s of a bare matmul" in before
+    assert "5 lengths x 3 runs + 2 memory runs; one 32-token run took" in after
 
 
 @pytest.fixture
