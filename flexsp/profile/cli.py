@@ -336,13 +336,12 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
     memory_lengths = args.memory_lengths or lengths[-3:]
 
     runs = args.warmup + args.repeats
-    rate = matmul_rate(setup)
-    say(f"estimate: the sweep takes at least {duration(sweep_flops(lengths, runs, memory_lengths, runner.spec) / rate)} "
-        f"({sweep_flops(lengths, runs, memory_lengths, runner.spec) / 1e12:.3g} TFLOP at this device's "
+    rate, flops = matmul_rate(setup), sweep_flops(lengths, runs, memory_lengths, runner.spec)
+    say(f"estimate: the sweep takes at least {duration(flops / rate)} ({flops / 1e12:.3g} TFLOP at this device's "
         f"{rate / 1e12:.3g} TFLOP/s of a bare matmul; refined after the first run)")
 
     def estimate(first_length: int, seconds: float) -> None:
-        total = sweep_seconds(runner.spec, lengths, args.warmup + args.repeats, memory_lengths, first_length, seconds)
+        total = sweep_seconds(runner.spec, lengths, runs, memory_lengths, first_length, seconds)
         say(f"estimate: the sweep takes about {duration(total)} ({len(lengths)} lengths x {runs} "
             f"runs + {len(memory_lengths)} memory runs; one {first_length}-token run took {seconds:.2f} s, the others "
             f"scaled by their FLOPs)")

@@ -122,7 +122,9 @@ def fit_vocab(spec: ModelSpec, tokens: int, longest: int, half: bool, memory_byt
     if selftest_bytes(spec, tokens, longest, half) <= room:
         return spec, ""
     lo, hi = MIN_VOCAB // 128, spec.vocab // 128   # in units of 128; needs shrink with the vocabulary
-    fits = lambda units: selftest_bytes(dataclasses.replace(spec, vocab=units * 128), tokens, longest, half) <= room  # noqa: E731
+
+    def fits(units: int) -> bool:
+        return selftest_bytes(dataclasses.replace(spec, vocab=units * 128), tokens, longest, half) <= room
     if hi < lo or not fits(lo):
         raise SelftestError(f"the selftest at shape {spec.name} ({spec.params / 1e9:.2f} B params, {tokens} tokens) "
                             f"needs {selftest_bytes(spec, tokens, longest, half) / 2**30:.1f} GiB, more than "

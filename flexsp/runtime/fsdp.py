@@ -83,15 +83,16 @@ def step_autocast(model: nn.Module, requested: torch.dtype | None, explicit: boo
     if hasattr(model, SHARDING_ATTR):
         prepared = getattr(model, PARAM_DTYPE_ATTR, autocast_dtype(model))
         if explicit and not same(requested, prepared):
-            raise PrecisionError(f"the model was prepared by shard_model for param_dtype {prepared} but the executor's "
-                                 f"config asks for {requested}: pass the same TrainConfig to shard_model and StepExecutor")
+            raise PrecisionError(f"the model was prepared by shard_model for param_dtype {prepared} but the "
+                                 f"executor's config asks for {requested}: pass the same TrainConfig to shard_model "
+                                 f"and StepExecutor")
         return None if is_sharded(model) else autocast_dtype(model)
     if not explicit or same(requested, None):
         return None
     if is_sharded(model):
         raise PrecisionError(f"param_dtype {requested}: the model is FSDP-wrapped outside shard_model, so its own "
-                             f"MixedPrecisionPolicy sets the compute dtype; prepare it with flexsp.runtime.shard_model, "
-                             f"or pass param_dtype=None")
+                             f"MixedPrecisionPolicy sets the compute dtype; prepare it with "
+                             f"flexsp.runtime.shard_model, or pass param_dtype=None")
     if params != torch.float32 or requested not in (torch.bfloat16, torch.float16):
         raise PrecisionError(f"param_dtype {requested} cannot be applied to {params} parameters by autocast (it lowers "
                              f"fp32 to bf16/fp16 only); prepare the model with flexsp.runtime.shard_model (fp32 master "

@@ -90,8 +90,8 @@ def pack(sequences: Sequence[torch.Tensor], degree: int) -> PackedGroup:
     ids = torch.cat([*(s.reshape(-1).to(device=device, dtype=torch.long) for s in sequences), tail(PAD_TOKEN)])
     starts = host_tensor(cu[:-1], torch.long, device)
     counts = host_tensor(lengths, torch.long, device)
-    positions = torch.cat([torch.arange(real, device=device) - torch.repeat_interleave(starts, counts, output_size=real),
-                           tail(0)])
+    restart = torch.repeat_interleave(starts, counts, output_size=real)   # output_size: no device read
+    positions = torch.cat([torch.arange(real, device=device) - restart, tail(0)])
     labels = torch.cat([ids.narrow(0, 1, real - 1), tail(IGNORE_INDEX),
                         torch.full((1,), IGNORE_INDEX, dtype=torch.long, device=device)])
     # a sequence's last token predicts nothing (out of place: no indexed write)

@@ -146,8 +146,8 @@ class StepExecutor:
         # where it cannot be); never silently the parameters' fp32 when a config asked for bf16
         explicit = config is not None or "param_dtype" in settings
         self.autocast = step_autocast(model, self.config.param_dtype, explicit)
-        if not explicit and self.autocast is None and self.device.type == "cuda" and runtime_sharding(model, None) is None \
-                and next(model.parameters()).dtype == torch.float32:
+        unprepared_fp32 = runtime_sharding(model, None) is None and next(model.parameters()).dtype == torch.float32
+        if not explicit and self.autocast is None and self.device.type == "cuda" and unprepared_fp32:
             warnings.warn("StepExecutor: this model computes in fp32 on CUDA (no config, not prepared by shard_model): "
                           "pass config=TrainConfig(param_dtype=torch.bfloat16) for bf16 autocast, or param_dtype=None "
                           "to keep fp32 without this warning", stacklevel=2)

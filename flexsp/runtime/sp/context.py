@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from flexsp.errors import FlexSPError
-from flexsp.runtime.transfer import host_tensor, to_device
 from flexsp.runtime.sp.ulysses_comm import AllToAllExchange, Exchange
+from flexsp.runtime.transfer import host_tensor, to_device
 
 if TYPE_CHECKING:
     from flexsp.runtime.sp.ring import RingContext
