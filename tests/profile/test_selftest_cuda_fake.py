@@ -110,6 +110,9 @@ class _FakeCuda:
     def set_sync_debug_mode(self, mode):
         self.mode = mode
 
+    def get_device_properties(self, device):
+        return types.SimpleNamespace(total_memory=80 * GIB)
+
     def reset_peak_memory_stats(self, device): ...
     def synchronize(self, device): ...
     def empty_cache(self): ...
@@ -141,7 +144,7 @@ def test_memory_counts_the_same_states_and_a_sync_is_reported_at_its_call_site(m
     assert memory["peak_bytes"] - fake_cuda.extra == (4 + 8) * numel
     norms = 3 * spec.hidden   # ModelSpec.params leaves the norm weights out
     assert (4 + 8) * numel == need.states.params + need.states.optimizer + 12 * norms
-    assert memory["predicted_bytes"] == need.total
+    assert memory["predicted_bytes"] == need.total and memory["workspace_bytes"] == pytest.approx(8 * GIB)
     assert syncs["status"] == st.FAIL and syncs["site"].startswith("flexsp/runtime/shard.py:")
     assert " in pack " in syncs["site"] and "host_tensor" in syncs["site"]
     assert fake_cuda.mode == 0   # disarmed after the step
