@@ -17,6 +17,7 @@ from typing import Any
 from flexsp.errors import FlexSPError
 from flexsp.inputs import parse_sizes
 from flexsp.plan.memory import SHARDINGS
+from flexsp.profile.preflight import FIT_ERROR_LIMIT
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,7 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
     d.add_argument("--attention", default="auto", help="attention backend: auto, flash, sdpa")
     d.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default torch's; 1 is steadier on a shared machine)")
+                   help="CPU threads for torch (default on CPU: 1, steady on a shared machine and what --clock cpu "
+                        "needs; on GPU: torch's)")
     s = p.add_argument_group("sweeps")
     s.add_argument("--lengths", type=parse_sizes, default=None,
                    help="sequence lengths for the compute sweep (default CPU 128..4K, GPU 1K..32K)")
@@ -58,8 +60,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--statistic", default="median", choices=("median", "min"),
                    help="one time per point from its repeats: median, or min on a shared/noisy machine")
-    s.add_argument("--clock", default="wall", choices=("wall", "cpu"),
-                   help="wall (default), or cpu: this process's CPU time, for a shared CPU box with --threads 1")
+    s.add_argument("--clock", default=None, choices=("wall", "cpu"),
+                   help="wall, or cpu: this process's CPU time, for a shared CPU box with --threads 1 (default: cpu "
+                        "on CPU, wall on GPU)")
+    s.add_argument("--force", action="store_true",
+                   help=f"write the profile even when the compute fit's mean |relative error| is above "
+                        f"{FIT_ERROR_LIMIT:.0%} (it is refused otherwise: the timings were too noisy to plan with)")
     s.add_argument("--skip-comm", action="store_true", help="no all-to-all or ring sweep even under torchrun")
     s.add_argument("--interconnect", default="auto",
                    help="fill the SP degrees this run could not measure (all-to-all bandwidth, ring axis) from a "
@@ -162,16 +168,26 @@ def _run_in_world(args: argparse.Namespace, requested: str, state: dict[str, Any
     from flexsp.profile.shape import check_model_shape
     from flexsp.runtime.pool import GroupPool
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise CostModelError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise CostModelError(f"--threads must be >= 1, got {args.threads}")
     setup = DeviceSetup.resolve(args.device, args.dtype, args.attention)
+    on_cpu = setup.device.type == "cpu"
+    # CPU-safe defaults: one thread timed by this process's CPU clock (others' load on a shared box is left
+    # out); the default torch threads + wall clock gave a 57% mean fit error where these gave 2.8%.
+    args.clock = args.clock or ("cpu" if on_cpu else "wall")
+    threads = args.threads if args.threads is not None else (1 if on_cpu else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
     spec, build = _model(args, setup)
     pool = state["pool"] = GroupPool()
     rank0 = pool.rank == 0
     say = (lambda msg: None) if args.quiet or not rank0 else (lambda msg: print(msg, flush=True))
     gpus_per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", pool.world_size))
+    if args.cost is None:   # before building the model or sweeping: do its states fit the device at all?
+        from flexsp.profile.memory import device_memory_bytes
+        from flexsp.profile.preflight import check_states_fit
+        check_states_fit(spec, args.memory_gb * 2**30 if args.memory_gb else device_memory_bytes(setup.device),
+                         args.usable, args.sharding, args.num_gpus or pool.world_size)
     runner = GroupRunner(spec, setup, args.run_layers, seed=args.seed, clock=args.clock, build=build)
     say(f"flexsp profile: {spec.name} (layers {spec.layers}, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, "
         f"ffn {spec.ffn}, vocab {spec.vocab}; {spec.params / 1e6:.1f} M params), running {runner.run_layers} "
@@ -310,18 +326,43 @@ def _ring(args, pool, setup, comm_sizes, say):
 
 def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
     """Compute and memory profile on rank 0 alone: (compute fit, memory profile, capacity, estimates)."""
-    from flexsp.profile.compute import compute_sweep
+    from flexsp.profile.compute import compute_sweep, matmul_rate
     from flexsp.profile.fit import fit_compute
     from flexsp.profile.memory import activation_profile, capacity, device_memory_bytes
+    from flexsp.errors import CostModelError
+    from flexsp.profile.preflight import duration, sweep_flops, sweep_seconds
 
     estimates = []
-    sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say)
+    memory_lengths = args.memory_lengths or lengths[-3:]
+
+    runs = args.warmup + args.repeats
+    rate, flops = matmul_rate(setup), sweep_flops(lengths, runs, memory_lengths, runner.spec)
+    say(f"estimate: the sweep takes at least {duration(flops / rate)} ({flops / 1e12:.3g} TFLOP at this device's "
+        f"{rate / 1e12:.3g} TFLOP/s of a bare matmul; refined after the first run)")
+
+    def estimate(first_length: int, seconds: float) -> None:
+        total = sweep_seconds(runner.spec, lengths, runs, memory_lengths, first_length, seconds)
+        say(f"estimate: the sweep takes about {duration(total)} ({len(lengths)} lengths x {runs} "
+            f"runs + {len(memory_lengths)} memory runs; one {first_length}-token run took {seconds:.2f} s, the others "
+            f"scaled by their FLOPs)")
+
+    sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say, first=estimate)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compute = fit_compute(sweep.lengths, sweep.seconds, statistic=args.statistic)
     for w in caught:
         say(f"warning: {w.message}")
-    mem = activation_profile(runner, args.memory_lengths or lengths[-3:])
+    if compute.mean_abs_error > FIT_ERROR_LIMIT:
+        _print_compute(compute, say)
+        noisy = (f"the compute fit's mean |relative error| is {compute.mean_abs_error:.1%} (max "
+                 f"{compute.max_abs_error:.1%}), above the {FIT_ERROR_LIMIT:.0%} limit: the timings are too noisy to "
+                 f"plan with ({'--threads 1 --clock cpu --statistic min, ' if not on_gpu else ''}more --repeats, an "
+                 f"idle machine)")
+        if not args.force:
+            raise CostModelError(f"{noisy}; --force writes it anyway")
+        say(f"WARNING: {noisy}; written anyway (--force), marked in the JSON's meta")
+        estimates.append(f"compute fit above the {FIT_ERROR_LIMIT:.0%} error limit (--force)")
+    mem = activation_profile(runner, memory_lengths)
     memory_bytes = args.memory_gb * 2**30 if args.memory_gb else device_memory_bytes(setup.device)
     cap = capacity(spec.params, mem.bytes_per_token, memory_bytes, sharding=args.sharding,
                    num_gpus=args.num_gpus or pool.world_size, usable_fraction=args.usable)

@@ -177,6 +177,20 @@ class GroupRunner:
         return times
 
 
+def matmul_rate(setup: DeviceSetup, size: int | None = None) -> float:
+    """FLOP/s of one square matmul in the setup's dtype on its device (after one warm-up): the
+    device's best case, for a sweep estimate before any model run (a model reaches a fraction of it)."""
+    size = size or (4096 if setup.device.type == "cuda" else 512)
+    a = torch.randn(size, size, device=setup.device, dtype=setup.dtype)
+    clock = CLOCKS["wall"]
+    a @ a
+    setup.sync()
+    start = clock()
+    a @ a
+    setup.sync()
+    return 2.0 * size ** 3 / max(clock() - start, 1e-9)
+
+
 @dataclass(frozen=True)
 class ComputeSweep:
     lengths: tuple[int, ...]    # one entry per timed run (lengths repeat)
@@ -184,11 +198,19 @@ class ComputeSweep:
 
 
 def compute_sweep(runner: GroupRunner, lengths: Sequence[int], *, repeats: int = 3, warmup: int = 1,
-                  progress=None) -> ComputeSweep:
-    """Time one sequence of every length at SP degree 1, ``repeats`` times each."""
+                  progress=None, first: Callable[[int, float], None] | None = None) -> ComputeSweep:
+    """Time one sequence of every length at SP degree 1, ``repeats`` times each.
+
+    ``first(length, seconds)`` is called after one timed run of the first length, before the rest (the
+    caller's estimate of the whole sweep); that run stands in for one of the first length's warm-ups."""
     xs, ts = [], []
+    spent = 0
+    if first is not None and lengths:
+        first(int(lengths[0]), runner.time_group([int(lengths[0])], repeats=1, warmup=0, seed=0)[0])
+        spent = 1
     for i, n in enumerate(lengths):
-        times = runner.time_group([int(n)], repeats=repeats, warmup=warmup, seed=i)
+        times = runner.time_group([int(n)], repeats=repeats, warmup=max(0, warmup - spent) if i == 0 else warmup,
+                                  seed=i)
         xs.extend([int(n)] * len(times))
         ts.extend(times)
         if progress is not None:

@@ -1,19 +1,28 @@
-"""``flexsp selftest``: prove the executed step on this machine, whatever device it has.
+"""``flexsp selftest``: prove, on this machine, the path training runs.
 
 Checks, each printed as a table row and written to a JSON report (exit code 1 when one fails):
 
-1. **kernels**: ``attend`` and ``attend_lse`` with ``backend="auto"`` on the device (bf16 on CUDA, fp32
-   on CPU) against a float64 reference on the same packed batch: outputs and gradients.
+1. **kernels**: ``attend`` and ``attend_lse`` with ``backend="auto"`` (bf16 on CUDA, fp32 on CPU) at the
+   model's head layout against a float64 reference on the same packed batch, outputs and q/k/v
+   gradients, *including padding rows* past ``cu_seqlens[-1]``: their output and gradients must be
+   exactly 0 (a kernel's backward may leave anything in rows it never visits; training at degree > 1
+   pads every group).
 2. **step**: the degree-1 ``StepExecutor`` step against the plain per-sequence loop
-   (``flexsp.runtime.models.plain``) from the same weights: losses and updated weights agree; the
-   time ratio (plain / flexsp, medians of interleaved repeats) is printed, not judged.
-3. **memory** (CUDA): the step's peak allocated bytes against what the analytic capacity model sets
-   aside for that many tokens (states + ``activation_bytes_per_token`` x tokens); skipped on CPU, which
-   has no allocator statistics.
-4. **host syncs** (CUDA): ``torch.cuda.set_sync_debug_mode("error")`` around a warmed-up step.
+   (``flexsp.runtime.models.plain``, or the transformers model itself with ``--hf-config``) under the same
+   autocast, from the same weights: losses and SGD updates agree within the compute dtype's tolerance;
+   the time ratio (plain / flexsp, medians of interleaved repeats) and both TFLOP/s are printed.
+3. **memory** (CUDA): the step's peak allocated bytes during forward and backward (AdamW, so both sides
+   count the same states) against what the capacity model sets aside for the configuration
+   (``selftest_model.budget``: states + activation bytes per token x tokens); within 15% passes, and
+   never above it by more than the workspace the capacity formula leaves (``1 - usable_memory``).
+4. **host syncs** (CUDA): ``torch.cuda.set_sync_debug_mode("error")`` from the step's packing to the
+   end of its last backward; a synchronising call is reported with its innermost flexsp call site.
 5. **all-to-all** on the ranks available: under ``torchrun`` a round trip over the world equals its
    input; with one rank there is nothing to exchange (skipped).
 
+The model (``selftest_model``): on CUDA a Llama-3-8B layer shape with 2 layers in bf16 through
+``shard_model`` (the README's loop), the vocabulary cut only where the device needs it; on CPU a small
+fp32 model that runs in seconds (CI). ``--shape`` and ``--hf-config`` choose another.
 torch is imported inside ``run``: registering the subcommand costs a planner-only install nothing.
 """
 from __future__ import annotations
@@ -23,19 +32,35 @@ import json
 import os
 import statistics
 import time
+import traceback
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
 from flexsp.errors import FlexSPError
+from flexsp.profile import selftest_model as sm
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
+MEMORY_TOLERANCE = 0.15      # |peak - capacity model| / capacity model
+# (loss, update) relative tolerances: bf16 compute (different kernels and chunking round differently), fp32
+STEP_TOLERANCE = {True: (5e-3, 5e-2), False: (1e-4, 1e-3)}
+KERNEL_TOLERANCE = {True: 3e-2, False: 2e-4}
+SGD_LR = 0.1
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("selftest", help="check kernels, the degree-1 step, memory and syncs on this device",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--tokens", type=int, default=1024, help="tokens in the step check's batch (default 1024)")
+    p.add_argument("--shape", default=None,
+                   help=f"model shape: a registered model name, field=value pairs, or a name then pairs "
+                        f"(default CUDA {sm.CUDA_SHAPE!r}, CPU {sm.CPU_SHAPE!r}; fields: hidden, layers, heads, "
+                        f"kv_heads, ffn, vocab)")
+    p.add_argument("--hf-config", default=None, metavar="DIR|ARCH",
+                   help="run your transformers model (random init from its config.json, behind the HF adapter) "
+                        "instead of TinyLM; --shape layers=N sets its layers (default 2)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"tokens in the step's batch (default CUDA {sm.CUDA_TOKENS}, CPU {sm.CPU_TOKENS})")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of the step check (default 3)")
     p.add_argument("--output", type=Path, default=Path("selftest.json"), help="JSON report (default selftest.json)")
     return p
@@ -45,131 +70,232 @@ def _row(name: str, status: str, detail: str, **figures: Any) -> dict:
     return {"check": name, "status": status, "detail": detail, **figures}
 
 
-def _kernels(torch, device) -> dict:
+# --- 1. kernels ----------------------------------------------------------------------------------------
+def kernel_batch(spec, half: bool) -> tuple[tuple[int, ...], int]:
+    """Sequence bounds and the padded row count of the kernel check: a long, a one-token, a middle
+    sequence, then padding rows (a multiple of 64 past the last bound, as ``pack`` pads for a degree)."""
+    bounds = (0, 1500, 1501, 2600) if half else (0, 300, 301, 420)
+    return bounds, bounds[-1] + (472 if half else 92)
+
+
+def _kernels(torch, device, spec) -> dict:
     from flexsp.runtime.kernels import attend, attend_lse, reference, resolve_backend
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tol = 3e-2 if dtype == torch.bfloat16 else 2e-4
-    bounds = (0, 300, 301, 420, 512)
+    half = device.type == "cuda"
+    dtype = torch.bfloat16 if half else torch.float32
+    bounds, rows = kernel_batch(spec, half)
+    real, longest = bounds[-1], max(b - a for a, b in zip(bounds, bounds[1:]))
     g = torch.Generator().manual_seed(0)
-    base = [torch.randn(512, h, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2)]
-    dout = torch.randn(512, 8, 64, generator=g, dtype=torch.float64)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    worst = 0.0
+    shapes = ((spec.heads, spec.head_size), (spec.kv_heads, spec.head_size), (spec.kv_heads, spec.head_size))
+    base = [torch.randn(rows, h, d, generator=g, dtype=torch.float64).to(device) for h, d in shapes]
+    dout = torch.randn(rows, spec.heads, spec.head_size, generator=g, dtype=torch.float64).to(device)
+    cu = torch.tensor(bounds, dtype=torch.int32).to(device)
+    worst, leak = 0.0, 0.0
     for lse in (False, True):
-        dev = [t.to(device=device, dtype=dtype).requires_grad_() for t in base]
-        ref = [t.clone().requires_grad_() for t in base]
+        dev = [t.to(dtype).requires_grad_() for t in base]
+        ref = [t.clone().requires_grad_() for t in base]   # float64 on the device: the reference is exact
         if lse:
-            out = attend_lse(*dev, cu, cu, max_seqlen_q=300, max_seqlen_k=300, causal=True, bounds_q=bounds,
-                             bounds_k=bounds)[0]
+            out = attend_lse(*dev, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True,
+                             bounds_q=bounds, bounds_k=bounds)[0]
             want = reference(*ref, bounds, bounds, causal=True)
         else:
-            out = attend(*dev, cu, max_seqlen=300, bounds=bounds)
+            out = attend(*dev, cu, max_seqlen=longest, bounds=bounds)
             want = reference(*ref, bounds)
-        grads = torch.autograd.grad((out.double() * dout.to(device)).sum(), dev)
+        grads = torch.autograd.grad((out.double() * dout).sum(), dev)
         wants = torch.autograd.grad((want * dout).sum(), ref)
         for got, exp in zip((out, *grads), (want, *wants)):
-            scale = exp.abs().max().item() or 1.0
-            worst = max(worst, (got.double().cpu() - exp).abs().max().item() / scale)
-    kernel = resolve_backend("auto", base[0].to(device=device, dtype=dtype))
-    return _row("kernels", PASS if worst <= tol else FAIL,
-                f"auto -> {kernel} ({dtype}), max error / max |ref| {worst:.1e} (tolerance {tol:.0e})",
-                kernel=kernel, max_relative_error=worst)
+            scale = exp[:real].abs().max().item() or 1.0
+            worst = max(worst, (got[:real].double() - exp[:real]).abs().max().item() / scale)
+            leak = max(leak, got[real:].double().abs().max().nan_to_num(float("inf")).item())
+    kernel = resolve_backend("auto", base[0].to(dtype))
+    tol = KERNEL_TOLERANCE[half]
+    ok = worst <= tol and leak == 0.0
+    return _row("kernels", PASS if ok else FAIL,
+                f"auto -> {kernel} ({str(dtype).replace('torch.', '')}, {spec.heads}/{spec.kv_heads} heads x "
+                f"{spec.head_size}), max error / max |ref| {worst:.1e} (tolerance {tol:.0e}); {rows - real} padding "
+                f"rows: max |output or q/k/v grad| {leak:.1e} (must be exactly 0)",
+                kernel=kernel, max_relative_error=worst, padding_max_abs=leak)
 
 
-def _step(torch, device, tokens: int, repeats: int) -> tuple[dict, Callable[[], None]]:
-    import copy
+# --- 2. step ----------------------------------------------------------------------------------------------
+def batch_lengths(tokens: int) -> list[int]:
+    return [max(2, round(n * tokens / sum(sm.MIX))) for n in sm.MIX]
 
-    from flexsp.plan.specs import ModelSpec
+
+def _max_rel(deltas_a, deltas_b) -> float:
+    scale = max(b.abs().max().item() for b in deltas_b) or 1.0
+    return max((a - b).abs().max().item() for a, b in zip(deltas_a, deltas_b)) / scale
+
+
+def _step(torch, device, built: "sm.Built", batch, repeats: int) -> tuple[dict, Callable[[], None]]:
     from flexsp.plan.types import Group, MicroBatch, Plan
-    from flexsp.runtime.models.plain import plain_loss
-    from flexsp.runtime.models.tiny import TinyLM
+    from flexsp.runtime.config import TrainConfig
     from flexsp.runtime.pool import GroupPool
     from flexsp.runtime.step import StepExecutor
 
-    spec = ModelSpec(vocab=4096, hidden=256, layers=3, heads=4, kv_heads=2, ffn=688, name="selftest")
-    mix = (2048, 1024, 512, 256, 256)
-    lengths = [max(2, round(n * tokens / sum(mix))) for n in mix]
-    g = torch.Generator().manual_seed(1)
-    batch = [torch.randint(1, spec.vocab, (n,), generator=g).to(device) for n in lengths]
-    torch.manual_seed(0)
-    base = TinyLM(spec).to(device)
-    flex, plain = copy.deepcopy(base), copy.deepcopy(base)
-    executor = StepExecutor(flex, torch.optim.SGD(flex.parameters(), lr=1e-3), GroupPool())
+    half = device.type == "cuda"
+    config = TrainConfig(param_dtype=torch.bfloat16 if half else None)
+    flex, plain = built.flex, built.plain
+    executor = StepExecutor(flex, torch.optim.SGD(flex.parameters(), lr=SGD_LR), GroupPool(), config=config)
     plan = Plan(num_gpus=1, predicted_time=0.0,
                 micro_batches=(MicroBatch((Group(ranks=(0,), seq_ids=tuple(range(len(batch)))),)),))
-    opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    opt = torch.optim.SGD(plain.parameters(), lr=SGD_LR)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if half else nullcontext
+    sync = (lambda: torch.cuda.synchronize(device)) if half else (lambda: None)
 
     def run_flex() -> float:
         return executor.run_plan(plan, batch).loss
 
     def run_plain() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = plain_loss(plain, batch)
+        with autocast():   # the same autocast the executor applies to the prepared model
+            loss = built.plain_loss(plain, batch)
         loss.backward()
         opt.step()
         return float(loss.detach())
 
     first = (run_flex(), run_plain())
-    drift = max((a - b).abs().max().item() for a, b in zip(flex.parameters(), plain.parameters()))
+    with torch.no_grad():
+        start = list(built.base.parameters())
+        flex_update = [a - s for a, s in zip(flex.parameters(), start)]
+        plain_update = [b - s for b, s in zip(plain.parameters(), start)]
+        update_gap = _max_rel(flex_update, plain_update)
+        del flex_update, plain_update, start
     times: dict[str, list[float]] = {"flexsp": [], "plain": []}
     for r in range(repeats):
         for name, fn in ((("flexsp", run_flex), ("plain", run_plain)) if r % 2 == 0 else
                          (("plain", run_plain), ("flexsp", run_flex))):
             sync()
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             fn()
             sync()
-            times[name].append(time.perf_counter() - start)
-    ratio = statistics.median(times["plain"]) / statistics.median(times["flexsp"])
+            times[name].append(time.perf_counter() - t0)
+    lengths = [int(s.numel()) for s in batch]
+    flops = sm.training_flops(built.spec, lengths)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["plain"] / med["flexsp"]
     loss_gap = abs(first[0] - first[1]) / abs(first[1])
-    ok = loss_gap < 1e-4 and drift < 1e-4
+    loss_tol, update_tol = STEP_TOLERANCE[half]
+    ok = loss_gap <= loss_tol and update_gap <= update_tol
     row = _row("step", PASS if ok else FAIL,
-               f"{sum(lengths)} tokens: loss {first[0]:.6f} vs plain {first[1]:.6f} (rel {loss_gap:.1e}), "
-               f"weights differ by {drift:.1e} after a step; plain / flexsp time {ratio:.2f}x",
-               tokens=sum(lengths), loss_gap=loss_gap, weight_drift=drift, speed_ratio=ratio,
-               flexsp_ms=1000 * statistics.median(times["flexsp"]), plain_ms=1000 * statistics.median(times["plain"]))
-    state = {"spec": spec, "tokens": sum(lengths), "run": run_flex, "model": flex}
-    return row, state
+               f"{sum(lengths)} tokens ({built.kind}, {'bf16 autocast' if half else 'fp32'}): loss {first[0]:.6f} vs "
+               f"plain {first[1]:.6f} (rel {loss_gap:.1e}, tolerance {loss_tol:.0e}); SGD updates differ by "
+               f"{update_gap:.1e} of the largest (tolerance {update_tol:.0e}); plain / flexsp time {ratio:.2f}x "
+               f"(measured: flexsp {flops / med['flexsp'] / 1e12:.3g} TFLOP/s, plain "
+               f"{flops / med['plain'] / 1e12:.3g} TFLOP/s)",
+               tokens=sum(lengths), loss_gap=loss_gap, update_gap=update_gap, speed_ratio=ratio,
+               flexsp_ms=1000 * med["flexsp"], plain_ms=1000 * med["plain"],
+               flexsp_tflops=flops / med["flexsp"] / 1e12, plain_tflops=flops / med["plain"] / 1e12)
+    executor.close()
+    return row, plan
 
 
-def _memory(torch, device, state) -> dict:
-    if device.type != "cuda":
-        return _row("memory", SKIP, "CPU: no allocator statistics to compare with the capacity model")
-    from flexsp.plan.analytic import analytic_cost_model  # noqa: F401  (the same formula the planner uses)
-    from flexsp.plan.memory import model_state_bytes
+# --- 3./4. memory and host syncs (CUDA): one AdamW executor, a probe around its forward and backward --------
+def _window(on_open: Callable[[], None], on_close: Callable[[], None]):
+    """A ``StepProbe`` that brackets a step's packing + forward + backward (not the loss read or the
+    optimizer step): ``on_open`` at ``step_begin``, ``on_close`` after the last micro-batch's backward.
+    The callbacks are attributes, so one executor can measure memory, then syncs."""
+    from flexsp.runtime.probe import StepProbe
 
-    spec, tokens = state["spec"], state["tokens"]
+    class Window(StepProbe):
+        def __init__(self) -> None:
+            self.on_open, self.on_close, self.last = on_open, on_close, -1
+
+        def step_begin(self, plan, source) -> None:
+            self.last = len(plan.micro_batches) - 1
+            self.on_open()
+
+        def micro_batch_end(self, index: int) -> None:
+            if index == self.last:
+                self.on_close()
+
+    return Window()
+
+
+def call_site(exc: BaseException) -> str:
+    """The innermost flexsp frame of ``exc``'s traceback (outside this selftest) as ``path:line in fn``."""
+    marker = os.sep + "flexsp" + os.sep
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if marker in f.filename and not os.path.basename(f.filename).startswith("selftest")]
+    if not frames:
+        return "outside flexsp"
+    f = frames[-1]
+    path = f.filename[f.filename.rindex(marker) + 1:]
+    return f"{path}:{f.lineno} in {f.name}" + (f" ({f.line.strip()})" if f.line else "")
+
+
+def _resident_bytes(model, optimizer) -> int:
+    """Bytes of the states the capacity model counts that exist now: parameters, gradients, optimizer states."""
+    params = list(model.parameters())
+    device = params[0].device
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    tensors += [t for s in optimizer.state.values() for t in s.values()   # moments, not AdamW's scalar step count
+                if getattr(t, "device", None) == device and t.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int) -> list[dict]:
+    from flexsp.plan.specs import GPUSpec
+    from flexsp.runtime.config import TrainConfig
+    from flexsp.runtime.pool import GroupPool
+    from flexsp.runtime.step import StepExecutor
+
+    model = built.flex
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    marks: dict[str, int] = {}
+
+    def open_memory() -> None:
+        marks["other"] = torch.cuda.memory_allocated(device) - _resident_bytes(model, optimizer)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def close_memory() -> None:
+        marks["peak"] = torch.cuda.max_memory_allocated(device)
+
+    probe = _window(lambda: None, lambda: None)
+    executor = StepExecutor(model, optimizer, GroupPool(), config=TrainConfig(param_dtype=torch.bfloat16),
+                            probe=probe, failure_name="selftest-memory")
+    executor.run_plan(plan, batch)                  # warm: AdamW's moments exist from here on
+    model.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    state["run"]()
+    torch.cuda.empty_cache()
+    probe.on_open, probe.on_close = open_memory, close_memory
+    executor.run_plan(plan, batch)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    params = sum(p.numel() for p in state["model"].parameters())
-    states = model_state_bytes(params, 1, "none")
-    act_per_token = 34 * spec.hidden * spec.layers          # analytic_cost_model's bytes per token (recompute off)
-    predicted = states + act_per_token * tokens
-    return _row("memory", PASS if peak <= predicted else FAIL,
-                f"peak {peak / 2**20:.0f} MiB vs capacity model {predicted / 2**20:.0f} MiB "
-                f"(states {states / 2**20:.0f} MiB + {act_per_token} B/token x {tokens})",
-                peak_bytes=peak, predicted_bytes=predicted)
+    need = sm.budget(built.spec, tokens, half=True)
+    peak = marks["peak"] - marks["other"]
+    rel = (peak - need.total) / need.total
+    # the capacity formula leaves (1 - usable) of the device as workspace: a peak past it eats planned room
+    workspace = (1 - GPUSpec.usable_memory) * torch.cuda.get_device_properties(device).total_memory
+    ok = abs(rel) <= MEMORY_TOLERANCE and peak <= need.total + workspace
+    memory = _row("memory", PASS if ok else FAIL,
+                  f"peak {peak / 2**20:.0f} MiB in forward+backward vs capacity model {need.total / 2**20:.0f} MiB "
+                  f"({rel:+.1%}, tolerance {MEMORY_TOLERANCE:.0%}; above it by at most the "
+                  f"{1 - GPUSpec.usable_memory:.0%} workspace, {workspace / 2**20:.0f} MiB): {need.describe()}; measured, "
+                  f"other allocations ({marks['other'] / 2**20:.0f} MiB) excluded",
+                  peak_bytes=peak, predicted_bytes=need.total, relative_error=rel, workspace_bytes=workspace,
+                  predicted_state_bytes=need.states.total, predicted_activation_bytes=need.activations)
 
-
-def _syncs(torch, device, state) -> dict:
-    if device.type != "cuda":
-        return _row("host syncs", SKIP, "CPU: nothing to wait on")
-    try:
+    def arm() -> None:
         torch.cuda.set_sync_debug_mode("error")
-        state["model"].zero_grad(set_to_none=True)
-        state["run"]()
-    except RuntimeError as exc:
-        return _row("host syncs", FAIL, f"a synchronising call inside the step: {str(exc).splitlines()[0]}")
-    finally:
+
+    def disarm() -> None:
         torch.cuda.set_sync_debug_mode(0)
-    return _row("host syncs", PASS, "none inside a warmed-up step (set_sync_debug_mode('error'))")
+
+    probe.on_open, probe.on_close = arm, disarm
+    try:
+        executor.run_plan(plan, batch)
+        syncs = _row("host syncs", PASS, "none from the step's packing to the end of its backward "
+                                         "(set_sync_debug_mode('error'), warmed-up step)")
+    except RuntimeError as exc:
+        syncs = _row("host syncs", FAIL, f"a synchronising call inside the step at {call_site(exc)}: "
+                                         f"{str(exc).splitlines()[0]}", site=call_site(exc))
+    finally:
+        disarm()
+        executor.close()
+    return [memory, syncs]
 
 
+# --- 5. all-to-all ------------------------------------------------------------------------------------------
 def _alltoall(torch, device) -> dict:
     import torch.distributed as dist
 
@@ -178,10 +304,57 @@ def _alltoall(torch, device) -> dict:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return _row("all-to-all", SKIP, "one rank available: nothing to exchange (run under torchrun for more)")
     d = dist.get_world_size()
-    x = torch.randn(8, 2 * d, 16, device=device, generator=None)
+    x = torch.randn(8, 2 * d, 16, device=device)
     back = head_to_seq(seq_to_head(x, dist.group.WORLD), dist.group.WORLD)
     ok = torch.equal(back, x)
     return _row("all-to-all", PASS if ok else FAIL, f"round trip over {d} ranks {'exact' if ok else 'WRONG'}")
+
+
+# --- the run ------------------------------------------------------------------------------------------------
+@contextmanager
+def world_of_one():
+    """A one-process gloo group for ``shard_model`` when no process group exists (removed afterwards)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            raise sm.SelftestError("the step checks run at degree 1 on one process: run flexsp selftest without "
+                                   "torchrun (torchrun is only for its all-to-all check, which needs no model)")
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_model(torch, device, shape: str | None, hf_config: str | None, tokens: int | None,
+               memory_bytes: float | None) -> dict[str, Any]:
+    """Everything decided before a tensor is made: the shape (vocabulary cut to the device), the batch,
+    the compute dtype, the HF config if any, the capacity model's budget. Runs under ``FakeTensorMode``."""
+    half = device.type == "cuda"
+    tokens = tokens if tokens is not None else (sm.CUDA_TOKENS if half else sm.CPU_TOKENS)
+    if tokens < 16:
+        raise sm.SelftestError(f"--tokens must be >= 16, got {tokens}")
+    lengths = batch_lengths(tokens)
+    cfg = None
+    if hf_config is not None:
+        from flexsp.plan.specs import spec_from_hf_config
+        _, fields = sm.parse_shape(shape or "layers=2", hf=True)
+        try:
+            cfg = sm.hf_config_for(hf_config, fields.get("layers", 2))
+        except ImportError as exc:
+            raise sm.SelftestError(f"--hf-config needs transformers (pip install 'flexsp[hf]'): {exc}") from None
+        spec = spec_from_hf_config(cfg)
+    else:
+        spec = sm.resolve_spec(shape or (sm.CUDA_SHAPE if half else sm.CPU_SHAPE))
+    note = ""
+    if memory_bytes is not None:
+        spec, note = sm.fit_vocab(spec, sum(lengths), max(lengths), half, memory_bytes)
+        if note and cfg is not None:
+            cfg = sm.hf_config_for(hf_config, spec.layers, spec.vocab)
+    return {"spec": spec, "hf": cfg, "lengths": lengths, "half": half, "vocab_note": note,
+            "budget": sm.budget(spec, sum(lengths), half=half)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -192,19 +365,39 @@ def run(args: argparse.Namespace) -> int:
         raise FlexSPError(f"--device must be cpu or cuda, got {name!r}")
     if name == "cuda" and not torch.cuda.is_available():
         raise FlexSPError("--device cuda: no CUDA device is available here")
-    if args.tokens < 16 or args.repeats < 1:
-        raise FlexSPError("--tokens must be >= 16 and --repeats >= 1")
-    device = torch.device(name)
-    rows = [_kernels(torch, device)]
-    step_row, state = _step(torch, device, args.tokens, args.repeats)
-    rows += [step_row, _memory(torch, device, state), _syncs(torch, device, state), _alltoall(torch, device)]
+    if args.repeats < 1:
+        raise FlexSPError(f"--repeats must be >= 1, got {args.repeats}")
+    device = torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device(name)
+    memory = torch.cuda.get_device_properties(device).total_memory if name == "cuda" else None
+    setup = plan_model(torch, device, args.shape, args.hf_config, args.tokens, memory)
+    spec, lengths = setup["spec"], setup["lengths"]
+    rows = [_kernels(torch, device, spec)]
+    g = torch.Generator().manual_seed(1)
+    batch = [torch.randint(1, spec.vocab, (n,), generator=g).to(device) for n in lengths]
+    with world_of_one():
+        built = sm.build(torch, spec, device, half=setup["half"], hf_config=setup["hf"], max_seqlen=max(lengths))
+        step_row, plan = _step(torch, device, built, batch, args.repeats)
+        rows.append(step_row)
+        built = sm.Built(flex=built.flex, plain=None, base=None, plain_loss=built.plain_loss, spec=spec,
+                         kind=built.kind)   # free the plain loop's copy and the start weights before measuring
+        if name == "cuda":
+            torch.cuda.empty_cache()
+            rows += _memory_and_syncs(torch, device, built, plan, batch, sum(lengths))
+        else:
+            rows += [_row("memory", SKIP, "CPU: no allocator statistics to compare with the capacity model"),
+                     _row("host syncs", SKIP, "CPU: nothing to wait on")]
+    rows.append(_alltoall(torch, device))
     label = torch.cuda.get_device_name(device) if name == "cuda" else f"CPU ({os.cpu_count()} cores)"
     load = os.getloadavg()
     print(f"flexsp selftest on {label}, torch {torch.__version__}, load average {load[0]:.1f}")
+    print(f"  model: {spec.name} {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, ffn "
+          f"{spec.ffn}, vocab {spec.vocab} ({spec.params / 1e6:,.1f} M params); batch {lengths}"
+          + (f"; {setup['vocab_note']}" if setup["vocab_note"] else ""))
     width = max(len(r["check"]) for r in rows)
     for r in rows:
         print(f"  {r['check']:<{width}}  {r['status']:<4}  {r['detail']}")
-    report = {"device": label, "torch": torch.__version__, "load_average": load, "checks": rows}
+    report = {"device": label, "torch": torch.__version__, "load_average": load, "model": spec.shape(),
+              "params": spec.params, "batch": lengths, "vocab_note": setup["vocab_note"], "checks": rows}
     try:
         args.output.write_text(json.dumps(report, indent=2) + "\n")
     except OSError as exc:

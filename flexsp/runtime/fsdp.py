@@ -50,16 +50,54 @@ from flexsp.runtime.config import TrainConfig
 
 SHARDING_ATTR = "flexsp_sharding"
 AUTOCAST_ATTR = "flexsp_autocast"
+PARAM_DTYPE_ATTR = "flexsp_param_dtype"   # the param_dtype shard_model prepared the model for (FSDP2 or autocast)
 
 
-def runtime_sharding(model: nn.Module) -> str:
-    """The sharding ``shard_model`` applied to ``model``; ``"none"`` for a model it never saw."""
-    return getattr(model, SHARDING_ATTR, "none")
+class PrecisionError(FlexSPError):
+    """The compute dtype asked of ``StepExecutor`` is not the one the model was prepared for, or cannot be
+    applied to it (half-precision or fp64 parameters, a model FSDP-wrapped outside ``shard_model``)."""
+
+
+def runtime_sharding(model: nn.Module, unprepared: str | None = "none") -> str | None:
+    """The sharding ``shard_model`` applied to ``model``; ``unprepared`` for a model it never saw."""
+    return getattr(model, SHARDING_ATTR, unprepared)
 
 
 def autocast_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype ``StepExecutor`` autocasts a plain (unwrapped) model's forward to; None: no autocast."""
     return getattr(model, AUTOCAST_ATTR, None)
+
+
+def step_autocast(model: nn.Module, requested: torch.dtype | None, explicit: bool) -> torch.dtype | None:
+    """The dtype ``StepExecutor`` autocasts ``model``'s forward to (None: none), or ``PrecisionError``.
+
+    ``requested`` is the executor's ``TrainConfig.param_dtype``; ``explicit`` says the caller set it (a
+    ``config`` or ``param_dtype=``), rather than leaving the model's own preparation in charge. A model
+    ``shard_model`` prepared keeps its compute dtype (FSDP2's policy or the recorded autocast); asking for
+    another is refused. A plain fp32 model asked for bf16/fp16 gets the autocast ``shard_model``'s world-1
+    path records, so ``param_dtype`` is never silently ignored; what autocast cannot give (fp64 or half
+    parameters computing in another dtype) is refused.
+    """
+    params = next(model.parameters()).dtype
+    same = lambda a, b: (a or params) == (b or params)   # noqa: E731  (None: the parameters' own dtype)
+    if hasattr(model, SHARDING_ATTR):
+        prepared = getattr(model, PARAM_DTYPE_ATTR, autocast_dtype(model))
+        if explicit and not same(requested, prepared):
+            raise PrecisionError(f"the model was prepared by shard_model for param_dtype {prepared} but the "
+                                 f"executor's config asks for {requested}: pass the same TrainConfig to shard_model "
+                                 f"and StepExecutor")
+        return None if is_sharded(model) else autocast_dtype(model)
+    if not explicit or same(requested, None):
+        return None
+    if is_sharded(model):
+        raise PrecisionError(f"param_dtype {requested}: the model is FSDP-wrapped outside shard_model, so its own "
+                             f"MixedPrecisionPolicy sets the compute dtype; prepare it with "
+                             f"flexsp.runtime.shard_model, or pass param_dtype=None")
+    if params != torch.float32 or requested not in (torch.bfloat16, torch.float16):
+        raise PrecisionError(f"param_dtype {requested} cannot be applied to {params} parameters by autocast (it lowers "
+                             f"fp32 to bf16/fp16 only); prepare the model with flexsp.runtime.shard_model (fp32 master "
+                             f"weights), or pass param_dtype=None to compute in {params}")
+    return requested
 
 
 def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings: Any) -> nn.Module:
@@ -93,6 +131,7 @@ def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings:
         model.float()
     device = params[0].device
     world = dist.get_world_size()
+    setattr(model, PARAM_DTYPE_ATTR, param_dtype)   # what StepExecutor checks its own config against
     if world == 1 or sharding == "none":
         setattr(model, SHARDING_ATTR, sharding)   # what the cost model may assume: at world 1 every sharding is one
         if param_dtype not in (None, next(model.parameters()).dtype):

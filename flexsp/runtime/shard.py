@@ -21,6 +21,7 @@ from flexsp.plan.types import Group
 from flexsp.runtime.sp.context import IGNORE_INDEX, PAD_TOKEN, AttentionContext, Shard
 from flexsp.runtime.sp.ring import ring_context
 from flexsp.runtime.sp.zigzag import zigzag_pack
+from flexsp.runtime.transfer import host_tensor
 
 if TYPE_CHECKING:
     from flexsp.runtime.pool import GroupPool
@@ -81,17 +82,20 @@ def pack(sequences: Sequence[torch.Tensor], degree: int) -> PackedGroup:
     for n in lengths:
         cu.append(cu[-1] + n)
     device = sequences[0].device
-    # Built with a fixed number of tensor ops whatever the number of sequences (no per-sequence arange);
-    # pack on the host and move the shard, not each sequence, to the device.
-    ids = torch.full((padded,), PAD_TOKEN, dtype=torch.long, device=device)
-    ids[:real] = torch.cat([s.reshape(-1).to(device=device, dtype=torch.long) for s in sequences])
-    starts = torch.tensor(cu[:-1], dtype=torch.long, device=device)
-    counts = torch.tensor(lengths, dtype=torch.long, device=device)
-    positions = torch.zeros(padded, dtype=torch.long, device=device)
-    positions[:real] = torch.arange(real, device=device) - torch.repeat_interleave(starts, counts, output_size=real)
-    labels = torch.full((padded,), IGNORE_INDEX, dtype=torch.long, device=device)
-    labels[:real - 1] = ids[1:real]
-    labels[torch.tensor(cu[1:], device=device) - 1] = IGNORE_INDEX   # a sequence's last token predicts nothing
+    # Built with a fixed number of tensor ops whatever the number of sequences (no per-sequence arange).
+    # Packing runs where the sequences are (the host, usually; the executor moves the shard); the index
+    # tensors derived from host ints go through to_device (pinned + non_blocking): no pageable host-to-device
+    # copy, so no host wait, when the sequences already live on a GPU.
+    tail = lambda value: torch.full((padded - real,), value, dtype=torch.long, device=device)   # noqa: E731
+    ids = torch.cat([*(s.reshape(-1).to(device=device, dtype=torch.long) for s in sequences), tail(PAD_TOKEN)])
+    starts = host_tensor(cu[:-1], torch.long, device)
+    counts = host_tensor(lengths, torch.long, device)
+    restart = torch.repeat_interleave(starts, counts, output_size=real)   # output_size: no device read
+    positions = torch.cat([torch.arange(real, device=device) - restart, tail(0)])
+    labels = torch.cat([ids.narrow(0, 1, real - 1), tail(IGNORE_INDEX),
+                        torch.full((1,), IGNORE_INDEX, dtype=torch.long, device=device)])
+    # a sequence's last token predicts nothing (out of place: no indexed write)
+    labels = labels.index_fill(0, host_tensor(cu[1:], torch.long, device) - 1, IGNORE_INDEX)
     return PackedGroup(degree=degree, cu_seqlens=tuple(cu), input_ids=ids, position_ids=positions, labels=labels)
 
 

@@ -18,6 +18,7 @@ that of the mean next-token loss over the global batch on one device, whatever t
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
@@ -33,7 +34,7 @@ from flexsp.plan.cost import CostModel
 from flexsp.plan.types import Group, Plan
 from flexsp.runtime.config import TrainConfig
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
-from flexsp.runtime.fsdp import autocast_dtype, is_sharded, runtime_sharding
+from flexsp.runtime.fsdp import is_sharded, runtime_sharding, step_autocast
 from flexsp.runtime.pool import GroupPool
 from flexsp.runtime.probe import NO_PROBE, StepProbe
 from flexsp.runtime.shard import MicroBatchShard, group_inputs, loss_tokens
@@ -141,7 +142,15 @@ class StepExecutor:
             sharding_mod.check_runtime(sharding_mod.assumed(cost), self.sharding)
         self.device = next(model.parameters()).device
         self.sharded = is_sharded(model)
-        self.autocast = None if self.sharded else autocast_dtype(model)   # shard_model's param_dtype, FSDP2-free
+        # the compute dtype: what shard_model prepared, or config.param_dtype applied by autocast (PrecisionError
+        # where it cannot be); never silently the parameters' fp32 when a config asked for bf16
+        explicit = config is not None or "param_dtype" in settings
+        self.autocast = step_autocast(model, self.config.param_dtype, explicit)
+        unprepared_fp32 = runtime_sharding(model, None) is None and next(model.parameters()).dtype == torch.float32
+        if not explicit and self.autocast is None and self.device.type == "cuda" and unprepared_fp32:
+            warnings.warn("StepExecutor: this model computes in fp32 on CUDA (no config, not prepared by shard_model): "
+                          "pass config=TrainConfig(param_dtype=torch.bfloat16) for bf16 autocast, or param_dtype=None "
+                          "to keep fp32 without this warning", stacklevel=2)
         self.channel = FailureChannel(failure_name) if pool.world_size > 1 else None
         self.steps = 0
         self._dummy: _Work | None = None

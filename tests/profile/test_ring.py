@@ -66,7 +66,7 @@ def _profile_worker(rank, world_size, out):
     return main(["profile", "--layers", "2", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
                  "--vocab", "64", "--lengths", "32,64,128,256", "--repeats", "2", "--warmup", "1", "--clock", "cpu",
                  "--statistic", "min", "--comm-sizes", "64K,1M,4M", "--ring-sizes", ",".join(map(str, RING_SIZES)),
-                 "--memory-gb", "1", "--threads", "1", "--interconnect", "nvlink-ib", "--quiet", "-o", out])
+                 "--memory-gb", "1", "--threads", "1", "--interconnect", "nvlink-ib", "--quiet", "--force", "-o", out])
 
 
 def test_profile_measures_the_ring_axis_and_plans_ring_groups_from_it(tmp_path):

@@ -112,3 +112,47 @@ def test_world_one_bf16_is_autocast_without_fsdp_and_tracks_fp32():
     (run,) = run_distributed(_precision_worker, 1, 8, WORLD_ONE, (("fp32", "full", None),
                                                                   ("bf16", "full", torch.bfloat16)))
     _check_tracks(run["fp32"], run["bf16"])
+
+
+# --- the executor's compute dtype (issue 35.4): applied or refused, never silently fp32 -------------------
+def _dtype_worker(rank, world_size):
+    from flexsp.runtime.config import TrainConfig
+    from flexsp.runtime.fsdp import PrecisionError
+
+    def fresh():
+        torch.manual_seed(0)
+        return TinyLM(CFG)
+
+    def loss(model, **kw):
+        executor = StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), GroupPool(), **kw)
+        return executor.autocast, executor.run_plan(WORLD_ONE, _learnable_batch(0)).loss
+
+    bf16 = TrainConfig(param_dtype=torch.bfloat16, backend="sdpa")
+    out = {"fp32": loss(fresh(), config=TrainConfig(param_dtype=None, backend="sdpa")),
+           "unprepared": loss(fresh(), config=bf16),                        # applied by the executor itself
+           "setting": loss(fresh(), backend="sdpa", param_dtype=torch.bfloat16),
+           "prepared": loss(shard_model(fresh(), bf16), config=bf16)}       # shard_model's world-1 autocast
+    refused = {}
+    cases = {"prepared for bf16, asked fp32": lambda: (shard_model(fresh(), bf16), TrainConfig(param_dtype=None)),
+             "fp64 parameters": lambda: (fresh().double(), bf16),
+             "bf16 parameters asked fp32": lambda: (fresh().to(torch.bfloat16), TrainConfig(param_dtype=torch.float32))}
+    for name, make in cases.items():
+        model, config = make()
+        try:
+            StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), GroupPool(), config=config)
+            refused[name] = None
+        except PrecisionError as exc:
+            refused[name] = str(exc)
+    return out, refused
+
+
+def test_the_executor_applies_the_configured_compute_dtype_or_refuses():
+    (out, refused), = run_distributed(_dtype_worker, 1)
+    assert out["fp32"][0] is None
+    for way in ("unprepared", "setting", "prepared"):
+        dtype, loss = out[way]
+        assert dtype == torch.bfloat16, way
+        assert loss != out["fp32"][1] and abs(loss - out["fp32"][1]) <= LOSS_TOL * out["fp32"][1], way   # bf16 ran
+    assert out["unprepared"][1] == out["prepared"][1]   # the same autocast whichever way in
+    assert all(refused.values()), refused
+    assert "pass the same TrainConfig" in refused["prepared for bf16, asked fp32"]

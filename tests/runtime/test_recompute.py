@@ -67,7 +67,7 @@ def test_train_config_sets_the_models_recompute():
     model = TinyLM(SPEC).double()
     plan = Plan(num_gpus=1, predicted_time=0.0, micro_batches=(MicroBatch((Group(ranks=(0,), seq_ids=(0,)),)),))
     StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.1), GroupPool(),
-                 config=TrainConfig(recompute="selective")).run_plan(plan, [torch.arange(1, 20)])
+                 config=TrainConfig(recompute="selective", param_dtype=None)).run_plan(plan, [torch.arange(1, 20)])
     assert [b.recompute for b in model.blocks] == ["selective"] * 3 and all(b.attn.recompute for b in model.blocks)
     with pytest.raises(FlexSPError):
         TrainConfig(recompute="sometimes")

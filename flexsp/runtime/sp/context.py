@@ -19,6 +19,7 @@ from flexsp.runtime.sp.ring_comm import RingComm
 from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard
 from flexsp.runtime.sp.ulysses_comm import AllToAllExchange, Exchange
 from flexsp.runtime.sp.zigzag import RingTensors
+from flexsp.runtime.transfer import host_tensor, to_device
 
 __all__ = ["AttentionContext", "RingContext", "ShardingError", "check_heads", "IGNORE_INDEX", "PAD_TOKEN", "Shard"]
 
@@ -77,9 +78,7 @@ class AttentionContext:
         bounds = [int(b) for b in bounds]
         if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 and bound at least one sequence, got {bounds}")
-        cu = torch.tensor(bounds, dtype=torch.int32)
-        if device is not None and torch.device(device).type != "cpu":
-            cu = cu.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else cu.to(device)
+        cu = host_tensor(bounds, torch.int32, device)   # pinned + non_blocking to CUDA: no host wait
         max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
         return cls(cu_seqlens=cu, max_seqlen=max_seqlen, group=group, backend=backend, bounds=tuple(bounds))
 

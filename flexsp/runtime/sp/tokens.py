@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flexsp.runtime.transfer import to_device
+
 IGNORE_INDEX = -100   # label of tokens that have no next token (sequence ends, padding)
 PAD_TOKEN = 0
 
@@ -25,6 +27,7 @@ class Shard:
     real_tokens: int
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "Shard":
-        """The shard on ``device`` (three copies per micro-batch, nothing per sequence)."""
-        move = lambda t: t.to(device, non_blocking=non_blocking)   # noqa: E731
+        """The shard on ``device`` (three copies per micro-batch, nothing per sequence; from pinned memory
+        with ``non_blocking``, ``flexsp.runtime.transfer``)."""
+        move = (lambda t: to_device(t, device)) if non_blocking else (lambda t: t.to(device))   # noqa: E731
         return Shard(move(self.input_ids), move(self.position_ids), move(self.labels), self.real_tokens)

@@ -28,6 +28,7 @@ import torch
 
 from flexsp.errors import PlanError
 from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard
+from flexsp.runtime.transfer import host_tensor, to_device
 
 
 def chunk_bounds(lengths: np.ndarray, ring: int) -> np.ndarray:
@@ -154,11 +155,12 @@ def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int) -> Z
     ids = torch.cat([s.reshape(-1).to(torch.long) for s in sequences])
     lens = np.asarray(layout.lengths, dtype=np.int64)
     ends = np.cumsum(lens)
-    positions = torch.from_numpy(np.arange(ends[-1]) - np.repeat(ends - lens, lens)).to(device)
+    # index arrays are host numpy: moved with to_device (pinned, non_blocking) where the tokens are on a GPU
+    positions = to_device(torch.from_numpy(np.arange(ends[-1]) - np.repeat(ends - lens, lens)), device)
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:-1] = ids[1:]
-    labels[torch.from_numpy(ends - 1).to(device)] = IGNORE_INDEX   # a sequence's last token predicts nothing
-    order = torch.from_numpy(layout.stream_order()).to(device)
+    labels[to_device(torch.from_numpy(ends - 1), device)] = IGNORE_INDEX   # a sequence's last token predicts nothing
+    order = to_device(torch.from_numpy(layout.stream_order()), device)
     pad = order < 0
     take = order.clamp(min=0)
     fill = lambda x, value: torch.where(pad, torch.full_like(x[take], value), x[take])  # noqa: E731
@@ -196,8 +198,8 @@ class RingTensors:
         bounds = [layout.cu_local(j) for j in range(r)] + [layout.cu_first(j) for j in range(r)] + \
                  [layout.cu_second(index)]
         rows = [layout.first_rows(j) for j in range(r)] + [layout.second_rows(index)]
-        cu_flat = torch.tensor([b for bs in bounds for b in bs], dtype=torch.int32, device=device)
-        row_flat = torch.tensor(np.concatenate(rows).astype(np.int64).tolist(), dtype=torch.int64, device=device)
+        cu_flat = host_tensor([b for bs in bounds for b in bs], torch.int32, device)   # pinned, non_blocking
+        row_flat = host_tensor(np.concatenate(rows).astype(np.int64).tolist(), torch.int64, device)
         cu_parts = cu_flat.split([len(b) for b in bounds])
         row_parts = row_flat.split([x.size for x in rows])
         longest = lambda sizes: int(sizes.max()) if sizes.size else 0  # noqa: E731

@@ -1,0 +1,162 @@
+"""``flexsp selftest``'s CUDA branch without a GPU (issue 35.3): what it builds, expects and reports.
+
+* Under ``FakeTensorMode`` with fake CUDA tensors: the default shape is a Llama-3-8B layer shape with two
+  layers, its vocabulary cut only where the (faked) device memory needs it; the model is built on the
+  device and prepared by ``shard_model`` for bf16 (the executor autocasts it); the kernel path for its
+  bf16 heads is ``varlen``. A CPU-only torch cannot run random in-place init (``uniform_``) on fake CUDA
+  tensors, so ``nn.Linear``'s default init is skipped there (``TinyLM`` re-initialises every weight anyway).
+* On the CPU, with ``torch.cuda``'s allocator statistics and sync-debug switch stubbed: the memory row
+  counts the same states on both sides (parameters and AdamW moments measured = the capacity model's
+  master + optimizer bytes), and a synchronising call inside the step is reported with its flexsp call site.
+"""
+import dataclasses
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from flexsp.cli import main  # noqa: E402
+from flexsp.plan.memory import state_bytes  # noqa: E402
+from flexsp.plan.specs import get_model  # noqa: E402
+from flexsp.profile import selftest as st  # noqa: E402
+from flexsp.profile import selftest_model as sm  # noqa: E402
+from flexsp.runtime.fsdp import runtime_sharding, step_autocast  # noqa: E402
+from flexsp.runtime.kernels import resolve_backend  # noqa: E402
+
+CUDA = torch.device("cuda", 0)
+GIB = 2**30
+LLAMA = dataclasses.replace(get_model("llama3-8b"), layers=2)
+
+
+def test_the_default_cuda_shape_is_a_two_layer_llama3_8b_with_its_full_vocabulary_on_an_80gb_gpu():
+    setup = st.plan_model(torch, CUDA, None, None, None, 80 * GIB)
+    spec = setup["spec"]
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab) == \
+        (2, 4096, 32, 8, 14336, 128256)
+    assert setup["half"] and setup["vocab_note"] == "" and sum(setup["lengths"]) == pytest.approx(sm.CUDA_TOKENS, abs=4)
+    # the capacity model's accounting at world 1: 18 bytes per parameter (fp32 master, grads, Adam, bf16 copy)
+    need = setup["budget"]
+    assert need.states.total == state_bytes(spec.params, 1, "full").total == 18 * spec.params
+    assert need.activations == 34 * 4096 * 2 * sum(setup["lengths"])
+
+
+def test_a_smaller_gpu_cuts_the_vocabulary_and_says_so():
+    setup = st.plan_model(torch, CUDA, None, None, None, 24 * GIB)
+    spec, note = setup["spec"], setup["vocab_note"]
+    assert spec.vocab < 128256 and spec.vocab % 128 == 0 and (spec.hidden, spec.layers) == (4096, 2)
+    assert f"vocabulary cut from 128256 to {spec.vocab}" in note
+    lengths = setup["lengths"]
+    assert sm.selftest_bytes(spec, sum(lengths), max(lengths), True) <= sm.DEVICE_SHARE * 24 * GIB
+    bigger = dataclasses.replace(spec, vocab=spec.vocab + 128)   # the largest that fits
+    assert sm.selftest_bytes(bigger, sum(lengths), max(lengths), True) > sm.DEVICE_SHARE * 24 * GIB
+    with pytest.raises(sm.SelftestError, match="pick a smaller --shape or --tokens"):
+        st.plan_model(torch, CUDA, None, None, None, 4 * GIB)
+
+
+def test_shapes_by_name_and_fields():
+    assert sm.resolve_spec("llama3-8b,layers=2") == dataclasses.replace(LLAMA, name=sm.resolve_spec(
+        "llama3-8b,layers=2").name)
+    spec = sm.resolve_spec("hidden=64,layers=1,heads=2,kv_heads=1,ffn=128,vocab=256")
+    assert (spec.hidden, spec.heads, spec.vocab) == (64, 2, 256)
+    for bad, match in (("layers=2,llama3-8b", "name may only come first"), ("llama3-8b,width=3", "unknown field"),
+                       ("llama3-8b,layers=x", "whole number"), ("hidden=64", "needs layers")):
+        with pytest.raises(sm.SelftestError, match=match):
+            sm.resolve_spec(bad)
+    with pytest.raises(sm.SelftestError, match="only layers=N applies"):
+        sm.parse_shape("llama3-8b", hf=True)
+
+
+@pytest.fixture
+def no_linear_init(monkeypatch):
+    for name in ("kaiming_uniform_", "uniform_"):
+        monkeypatch.setattr(torch.nn.init, name, lambda t, *a, **k: t)
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")   # torch's deepcopy of fakes
+def test_the_model_is_built_on_the_gpu_prepared_for_bf16_and_runs_the_varlen_path(no_linear_init):
+    setup = st.plan_model(torch, CUDA, None, None, None, 80 * GIB)
+    with FakeTensorMode(allow_non_fake_inputs=True), st.world_of_one():
+        built = sm.build(torch, setup["spec"], CUDA, half=True)
+        params = list(built.flex.parameters())
+        assert {(p.device, p.dtype) for p in params} == {(CUDA, torch.float32)}   # fp32 master weights
+        norms = (2 * setup["spec"].layers + 1) * setup["spec"].hidden            # ModelSpec.params leaves norms out
+        assert sum(p.numel() for p in params) == setup["spec"].params + norms
+        assert runtime_sharding(built.flex) == "full"
+        assert step_autocast(built.flex, torch.bfloat16, True) == torch.bfloat16  # the executor's compute dtype
+        q = torch.empty(8, setup["spec"].heads, setup["spec"].head_size, dtype=torch.bfloat16, device=CUDA)
+        kernel = resolve_backend("auto", q)
+    if kernel != "varlen":
+        pytest.skip(f"this torch has no varlen_attn we know (auto -> {kernel})")
+    bounds, rows = st.kernel_batch(setup["spec"], True)
+    assert rows > bounds[-1] and rows % 64 == 0   # the kernel check has padding rows, as pack leaves them
+
+
+class _FakeCuda:
+    """``torch.cuda`` for ``_memory_and_syncs`` on the CPU: allocator figures from the test, the sync switch
+    recorded so a patched call can raise as CUDA's sync debug mode does."""
+
+    def __init__(self, allocated, extra):
+        self.allocated, self.extra, self.mode = allocated, extra, 0
+
+    def memory_allocated(self, device):
+        return self.allocated
+
+    def max_memory_allocated(self, device):
+        return self.allocated + self.extra
+
+    def set_sync_debug_mode(self, mode):
+        self.mode = mode
+
+    def get_device_properties(self, device):
+        return types.SimpleNamespace(total_memory=80 * GIB)
+
+    def reset_peak_memory_stats(self, device): ...
+    def synchronize(self, device): ...
+    def empty_cache(self): ...
+
+
+def test_memory_counts_the_same_states_and_a_sync_is_reported_at_its_call_site(monkeypatch):
+    import flexsp.runtime.shard as shard
+    spec = sm.resolve_spec("hidden=64,layers=1,heads=2,kv_heads=1,ffn=128,vocab=256")
+    fake_cuda = _FakeCuda(allocated=3 * GIB, extra=GIB)
+    shim = types.SimpleNamespace(**{k: getattr(torch, k) for k in ("optim", "bfloat16", "float32")}, cuda=fake_cuda)
+    real = shard.host_tensor
+
+    def host_tensor(*args, **kwargs):   # what set_sync_debug_mode("error") does to a pageable copy on CUDA
+        if fake_cuda.mode == "error":
+            raise RuntimeError("called a synchronizing CUDA operation")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(shard, "host_tensor", host_tensor)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(1, spec.vocab, (n,), generator=g) for n in (20, 9, 5)]
+    from flexsp.plan.types import Group, MicroBatch, Plan
+    plan = Plan(num_gpus=1, predicted_time=0.0, micro_batches=(MicroBatch((Group((0,), (0, 1, 2)),)),))
+    with st.world_of_one():
+        built = sm.build(torch, spec, torch.device("cpu"), half=True)
+        memory, syncs = st._memory_and_syncs(shim, torch.device("cpu"), built, plan, batch, 34)
+    need = sm.budget(spec, 34, half=True)
+    # measured side: peak minus what is not the model's states; the states present at the window's start are
+    # the fp32 master and AdamW's two moments: exactly what the capacity model counts for them
+    numel = sum(p.numel() for p in built.flex.parameters())
+    assert memory["peak_bytes"] - fake_cuda.extra == (4 + 8) * numel
+    norms = 3 * spec.hidden   # ModelSpec.params leaves the norm weights out
+    assert (4 + 8) * numel == need.states.params + need.states.optimizer + 12 * norms
+    assert memory["predicted_bytes"] == need.total and memory["workspace_bytes"] == pytest.approx(8 * GIB)
+    assert syncs["status"] == st.FAIL and syncs["site"].startswith("flexsp/runtime/shard.py:")
+    assert " in pack " in syncs["site"] and "host_tensor" in syncs["site"]
+    assert fake_cuda.mode == 0   # disarmed after the step
+
+
+def test_another_shape_on_cpu_through_the_cli(tmp_path):
+    out = tmp_path / "r.json"
+    shape = "hidden=64,layers=1,heads=2,kv_heads=1,ffn=128,vocab=256"
+    assert main(["selftest", "--device", "cpu", "--shape", shape, "--tokens", "48", "--repeats", "1",
+                 "--output", str(out)]) == 0
+    import json
+    report = json.loads(out.read_text())
+    assert report["model"]["hidden"] == 64 and report["model"]["vocab"] == 256 and report["vocab_note"] == ""
+    kernels = report["checks"][0]
+    assert kernels["padding_max_abs"] == 0.0 and kernels["status"] == "pass"
