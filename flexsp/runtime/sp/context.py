@@ -19,7 +19,7 @@ from flexsp.runtime.sp.ring_comm import RingComm
 from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard
 from flexsp.runtime.sp.ulysses_comm import AllToAllExchange, Exchange
 from flexsp.runtime.sp.zigzag import RingTensors
-from flexsp.runtime.transfer import host_tensor, to_device
+from flexsp.runtime.transfer import host_tensor
 
 __all__ = ["AttentionContext", "RingContext", "ShardingError", "check_heads", "IGNORE_INDEX", "PAD_TOKEN", "Shard"]
 
