@@ -180,7 +180,10 @@ class FlexSPTrainer(Trainer):
                                         log_every=max(0, int(args.logging_steps or 0)))
         elif args.flexsp_refit:
             raise TrainerSetupError("flexsp_refit=True needs flexsp_run_dir: the refit learns from the recorded steps")
-        self._executor = StepExecutor(self.sp_model, _Deferred(), pool, cost=cost,
+        # the Trainer's mixed precision is the step's compute dtype: its autocast wraps compute_loss, which the
+        # FlexSP step does not call, so without this an fp32 model under bf16=True would compute in fp32
+        compute = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        self._executor = StepExecutor(self.sp_model, _Deferred(), pool, cost=cost, param_dtype=compute,
                                       probe=None if self._telemetry is None else self._telemetry.probe)
         return loader
 

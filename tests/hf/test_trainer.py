@@ -8,6 +8,7 @@ noise in near-zero gradients into relative noise of the update). The resumed run
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,12 @@ def test_a_trainer_world_other_than_the_launch_is_refused(tmp_path, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")   # as if launched on 2 ranks that the Trainer did not join
     with pytest.raises(TrainerSetupError, match="world of 1 .* WORLD_SIZE=2"):
         FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+
+
+def test_the_trainers_mixed_precision_is_the_steps_compute_dtype(tmp_path):
+    """bf16=True on an fp32 model: the FlexSP step autocasts to bf16 (the Trainer's own autocast wraps
+    compute_loss, which the step never calls, so the step used to compute in fp32: #35.4's silent fp32)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "hf" / "trainer_dtype.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "compute dtype: torch.bfloat16" in proc.stdout
