@@ -18,6 +18,9 @@ that stopped (SIGSTOP), wedged or died is replaced by a fresh one (its in-flight
 so one stall costs one deadline, not one per step; up to ``max_restarts`` times, then ``PlannerError``.
 The deadline counts from the later of the loop's request and the worker being up (a fresh worker
 gets one deadline to start). A closed pipe is a dead worker, never a raw ``EOFError``/``BrokenPipeError``.
+The loop's first batch does not wait for the first worker's start (an interpreter and its imports,
+about as long as many steps): if the worker is not up when the loop asks for it, the loop's process
+plans that one batch itself and the worker is told to skip it.
 """
 from __future__ import annotations
 
@@ -158,6 +161,7 @@ def _serve(tasks, results, solve: Solver) -> None:
     A reader thread drains the task pipe so the loop's sends never wait on a running solve.
     """
     inbox: queue.Queue = queue.Queue()
+    skip: set = set()   # batches the loop planned itself (``(key, None)``): not solved here
 
     def read() -> None:
         while True:
@@ -165,6 +169,9 @@ def _serve(tasks, results, solve: Solver) -> None:
                 item = tasks.recv()
             except (EOFError, OSError):
                 item = None
+            if item is not None and item[0] is not None and item[1] is None:
+                skip.add(item[0])
+                continue
             inbox.put(item)
             if item is None:
                 return
@@ -178,6 +185,9 @@ def _serve(tasks, results, solve: Solver) -> None:
         key, lengths = item
         if key is None:   # a new solver (``AsyncPlanner.set_solver``) for the batches after this point
             solve = lengths
+            continue
+        if key in skip:
+            skip.discard(key)
             continue
         plan, error, exc, seconds = _solve(solve, lengths)
         try:
@@ -230,6 +240,7 @@ class AsyncPlanner:
         self._abandoned: set[tuple[int, int]] = set()   # taken by the fallback while the worker solved them
         self._ended: PlannedBatch | None = None          # the batch iterator's error, after the in-flight ones
         self._exhausted = False
+        self._first = True   # the loop has not asked for a batch yet: it may plan that one itself (next())
         self._submit()
 
     # --- submitting ------------------------------------------------------------------------------
@@ -251,6 +262,14 @@ class AsyncPlanner:
             self._inflight.append(batch)
             self._started += 1
             self.stats.max_ahead = max(self.stats.max_ahead, self._started - self._taken)
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """Wait up to ``timeout`` seconds for the worker to be up (benchmarks and tests that need every
+        batch solved by the worker, the first one included); False if it was not."""
+        deadline = time.perf_counter() + timeout
+        while self._backend is not None and self._backend.ready_at is None and time.perf_counter() < deadline:
+            self._backend.receive(min(_POLL, max(0.0, deadline - time.perf_counter())))
+        return self._backend is None or self._backend.ready_at is not None
 
     def set_solver(self, solve: Solver, fallback: Solver | None = None) -> None:
         """Solve the batches submitted from now on with ``solve`` (and ``fallback``), e.g. with a refitted
@@ -280,6 +299,15 @@ class AsyncPlanner:
                 return self._account(self._ended, started)
             raise LoaderError(f"the planner {self.mode} has stopped (closed, or the batch iterator ended)")
         result = None
+        if self._first and self.mode == "process":
+            self._first = False
+            self._backend.receive(0.0)   # its "up" message, if it came
+            if self._backend.ready_at is None:   # still starting: plan the first batch here instead of waiting
+                first = self._inflight.popleft()
+                self._abandoned.add(first.key)
+                self._backend.submit(first.key, None)   # the worker skips it
+                result = self._local(first, self._solve)
+        self._first = False
         while result is None:
             reply = self._backend.receive(_POLL)
             if reply is not None:
@@ -400,10 +428,10 @@ class _ProcessBackend:
         except (BrokenPipeError, OSError):
             self._closed_pipe = True   # the worker died at once: dead() reports it
 
-    def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver) -> None:
-        """Send a batch's lengths, or (key None) a new solver."""
+    def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver | None) -> None:
+        """Send a batch's lengths, (key None) a new solver, or (lengths None) "skip this batch"."""
         try:
-            self._tasks.send((key, lengths if key is None else np.asarray(lengths, dtype=np.int64)))
+            self._tasks.send((key, lengths if key is None or lengths is None else np.asarray(lengths, dtype=np.int64)))
         except (BrokenPipeError, OSError):
             pass   # the worker is gone: dead() reports it
 

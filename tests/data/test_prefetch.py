@@ -42,9 +42,12 @@ def _train(prefetch: bool):
     config = LoaderConfig(batch_size=BATCH, seed=0, lookahead=2, prefetch=prefetch,
                           plan=PlanConfig(strategy="greedy"))
     # one GPU that holds every sequence: each batch is one degree-1 group, all of it read by rank 0
-    cluster = flexsp.Cluster(num_gpus=1, gpus_per_node=1)
+    cluster, cost = flexsp.Cluster(num_gpus=1, gpus_per_node=1), cost_model(token_capacity=4096)
+    # plans made ahead on a thread of this process (a lambda does not pickle), so a planner process
+    # starved of CPU on a loaded machine cannot delay the reads this test is about
+    planner = lambda lengths: flexsp.plan_batch(lengths, cost, cluster, strategy="greedy")   # noqa: E731
     steps, spans = [], []
-    with FlexSPLoader(data, cost_model(token_capacity=4096), cluster, config, lengths=[len(x) for x in data.items]) as loader:
+    with FlexSPLoader(data, cost, cluster, config, lengths=[len(x) for x in data.items], planner=planner) as loader:
         loader.start()
         for step in loader:
             began = time.perf_counter()
