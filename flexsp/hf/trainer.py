@@ -154,6 +154,7 @@ class FlexSPTrainer(Trainer):
             config=LoaderConfig(batch_size=args.per_device_train_batch_size * world, seed=seed,
                                 plan=PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit,
                                                 max_degree=heads & -heads)))
+        loader.start()   # the planner process starts while the Trainer sets up
         if args.flexsp_run_dir is not None:   # the same per-step records as the project's own loop
             from flexsp.plan.specs import spec_from_hf_config
             from flexsp.telemetry import Telemetry
