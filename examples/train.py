@@ -185,5 +185,5 @@ if telemetry is not None:
     telemetry.close()
     log(f"telemetry: {telemetry.records} step records in {args.run_dir}; `flexsp report {args.run_dir}` summarises them")
 log(f"loader: {loader.stats.steps} steps, next batch {state['index']} of epoch {state['epoch']}, "
-    f"{loader.stats.plan_wait_seconds:.2f}s waiting for plans in total")
+    f"{loader.stats.wait_seconds:.2f}s waiting for the loader in total (the next step is prepared while one trains)")
 dist.destroy_process_group()
