@@ -154,7 +154,6 @@ class FlexSPTrainer(Trainer):
             config=LoaderConfig(batch_size=args.per_device_train_batch_size * world, seed=seed,
                                 plan=PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit,
                                                 max_degree=heads & -heads)))
-        loader.start()   # the planner process starts while the Trainer sets up
         if args.flexsp_run_dir is not None:   # the same per-step records as the project's own loop
             from flexsp.plan.specs import spec_from_hf_config
             from flexsp.telemetry import Telemetry
@@ -172,6 +171,7 @@ class FlexSPTrainer(Trainer):
             return super().get_train_dataloader()
         if self.flexsp_loader is None:
             self.flexsp_loader = self._build_loader()
+        self.flexsp_loader.start()   # at its (resumed) position: the planner starts while the Trainer sets up
         return StepStream(self.flexsp_loader)
 
     # --- model and step ------------------------------------------------------------------------
