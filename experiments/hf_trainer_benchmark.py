@@ -9,7 +9,8 @@ then the plain Trainer under DDP on 4 ranks and FlexSP on 4 ranks (the plan's de
 this machine's CPUs with gloo (the load average is printed beside each figure): CPU numbers say how
 the integration behaves, not what a GPU cluster gains. The FlexSP runs record every step
 (``flexsp.telemetry``), and a second table splits their time into where it went: the loader's wait
-(the first step's, which holds the planner process's start, apart from the later steps'), the
+(the first step's apart from the later steps', which are split into waiting for plans, where the
+solver is slower than the step, and fetch + pack the prefetch did not hide), the
 executor's checks, forward + backward of the micro-batches (kernels, with the all-to-all inside),
 ranks idle while others ran, the step's tail (gradient exchange over the world) and the Trainer's
 own work outside the step (optimizer, scheduler, logging), against the plain run's time. The family
@@ -54,11 +55,12 @@ def run(label: str, ranks: int, flexsp: bool, workdir: Path, argv: list[str]) ->
             "parts": breakdown(read_records(records), out["seconds"]) if flexsp else None}
 
 
-PARTS = (("loader wait, first step (planner start + first plan)", "first_wait"),
-         ("loader wait, later steps (planning + fetch/pack not hidden)", "later_wait"),
+PARTS = (("loader wait, first step (its plan, made in the loop while the planner process starts)", "first_wait"),
+         ("loader wait, later steps: for plans (the solver slower than the step)", "later_plan"),
+         ("loader wait, later steps: fetch + pack not hidden", "later_load"),
          ("executor checks (plan and shapes agreed by every rank)", "check"),
          ("forward + backward of the micro-batches (kernels, all-to-all inside)", "compute"),
-         ("ranks idle while other groups ran (mean over ranks)", "idle"),
+         ("idle: ranks sitting out a micro-batch or waiting in collectives (on a busy CPU: for a core too)", "idle"),
          ("step tail (gradient exchange over the world)", "tail"),
          ("Trainer outside the step (setup, optimizer, scheduler, logging, callbacks)", "trainer"))
 
@@ -71,7 +73,8 @@ def breakdown(records: list[dict], runtime: float) -> dict[str, float]:
     idle = sum(r["idle_seconds"] for r in records)
     mbs = sum(mb["measured"] for r in records for mb in r["micro_batches"])
     loop = sum(r["loop_seconds"] for r in records)
-    return {"first_wait": wait[0], "later_wait": sum(wait[1:]), "check": sum(r["check_seconds"] for r in records),
+    return {"first_wait": wait[0], "later_plan": sum(r["plan_wait"] for r in records[1:]),
+            "later_load": sum(r["load_seconds"] for r in records[1:]), "check": sum(r["check_seconds"] for r in records),
             "compute": max(0.0, mbs - idle), "idle": idle, "tail": sum(r["tail_seconds"] for r in records),
             "trainer": runtime - loop, "loop_wait_fraction": sum(wait) / loop,
             "later_wait_fraction": sum(wait[1:]) / max(1e-12, sum(r["loop_seconds"] for r in records[1:]))}
