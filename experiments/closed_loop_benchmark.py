@@ -211,7 +211,7 @@ def overhead_table(name: str, ranks: list[dict], probe: list[dict], missed: list
           f"telemetry thread {thread:.3%}; step median on {median(on):.4f}s vs off {median(off):.4f}s "
           f"(paired {ab:+.2%}, interquartile {spread:.1%}){'' if ok_ab else ' MISSED'}")
     return [f"### {name}", "", "| figure | value | target |", "|---|---|---|",
-            f"| recorder hooks on the training thread, median share of the step | {direct:.3%} | <= 1%"
+            f"| recorder hooks: CPU time on the training thread, median share of the step | {direct:.3%} | <= 1%"
             f"{'' if ok_direct else ' **MISSED**'} |",
             f"| telemetry thread (gather, records): CPU time per step, share of the step | {thread:.3%} | |",
             f"| median step, recording off | {median(off):.4f} s | |",

@@ -4,8 +4,8 @@ On a GPU every point records a CUDA event on the current stream (no host sync); 
 read on the telemetry thread after the step. On a CPU the points are ``perf_counter`` reads at
 places where the step is already synchronous, plus the main thread's CPU time when torch runs one
 intra-op thread (then a collective's wait, a blocked thread, costs no CPU time and the difference
-is idle time). The recorder also times itself (``probe_seconds``: the time its hooks took on the training
-thread) so the overhead is a measured figure.
+is idle time). The recorder also times itself (``probe_seconds``: CPU time its hooks took on the training
+thread, so preemptions on a busy machine do not count) so the overhead is a measured figure.
 
 What the training thread pays is kept to reading clocks and recording events: CUDA events come from a
 pool the telemetry thread refills after reading them (no event created per mark), the peak memory is
@@ -107,7 +107,7 @@ class StepRecorder(StepProbe):
 
     # --- probe points (training thread) ---------------------------------------------------------
     def step_begin(self, plan: Plan, source: Any) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         if self.on_begin is not None:
             self.on_begin()
         self._plan = plan if self.enabled else None
@@ -119,53 +119,54 @@ class StepRecorder(StepProbe):
         self._busy = not self.cuda and torch.get_num_threads() == 1
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self._device)
-        self._probe += time.perf_counter() - now
+        self._probe += time.thread_time() - cpu
 
     def checked(self) -> None:
         if self._plan is None:
             return
-        now = self._checked = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
+        self._checked = now
         if self.cuda:
             self._checked_event = self._events.take()
-        self._probe += time.perf_counter() - now
+        self._probe += time.thread_time() - cpu
 
     def micro_batch_begin(self, index: int, group: Group | None, real_tokens: int) -> None:
         if self._plan is None:
             return
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         # the group's index in the micro-batch is looked up on the telemetry thread (PendingStep)
         self._mbs.append({"start": now - self._checked, "forward": None, "end": None, "group": None,
                           "group_of": group, "micro_batch": index, "tokens": real_tokens,
                           "busy": time.thread_time() if self._busy else None})
         if self.cuda:
             self._marks.append([self._events.take()])
-        self._probe += time.perf_counter() - now
+        self._probe += time.thread_time() - cpu
 
     def forward_end(self, index: int) -> None:
         if self._plan is None:
             return
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self._mbs[-1]["forward"] = now - self._checked
         if self.cuda:
             self._marks[-1].append(self._events.take())
-        self._probe += time.perf_counter() - now
+        self._probe += time.thread_time() - cpu
 
     def micro_batch_end(self, index: int) -> None:
         if self._plan is None:
             return
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         mb = self._mbs[-1]
         mb["end"] = now - self._checked
         if self._busy:
             mb["busy"] = time.thread_time() - mb["busy"]
         if self.cuda:
             self._marks[-1].append(self._events.take())
-        self._probe += time.perf_counter() - now
+        self._probe += time.thread_time() - cpu
 
     def step_end(self, result: Any) -> None:
         if self._plan is None:
             return
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         source, plan = self._source, self._plan
         self._plan = None
         loader_step = hasattr(source, "plan_wait")   # the loader's Step, or run_plan's list of tensors
@@ -187,7 +188,7 @@ class StepRecorder(StepProbe):
                 "load_seconds": float(getattr(source, "load_seconds", 0.0)), "idle_seconds": idle,
                 "peak_memory_bytes": memory, "probe_seconds": 0.0, "micro_batches": mbs}
         events = [self._checked_event, self._marks, self._events.take()] if self.cuda else None
-        rank["probe_seconds"] = self._probe + time.perf_counter() - now
+        rank["probe_seconds"] = self._probe + time.thread_time() - cpu
         self.sink(PendingStep(plan, lengths, meta, rank, events, self._events))
 
 
