@@ -33,16 +33,37 @@ from flexsp.telemetry import Telemetry
 
 # -----------------------------------------------------------------------------------------------
 # config
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--steps", type=int, default=10)
-parser.add_argument("--batch-size", type=int, default=24, help="sequences per global batch")
-parser.add_argument("--max-len", type=int, default=600, help="longest sequence, in tokens")
+def at_least(minimum):
+    """An argparse type: a whole number >= ``minimum`` (``--steps -1`` is refused in one line, not run as 0 steps)."""
+    def whole(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {value}")
+        return value
+    return whole
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad argument is one line (``train.py: error: ...``, exit 2), without the usage block first."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+parser = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--steps", type=at_least(1), default=10, help="optimizer steps to take (>= 1)")
+parser.add_argument("--batch-size", type=at_least(1), default=24, help="sequences per global batch")
+parser.add_argument("--max-len", type=at_least(1), default=600,
+                    help="longest sequence, in tokens (capped at what the largest SP group of this world holds)")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--strategy", default="flexsp", help="flexsp, batchada, static, greedy")
 parser.add_argument("--time-limit", type=float, default=2.0, help="planner seconds per step")
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--dataset-size", type=int, default=2000, help="sequences in the synthetic dataset")
-parser.add_argument("--lookahead", type=int, default=2, help="global batches planned ahead in the background")
+parser.add_argument("--dataset-size", type=at_least(1), default=2000, help="sequences in the synthetic dataset")
+parser.add_argument("--lookahead", type=at_least(0), default=2, help="global batches planned ahead in the background")
 parser.add_argument("--sharding", default="full", choices=("full", "grad_optim", "none"),
                     help="model-state sharding (the cost model's capacity assumes the same)")
 parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
@@ -50,7 +71,7 @@ parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
 parser.add_argument("--run-dir", type=Path, default=None,
                     help="record every step there (flexsp.telemetry: JSON lines, a log line every --log-every steps); "
                          "read it with `flexsp report DIR`")
-parser.add_argument("--log-every", type=int, default=5, help="telemetry log line every N steps (with --run-dir)")
+parser.add_argument("--log-every", type=at_least(0), default=5, help="telemetry log line every N steps (with --run-dir)")
 parser.add_argument("--refit", action="store_true", help="refit the cost model from measured group times (with --run-dir)")
 parser.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s for MFU (default: known GPUs)")
 args = parser.parse_args()
@@ -104,9 +125,9 @@ cost = flexsp.CostModel(
     token_capacity=token_capacity,
     meta={"sharding": plan_config.sharding},   # the capacity assumes the sharding the runtime runs
 )
-max_len = min(args.max_len, token_capacity * world)   # the longest sequence must fit the whole world
-
-
+# the longest sequence must fit the largest SP group this world runs: at 3 ranks that is a group of 2
+# (degrees are the pool's, powers of two by default), not all 3 ranks
+max_len = min(args.max_len, cost.group_capacity(max(pool.degrees)))
 
 
 class SyntheticTokens(torch.utils.data.Dataset):
@@ -165,5 +186,5 @@ if telemetry is not None:
     telemetry.close()
     log(f"telemetry: {telemetry.records} step records in {args.run_dir}; `flexsp report {args.run_dir}` summarises them")
 log(f"loader: {loader.stats.steps} steps, next batch {state['index']} of epoch {state['epoch']}, "
-    f"{loader.stats.plan_wait_seconds:.2f}s waiting for plans in total")
+    f"{loader.stats.wait_seconds:.2f}s waiting for the loader in total (the next step is prepared while one trains)")
 dist.destroy_process_group()

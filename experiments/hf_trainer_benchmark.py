@@ -7,8 +7,14 @@ Four runs of ``examples/hf_trainer.py`` (small Llama, fp32, the same global batc
 length mix): the plain Trainer in one process (padded batches) and FlexSP in one process (degree 1),
 then the plain Trainer under DDP on 4 ranks and FlexSP on 4 ranks (the plan's degrees). MEASURED on
 this machine's CPUs with gloo (the load average is printed beside each figure): CPU numbers say how
-the integration behaves, not what a GPU cluster gains. The family matrix's totals come from
-docs/hf_families.md (``experiments/hf_families.py``).
+the integration behaves, not what a GPU cluster gains. The FlexSP runs record every step
+(``flexsp.telemetry``), and a second table splits their time into where it went: the loader's wait
+(the first step's apart from the later steps', which are split into waiting for plans, where the
+solver is slower than the step, and fetch + pack the prefetch did not hide), the
+executor's checks, forward + backward of the micro-batches (kernels, with the all-to-all inside),
+ranks idle while others ran, the step's tail (gradient exchange over the world) and the Trainer's
+own work outside the step (optimizer, scheduler, logging), against the plain run's time. The family
+matrix's totals come from docs/hf_families.md (``experiments/hf_families.py``).
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ from pathlib import Path
 
 from launch import torchrun
 
+from flexsp.telemetry.records import read_records
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 RESULTS = ROOT / "experiments" / "results" / "hf_trainer_benchmark.md"
@@ -32,8 +40,10 @@ FAMILIES = ROOT / "docs" / "hf_families.md"
 def run(label: str, ranks: int, flexsp: bool, workdir: Path, argv: list[str]) -> dict:
     launcher, env = torchrun(ranks)
     history = workdir / f"{label}.json"
+    records = workdir / f"{label}-telemetry"
     cmd = [*launcher, str(EXAMPLE), *argv, "--dtype", "float32", "--save-steps", "1000000",
-           "--out", str(workdir / label), "--history", str(history), *([] if flexsp else ["--no-flexsp"])]
+           "--out", str(workdir / label), "--history", str(history),
+           *(["--run-dir", str(records)] if flexsp else ["--no-flexsp"])]
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, cwd=workdir)
     if proc.returncode != 0:
@@ -41,7 +51,33 @@ def run(label: str, ranks: int, flexsp: bool, workdir: Path, argv: list[str]) ->
     out = json.loads(history.read_text())
     losses = out["losses"]
     return {"label": label, "ranks": ranks, "flexsp": flexsp, "tokens": out["tokens"], "seconds": out["seconds"],
-            "tok_s": out["tokens"] / out["seconds"], "final_loss": losses[max(losses, key=int)], "load": load}
+            "tok_s": out["tokens"] / out["seconds"], "final_loss": losses[max(losses, key=int)], "load": load,
+            "parts": breakdown(read_records(records), out["seconds"]) if flexsp else None}
+
+
+PARTS = (("loader wait, first step (its plan, made in the loop while the planner process starts)", "first_wait"),
+         ("loader wait, later steps: for plans (the solver slower than the step)", "later_plan"),
+         ("loader wait, later steps: fetch + pack not hidden", "later_load"),
+         ("executor checks (plan and shapes agreed by every rank)", "check"),
+         ("forward + backward of the micro-batches (kernels, all-to-all inside)", "compute"),
+         ("idle: ranks sitting out a micro-batch or waiting in collectives (on a busy CPU: for a core too)", "idle"),
+         ("step tail (gradient exchange over the world)", "tail"),
+         ("Trainer outside the step (setup, optimizer, scheduler, logging, callbacks)", "trainer"))
+
+
+def breakdown(records: list[dict], runtime: float) -> dict[str, float]:
+    """Seconds of a FlexSP run by part, from its step records (slowest rank per step, as the records hold them).
+
+    The micro-batch time is their wall time less the idle part, so the parts add up to about the Trainer's runtime."""
+    wait = [r["plan_wait"] + r["load_seconds"] for r in records]
+    idle = sum(r["idle_seconds"] for r in records)
+    mbs = sum(mb["measured"] for r in records for mb in r["micro_batches"])
+    loop = sum(r["loop_seconds"] for r in records)
+    return {"first_wait": wait[0], "later_plan": sum(r["plan_wait"] for r in records[1:]),
+            "later_load": sum(r["load_seconds"] for r in records[1:]), "check": sum(r["check_seconds"] for r in records),
+            "compute": max(0.0, mbs - idle), "idle": idle, "tail": sum(r["tail_seconds"] for r in records),
+            "trainer": runtime - loop, "loop_wait_fraction": sum(wait) / loop,
+            "later_wait_fraction": sum(wait[1:]) / max(1e-12, sum(r["loop_seconds"] for r in records[1:]))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['label']} | {r['ranks']} | {r['tokens']} | {r['seconds']:.2f} | {r['tok_s']:.0f} | "
                      f"{r['final_loss']:.4f} | {r['load']:.1f} |")
+    plain = {r["ranks"]: r for r in rows if not r["flexsp"]}
+    flex = [r for r in rows if r["flexsp"]]
+    lines += ["", "Where the FlexSP runs' time goes (seconds, from their step records; the gap is FlexSP's "
+              "runtime less the plain run's on as many ranks):", "",
+              "| part | " + " | ".join(f"{r['label']}" for r in flex) + " |", "|---|" + "---|" * len(flex)]
+    for name, key in PARTS:
+        lines.append(f"| {name} | " + " | ".join(f"{r['parts'][key]:.3f}" for r in flex) + " |")
+    lines.append("| **FlexSP runtime** | " + " | ".join(f"{r['seconds']:.3f}" for r in flex) + " |")
+    lines.append("| plain runtime, same ranks | " + " | ".join(f"{plain[r['ranks']]['seconds']:.3f}" for r in flex) + " |")
+    lines.append("| gap (FlexSP - plain) | " + " | ".join(f"{r['seconds'] - plain[r['ranks']]['seconds']:+.3f}"
+                                                         for r in flex) + " |")
+    lines.append("| loop waiting for the loader: all steps / after the first (target <= 5%) | " + " | ".join(
+        f"{r['parts']['loop_wait_fraction']:.1%} / {r['parts']['later_wait_fraction']:.1%}"
+        f"{'' if r['parts']['later_wait_fraction'] <= 0.05 else ' MISSED'}" for r in flex) + " |")
     if FAMILIES.is_file():
         totals = next((line for line in FAMILIES.read_text().splitlines() if line.startswith("Totals:")), None)
         lines += ["", f"Family matrix (docs/hf_families.md, `experiments/hf_families.py`): {totals}"]

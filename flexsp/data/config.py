@@ -26,6 +26,9 @@ class LoaderConfig:
     ["planner_fallbacks"]`` (None: ``flexsp.data.planning.planner_deadline(plan.time_limit)``).
     ``failure_timeout``: seconds a rank waits for the others' plan or load outcome before it raises;
     a failure on one rank (a bad item, a failed plan) reaches every rank as the same ``LoaderError``.
+    ``prefetch``: prepare the next step (plan broadcast, fetch, pack, device copies) on a background
+    thread while the current one trains, so the loop waits only for what was not ready (False: every
+    step is prepared in the loop, between steps).
     """
 
     batch_size: int | None = None
@@ -37,6 +40,7 @@ class LoaderConfig:
     lookahead: int = 2
     fallback_after: float | None = None
     failure_timeout: float = 300.0
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -55,6 +59,8 @@ class LoaderConfig:
             raise LoaderError(f"plan must be a flexsp.PlanConfig, got {type(self.plan).__name__}")
         if not self.failure_timeout > 0:
             raise LoaderError(f"failure_timeout must be > 0 seconds, got {self.failure_timeout!r}")
+        if not isinstance(self.prefetch, bool):
+            raise LoaderError(f"prefetch must be True or False, got {self.prefetch!r}")
         if self.fallback_after is not None and self.fallback_after < 0:
             raise LoaderError(f"fallback_after must be >= 0 seconds or None, got {self.fallback_after}")
 

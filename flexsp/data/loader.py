@@ -7,6 +7,9 @@ runs the same plan and a solver failure raises the same ``LoaderError`` everywhe
 ranks waiting. Each rank then fetches only the items of its own groups, packs them and keeps its
 shard; a data error on any rank (a bad item, a stale length, a read that hangs past the timeout) is
 agreed on the side group (``flexsp.runtime.failures``) so every rank raises it, none waits.
+While the caller trains on one step, the next one is prepared on a background thread
+(``flexsp.data.prefetch``: broadcast, fetch, pack, device copies on a side CUDA stream), so the loop
+waits only for what was not ready yet (``config.prefetch``; the first step is prepared in the loop).
 Plans use only the pool's degrees (and Ulysses x ring splits). Without a process group (or with one rank)
 the loader plans for ``cluster.num_gpus`` ranks and loads the share of ``rank``, which is how one
 process can stand in for one rank of a large cluster.
@@ -28,6 +31,7 @@ from flexsp.data.collate import shard_group, to_tokens
 from flexsp.data.config import LoaderConfig
 from flexsp.data.errors import LoaderError
 from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, planner_deadline
+from flexsp.data.prefetch import Prefetch
 from flexsp.data.source import resolve_lengths
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.cost import CostModel
@@ -43,12 +47,21 @@ STATE_VERSION = 1
 
 @dataclass
 class LoaderStats:
-    steps: int = 0
+    """Totals over the steps handed to the loop. ``wait_seconds`` is what the loop itself lost: the time it
+    blocked for steps (= the steps' ``plan_wait + load_seconds``); the ``prepare_*`` figures are the
+    preparations' own times, hidden behind the previous step when prefetched."""
+
+    steps: int = 0                   # steps handed to the loop
     skipped_too_long: int = 0        # sequences per epoch left out by on_too_long="skip"
-    plan_wait_seconds: float = 0.0   # total time blocked waiting for plans
+    wait_seconds: float = 0.0        # the loop blocked for steps, in total
+    max_wait: float = 0.0
+    plan_wait_seconds: float = 0.0   # the part of wait_seconds spent waiting for plans
     max_plan_wait: float = 0.0
-    load_seconds: float = 0.0        # total fetch + pack time
-    solve_seconds: float = 0.0       # planner thread's solve time (planning rank only)
+    load_seconds: float = 0.0        # the part of wait_seconds spent fetching, packing and copying
+    prepare_plan_seconds: float = 0.0   # preparations waiting for plans (incl. broadcast), wherever they ran
+    prepare_load_seconds: float = 0.0   # preparations fetching, packing and copying, wherever they ran
+    prefetched: int = 0              # steps prepared on the background thread
+    solve_seconds: float = 0.0       # planner's solve time (planning rank only)
     fallbacks: int = 0
     max_ahead: int = 0               # most batches solved ahead of the loop (<= lookahead)
 
@@ -109,7 +122,11 @@ class FlexSPLoader:
         self._batches: EpochBatches | None = None
         self._planner: AsyncPlanner | None = None
         self._planner_next: tuple[int, int] | None = None
-        self._epoch = self._index = self._step = 0
+        self._epoch = self._index = self._step = 0   # the next step to prepare
+        self._position = (0, 0, 0)                    # the next step to hand out: (epoch, index, step)
+        self._ahead: Prefetch[Step] | None = None     # the next step, being prepared on the loader thread
+        self._stream = None                           # its CUDA side stream (made on first use)
+        self._new_solver = False                      # set_cost's solver, not yet sent to the planner
         self.stats = LoaderStats()
 
     # --- planning (rank 0) ----------------------------------------------------------------------
@@ -120,9 +137,9 @@ class FlexSPLoader:
                                                                sp_degree=plan.sp_degree if strategy == plan.strategy else None))
 
     def set_cost(self, cost: CostModel) -> None:
-        """Plan the batches submitted from now on with ``cost`` (e.g. ``flexsp.telemetry``'s refit); the up to
-        ``lookahead`` batches already with the planner keep theirs. Only the times may change: the token
-        capacity and sharding batching and the executor rely on must be the same."""
+        """Plan the batches submitted from now on with ``cost`` (e.g. ``flexsp.telemetry``'s refit); the step
+        being prepared ahead and the up to ``lookahead`` batches already with the planner keep theirs. Only the
+        times may change: the token capacity and sharding batching and the executor rely on must be the same."""
         if not isinstance(cost, CostModel):
             raise LoaderError(f"set_cost takes a flexsp.CostModel, got {type(cost).__name__}")
         if cost.token_capacity != self.cost.token_capacity or assumed_sharding(cost) != self.sharding:
@@ -132,9 +149,8 @@ class FlexSPLoader:
             raise LoaderError("this loader plans with a custom planner=; give that planner the new cost model")
         self.cost = cost
         self._solve = self._plan_with(self.config.plan.strategy)
-        self._fallback = self._plan_with("greedy") if self.config.fallback_after is not None else None
-        if self._planner is not None:
-            self._planner.set_solver(self._solve, self._fallback)
+        self._fallback = self._plan_with("greedy")
+        self._new_solver = True   # sent by the thread that talks to the planner, before its next batch
 
     @property
     def _degrees(self) -> tuple[int, ...] | None:
@@ -187,14 +203,18 @@ class FlexSPLoader:
 
         Local and non-blocking; errors (a too-long sequence) wait for the first step, where every rank sees them.
         """
-        if self.plans_here and self.config.lookahead > 0:
+        if self.plans_here and self.config.lookahead > 0 and self._ahead is None:
             try:
                 self._ensure_planner()
             except Exception:
                 pass   # raised again, on every rank, by the first step
 
     def _planned(self) -> PlannedBatch:
-        result = self._ensure_planner().next()
+        planner = self._ensure_planner()
+        if self._new_solver:
+            self._new_solver = False
+            planner.set_solver(self._solve, self._fallback)
+        result = planner.next()
         if result.batch is not None:
             b = result.batch
             self._planner_next = (b.epoch + 1, 0) if b.last else (b.epoch, b.index + 1)
@@ -232,12 +252,43 @@ class FlexSPLoader:
     def __iter__(self) -> Iterator[Step]:
         """One epoch from the current position (a resumed loader starts at its next unseen batch)."""
         while True:
-            step = self._next_step()
+            step = self._take()
             yield step
             if step.last:
                 return
 
-    def _next_step(self) -> Step:
+    def _take(self) -> Step:
+        """The next step for the loop, and the one after it set preparing on the loader thread.
+
+        The step's ``plan_wait + load_seconds`` is the time the loop blocked for it: a prefetched step
+        counts only what was not ready yet (the load, which comes last, first)."""
+        began = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:   # the first step, after a resume or an error, or prefetch off: prepared here
+            step = self._prepare()
+        else:
+            step = ahead.result()
+            waited = time.perf_counter() - began
+            load = min(waited, step.load_seconds)
+            self.stats.prefetched += 1
+            step = dataclasses.replace(step, plan_wait=waited - load, load_seconds=load)
+        epoch, index = (step.epoch + 1, 0) if step.last else (step.epoch, step.index + 1)
+        self._position = (epoch, index, step.step + 1)
+        s = self.stats
+        s.steps += 1
+        s.wait_seconds += step.plan_wait + step.load_seconds
+        s.max_wait = max(s.max_wait, step.plan_wait + step.load_seconds)
+        s.plan_wait_seconds += step.plan_wait
+        s.max_plan_wait = max(s.max_plan_wait, step.plan_wait)
+        s.load_seconds += step.load_seconds
+        if self.config.prefetch:
+            if self._stream is None and self.device is not None and self.device.type == "cuda":
+                self._stream = torch.cuda.Stream(self.device)
+            self._ahead = Prefetch(self._prepare, self._stream)
+        return step
+
+    def _prepare(self) -> Step:
+        """Prepare the step at the preparation cursor (plan, broadcast, fetch, pack, device copies) and advance it."""
         started = time.perf_counter()
         payload = self._payload() if self.plans_here else None
         if self._communicate:
@@ -282,11 +333,9 @@ class FlexSPLoader:
         self._epoch, self._index = (self._epoch + 1, 0) if step.last else (self._epoch, self._index + 1)
         self._step += 1
         s = self.stats
-        s.steps += 1
         s.skipped_too_long = payload["skipped"]
-        s.plan_wait_seconds += wait
-        s.max_plan_wait = max(s.max_plan_wait, wait)
-        s.load_seconds += load
+        s.prepare_plan_seconds += wait
+        s.prepare_load_seconds += load
         return step
 
     def _fetch(self, index: int) -> torch.Tensor:
@@ -295,12 +344,13 @@ class FlexSPLoader:
     def num_batches(self, epoch: int | None = None) -> int:
         """Global batches in ``epoch`` (default: the current one). Needs the lengths on this rank, so it
         is a method rather than ``__len__``, which ``list(loader)`` would call on every rank."""
-        return self.batches.count(self._epoch if epoch is None else epoch)
+        return self.batches.count(self._position[0] if epoch is None else epoch)
 
     # --- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: the next unseen batch. JSON-safe; identical on every rank."""
-        state = {"version": STATE_VERSION, "epoch": self._epoch, "index": self._index, "step": self._step,
+        epoch, index, step = self._position   # the next step the loop has not seen (one may be prepared already)
+        state = {"version": STATE_VERSION, "epoch": epoch, "index": index, "step": step,
                  "num_sequences": len(self.dataset), "batching": self.config.batching_key(),
                  "world_size": self.cluster.num_gpus}
         if self._digest is not None:   # rank 0's digest of the lengths, sent with every plan: same on every rank
@@ -352,17 +402,31 @@ class FlexSPLoader:
             if state["index"] > count:
                 raise LoaderError(f"loader state index {state['index']} is past epoch {state['epoch']}'s "
                                   f"{count} batches")
+        self._drop_prefetch()
         self._close_planner()
         self._epoch, self._index, self._step = int(state["epoch"]), int(state["index"]), int(state["step"])
+        self._position = (self._epoch, self._index, self._step)
 
     # --- lifetime -------------------------------------------------------------------------------
+    def _drop_prefetch(self) -> None:
+        """Let the step being prepared finish and discard it (every rank runs the same preparation, so its
+        collectives complete; at worst they end at ``failure_timeout``). Its batch is prepared again later."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        ahead.wait(self.config.failure_timeout + 10.0)
+        # prepare from the position handed out again (the planner restarts there: _ensure_planner)
+        self._epoch, self._index, self._step = self._position
+
     def _close_planner(self) -> None:
         if self._planner is not None:
             self._planner.close()
         self._planner, self._planner_next = None, None
 
     def close(self) -> None:
-        """Stop the background planner (a solve in progress finishes in its daemon thread)."""
+        """Stop the background planner (a solve in progress finishes in its daemon thread), after the
+        step being prepared ahead finishes (call on every rank: its broadcast needs them all)."""
+        self._drop_prefetch()
         self._close_planner()
         if self._control is not None:
             self._control.close()

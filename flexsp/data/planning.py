@@ -13,9 +13,14 @@ so memory and wasted work stay bounded after a stop. A solver exception comes ba
 never lost in the worker. If the loop has waited ``fallback_after`` seconds (the loader always sets a
 deadline: ``planner_deadline`` of the time limit unless told), the batch being solved is planned at
 once in the loop's process with ``fallback`` (the greedy strategy), with a warning, and the late
-result is discarded; a stopped (SIGSTOP) or wedged planner costs one deadline per step, never a hang.
-A planner process that dies is restarted (its in-flight batches resubmitted) up to ``max_restarts``
-times, then ``PlannerError``; a closed pipe is a dead worker, never a raw ``EOFError``/``BrokenPipeError``.
+result is discarded. A worker that missed its deadline is treated like a dead one: a planner process
+that stopped (SIGSTOP), wedged or died is replaced by a fresh one (its in-flight batches resubmitted),
+so one stall costs one deadline, not one per step; up to ``max_restarts`` times, then ``PlannerError``.
+The deadline counts from the later of the loop's request and the worker being up (a fresh worker
+gets one deadline to start). A closed pipe is a dead worker, never a raw ``EOFError``/``BrokenPipeError``.
+The loop's first batch does not wait for the first worker's start (an interpreter and its imports,
+about as long as many steps): if the worker is not up when the loop asks for it, the loop's process
+plans that one batch itself and the worker is told to skip it.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ Solver = Callable[[np.ndarray], Plan]
 MODES = ("auto", "process", "thread")
 _POLL = 0.05   # seconds between checks for a stop request or a dead worker
 MAX_RESTARTS = 3
+READY = (None, None, None, None, 0.0)   # the worker's first message: it is up and reading tasks
 
 
 def planner_deadline(time_limit: float) -> float:
@@ -76,7 +82,7 @@ class PlannerStats:
     last_wait: float = 0.0
     fallbacks: int = 0
     max_ahead: int = 0              # most solves ever started beyond the batch the loop last took
-    restarts: int = 0               # planner processes started again after one died
+    restarts: int = 0               # planner workers replaced after one died or missed its deadline
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,10 @@ class PlanBatch:
     def __call__(self, lengths: np.ndarray) -> Plan:
         from flexsp.plan.planner import plan_batch  # the solver is only imported where plans are made
         return plan_batch(lengths, self.cost, self.cluster, config=self.config)
+
+    def warm(self) -> None:
+        """Import the solver now (the planner process does, before it says it is up)."""
+        import flexsp.plan.planner  # noqa: F401
 
 
 # --- compact plans ----------------------------------------------------------------------------------
@@ -155,6 +165,7 @@ def _serve(tasks, results, solve: Solver) -> None:
     A reader thread drains the task pipe so the loop's sends never wait on a running solve.
     """
     inbox: queue.Queue = queue.Queue()
+    skip: set = set()   # batches the loop planned itself (``(key, None)``): not solved here
 
     def read() -> None:
         while True:
@@ -162,15 +173,28 @@ def _serve(tasks, results, solve: Solver) -> None:
                 item = tasks.recv()
             except (EOFError, OSError):
                 item = None
+            if item is not None and item[0] is not None and item[1] is None:
+                skip.add(item[0])
+                continue
             inbox.put(item)
             if item is None:
                 return
 
     threading.Thread(target=read, name="flexsp-planner-inbox", daemon=True).start()
+    warm = getattr(solve, "warm", None)
+    if callable(warm):
+        warm()   # imports done before "up": a deadline then measures solves, not imports
+    try:
+        results.send(READY)   # up: the loop's deadlines count from here, not from the interpreter's start
+    except (BrokenPipeError, OSError):
+        return
     while (item := inbox.get()) is not None:
         key, lengths = item
         if key is None:   # a new solver (``AsyncPlanner.set_solver``) for the batches after this point
             solve = lengths
+            continue
+        if key in skip:
+            skip.discard(key)
             continue
         plan, error, exc, seconds = _solve(solve, lengths)
         try:
@@ -223,6 +247,7 @@ class AsyncPlanner:
         self._abandoned: set[tuple[int, int]] = set()   # taken by the fallback while the worker solved them
         self._ended: PlannedBatch | None = None          # the batch iterator's error, after the in-flight ones
         self._exhausted = False
+        self._first = True   # the loop has not asked for a batch yet: it may plan that one itself (next())
         self._submit()
 
     # --- submitting ------------------------------------------------------------------------------
@@ -244,6 +269,14 @@ class AsyncPlanner:
             self._inflight.append(batch)
             self._started += 1
             self.stats.max_ahead = max(self.stats.max_ahead, self._started - self._taken)
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """Wait up to ``timeout`` seconds for the worker to be up (benchmarks and tests that need every
+        batch solved by the worker, the first one included); False if it was not."""
+        deadline = time.perf_counter() + timeout
+        while self._backend is not None and self._backend.ready_at is None and time.perf_counter() < deadline:
+            self._backend.receive(min(_POLL, max(0.0, deadline - time.perf_counter())))
+        return self._backend is None or self._backend.ready_at is not None
 
     def set_solver(self, solve: Solver, fallback: Solver | None = None) -> None:
         """Solve the batches submitted from now on with ``solve`` (and ``fallback``), e.g. with a refitted
@@ -273,6 +306,15 @@ class AsyncPlanner:
                 return self._account(self._ended, started)
             raise LoaderError(f"the planner {self.mode} has stopped (closed, or the batch iterator ended)")
         result = None
+        if self._first and self.mode == "process":
+            self._first = False
+            self._backend.receive(0.0)   # its "up" message, if it came
+            if self._backend.ready_at is None:   # still starting: plan the first batch here instead of waiting
+                first = self._inflight.popleft()
+                self._abandoned.add(first.key)
+                self._backend.submit(first.key, None)   # the worker skips it
+                result = self._local(first, self._solve)
+        self._first = False
         while result is None:
             reply = self._backend.receive(_POLL)
             if reply is not None:
@@ -293,31 +335,39 @@ class AsyncPlanner:
             if problem:
                 self._restart(problem)
                 continue
-            waited = time.perf_counter() - started
-            if self._fallback is not None and self._fallback_after is not None and waited >= self._fallback_after:
+            # the deadline counts from the later of this request and the worker being up (a fresh worker
+            # gets one deadline to come up, then one per batch)
+            since = max(started, self._backend.ready_at or self._backend.started_at)
+            if (self._fallback is not None and self._fallback_after is not None
+                    and time.perf_counter() - since >= self._fallback_after):
                 late = self._inflight.popleft()
-                self._abandoned.add(late.key)
+                what = (f"the planner {self.mode} did not answer within {self._fallback_after:g} s for global batch "
+                        f"{late.index} of epoch {late.epoch}")
+                self._restart(what, warn=False)   # stopped or wedged: replaced like a dead one (or PlannerError)
                 result = self._local(late, self._fallback, fallback=True)
                 self.stats.fallbacks += 1
-                warnings.warn(f"the planner {self.mode} did not answer within {self._fallback_after:g} s for "
-                              f"global batch {late.index} of epoch {late.epoch}: planned it with the fallback "
-                              f"(greedy) instead ({self.stats.fallbacks} so far)", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"{what}: planned it with the fallback (greedy) instead ({self.stats.fallbacks} so far) "
+                              f"and replaced the {self.mode} ({self.stats.restarts} of at most {self.max_restarts} "
+                              f"restarts)", RuntimeWarning, stacklevel=3)
         self._taken += 1
         self._submit()
         return self._account(result, started)
 
-    def _restart(self, problem: str) -> None:
-        """A dead worker: start another and resubmit what it had not answered, at most ``max_restarts``
-        times in this planner's life; the fallback's abandoned keys will never come back from it."""
-        if self.mode != "process" or self.stats.restarts >= self.max_restarts:
+    def _restart(self, problem: str, warn: bool = True) -> None:
+        """A dead, stopped or wedged worker: end it, start another and resubmit what it had not answered,
+        at most ``max_restarts`` times in this planner's life (then ``PlannerError``). A process is killed;
+        a thread cannot be, so it is abandoned to finish its solve alone (a daemon, its answers unread)."""
+        if self.stats.restarts >= self.max_restarts:
+            self._backend.close(0.0)
             raise PlannerError(f"the planner {self.mode} stopped unexpectedly ({problem}) after "
                                f"{self.stats.restarts} restart(s); see its stderr above for why")
         self.stats.restarts += 1
-        warnings.warn(f"{problem}; restarting it ({self.stats.restarts} of at most {self.max_restarts})",
-                      RuntimeWarning, stacklevel=4)
+        if warn:
+            warnings.warn(f"{problem}; restarting it ({self.stats.restarts} of at most {self.max_restarts})",
+                          RuntimeWarning, stacklevel=4)
         self._backend.close(0.0)
-        self._abandoned.clear()
-        self._backend = _ProcessBackend(self._solve)
+        self._abandoned.clear()   # a fresh worker never answers the old one's batches
+        self._backend = _ProcessBackend(self._solve) if self.mode == "process" else _ThreadBackend(self._solve)
         for batch in self._inflight:
             self._backend.submit(batch.key, self._lengths[list(batch.indices)])
 
@@ -375,6 +425,7 @@ class _ProcessBackend:
             raise
         os.close(task_read)
         os.close(result_write)
+        self.started_at, self.ready_at = time.perf_counter(), None   # ready: its first message arrived
         self._tasks = Connection(task_write, readable=False)
         self._results = Connection(result_read, writable=False)
         self._closed_pipe = False
@@ -384,10 +435,10 @@ class _ProcessBackend:
         except (BrokenPipeError, OSError):
             self._closed_pipe = True   # the worker died at once: dead() reports it
 
-    def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver) -> None:
-        """Send a batch's lengths, or (key None) a new solver."""
+    def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver | None) -> None:
+        """Send a batch's lengths, (key None) a new solver, or (lengths None) "skip this batch"."""
         try:
-            self._tasks.send((key, lengths if key is None else np.asarray(lengths, dtype=np.int64)))
+            self._tasks.send((key, lengths if key is None or lengths is None else np.asarray(lengths, dtype=np.int64)))
         except (BrokenPipeError, OSError):
             pass   # the worker is gone: dead() reports it
 
@@ -396,10 +447,14 @@ class _ProcessBackend:
             time.sleep(min(timeout, _POLL))
             return None
         try:
-            return self._results.recv() if self._results.poll(timeout) else None
+            reply = self._results.recv() if self._results.poll(timeout) else None
         except (EOFError, OSError, pickle.UnpicklingError):
             self._closed_pipe = True   # the worker is gone (or its last message was cut off)
             return None
+        if reply is not None and reply[0] is None:   # READY
+            self.ready_at = time.perf_counter()
+            return None
+        return reply
 
     def dead(self) -> str | None:
         code = self._process.poll()
@@ -435,6 +490,7 @@ class _ThreadBackend:
         self._results: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, args=(solve,), name="flexsp-planner", daemon=True)
         self._thread.start()
+        self.started_at = self.ready_at = time.perf_counter()
 
     def _work(self, solve: Solver) -> None:
         while (item := self._tasks.get()) is not None:

@@ -192,6 +192,7 @@ class FlexSPTrainer(Trainer):
             return super().get_train_dataloader()
         if self.flexsp_loader is None:
             self.flexsp_loader = self._build_loader()
+        self.flexsp_loader.start()   # at its (resumed) position: the planner starts while the Trainer sets up
         return StepStream(self.flexsp_loader)
 
     # --- model and step ------------------------------------------------------------------------

@@ -56,8 +56,8 @@ class Step:
     loss_tokens: int                            # tokens with a next-token label: divide summed losses by it
     micro_batches: tuple[MicroBatchShard, ...]  # only those this rank takes part in, in plan order
     last: bool                                  # the epoch's final batch
-    plan_wait: float                            # seconds this step waited for its plan (incl. broadcast)
-    load_seconds: float                         # seconds spent fetching and packing this rank's items
+    plan_wait: float                            # seconds the loop blocked for its plan (incl. broadcast)
+    load_seconds: float                         # ... and for fetching and packing (prefetched: what was not ready)
     fallback: bool                              # planned by the greedy fallback after a slow solve
     sharding: str = "full"                      # model-state sharding the cost model's capacity assumed
 

@@ -5,8 +5,9 @@ rank 0 combines the ranks' records with the plan into a *step record* (``build_r
 line of ``RECORDS`` in the run directory. Definitions, so that a reader knows what each figure is:
 
 * ``seconds``: the step on the slowest rank, from the executor's entry (checks included) to the end
-  of its optimizer step. ``plan_wait`` / ``load_seconds``: the loader's wait for the plan and its
-  fetch + pack time before the step (slowest rank). ``loop_seconds = seconds + plan_wait + load_seconds``.
+  of its optimizer step. ``plan_wait`` / ``load_seconds``: the time the loop blocked for the step's plan
+  and for its fetch + pack (slowest rank); with the loader's prefetch only what was not ready when the
+  loop asked (``flexsp.data.FlexSPLoader``). ``loop_seconds = seconds + plan_wait + load_seconds``.
 * Micro-batch ``wall``: per rank, start to end of its forward + backward. Group ``measured``: the
   group's own compute where a rank's busy time is measurable (the main thread's CPU time on a CPU run
   with one intra-op thread: blocked collectives cost no CPU), else the shortest member's wall time
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from statistics import fmean, median   # not numpy's: a record has many tiny lists, and numpy's call costs ~50 us each
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -80,7 +82,7 @@ def model_flops(spec: ModelSpec, lengths: Iterable[int]) -> float:
 
 def group_measured(walls: Sequence[float], busy: Sequence[float | None]) -> float:
     """A group's measured seconds from its members' (module docstring): busy if known on all, else the least wall."""
-    return float(np.median(busy)) if busy and all(b is not None for b in busy) else float(min(walls))
+    return float(median(busy)) if busy and all(b is not None for b in busy) else float(min(walls))
 
 
 def build_record(plan: Plan, lengths: Sequence[int], ranks: Sequence[Mapping[str, Any]], cost: CostModel, *,
@@ -99,7 +101,7 @@ def build_record(plan: Plan, lengths: Sequence[int], ranks: Sequence[Mapping[str
             groups.append({"ranks": list(g.ranks), "degree": g.degree, "ring": g.ring, "lengths": glen,
                            "tokens": int(sum(glen)), "planned": cost.group_time(glen, g.degree),
                            "measured": group_measured(walls, busy), "wall": max(walls),
-                           "busy": None if any(b is None for b in busy) else float(np.median(busy))})
+                           "busy": None if any(b is None for b in busy) else float(median(busy))})
         walls = [r["micro_batches"][m]["end"] - r["micro_batches"][m]["start"] for r in ranks]
         mbs.append({"planned": max(g["planned"] for g in groups), "measured": max(walls), "groups": groups})
     seconds = max(r["seconds"] for r in ranks)
@@ -119,7 +121,7 @@ def build_record(plan: Plan, lengths: Sequence[int], ranks: Sequence[Mapping[str
         "sequences": len(lengths), "tokens": tokens, "seconds": seconds,
         "check_seconds": max(r["check_seconds"] for r in ranks), "tail_seconds": max(r["tail_seconds"] for r in ranks),
         "plan_wait": wait, "load_seconds": load, "loop_seconds": loop, "loader_fraction": (wait + load) / loop,
-        "idle_seconds": float(np.mean(idle)), "idle_fraction": float(np.mean(idle)) / seconds,
+        "idle_seconds": float(fmean(idle)), "idle_fraction": float(fmean(idle)) / seconds,
         "tokens_per_s": tokens / loop, "model_flops": flops,
         "mfu": None if flops is None or peak is None else flops / (loop * world * peak), "peak_flops": peak,
         "planned_seconds": planned, "plan_predicted": plan.predicted_time,

@@ -161,6 +161,7 @@ def test_process_plans_equal_synchronous_plans_in_order():
 def test_process_solves_elsewhere_reports_errors_and_falls_back():
     planner = AsyncPlanner(_batches(), LENGTHS, SlowSolver(0.0, fail_on=3), lookahead=2)
     try:
+        assert planner.wait_ready()   # else the loop plans the first batch itself (see the next test)
         first = planner.next()
         assert first.plan.meta["pid"] != os.getpid()   # solved in the planner process
         assert planner.next().plan is not None
@@ -171,6 +172,7 @@ def test_process_solves_elsewhere_reports_errors_and_falls_back():
         planner.close()
     slow = AsyncPlanner(_batches(), LENGTHS, SlowSolver(5.0), lookahead=1, fallback=_greedy, fallback_after=0.2)
     try:
+        assert slow.wait_ready()
         result = slow.next()
         assert result.fallback and result.plan is not None and result.batch.key == (0, 0)
         started = time.perf_counter()
@@ -182,9 +184,24 @@ def test_process_solves_elsewhere_reports_errors_and_falls_back():
 def test_a_dead_planner_process_is_an_error_not_a_hang():
     planner = AsyncPlanner(_batches(), LENGTHS, SlowSolver(exit_on=2), lookahead=1, max_restarts=0)
     try:
+        assert planner.wait_ready()   # the worker, not this process, must make the calls that end it
         assert planner.next().plan is not None
         with pytest.raises(LoaderError, match=r"planner process stopped unexpectedly \(.*exited with code 3"):
             planner.next()
+    finally:
+        planner.close()
+
+
+def test_the_first_batch_does_not_wait_for_the_worker_to_start():
+    """The loop plans the first batch itself while the worker starts (an interpreter and its imports); the
+    worker skips that batch and plans the rest."""
+    planner = AsyncPlanner(_batches(), LENGTHS, SlowSolver(0.0), lookahead=2, mode="process")
+    try:
+        results = [planner.next() for _ in range(4)]
+        assert results[0].plan.meta["pid"] == os.getpid()   # planned here: the worker was not up yet
+        assert all(r.plan.meta["pid"] not in (None, os.getpid()) for r in results[1:])
+        assert [r.batch.key for r in results] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+        assert planner.stats.fallbacks == 0 and planner.stats.restarts == 0
     finally:
         planner.close()
 

@@ -1,5 +1,6 @@
-"""A planner process that stalls or dies (issue 31, point 2): a stopped worker (SIGSTOP) costs one
-deadline and a fallback plan with a warning, never a hang; a killed worker is restarted and its
+"""A planner process that stalls or dies (issue 31, point 2; issue 38, point 5): a stopped worker (SIGSTOP)
+costs one deadline and a fallback plan with a warning, never a hang, and is replaced, so the batches after
+it come at the normal pace; a killed worker is restarted and its
 batches come back identical to a synchronous solve; past ``max_restarts`` a named ``PlannerError``,
 never a raw ``EOFError``/``BrokenPipeError``."""
 import os
@@ -27,6 +28,14 @@ def _worker(planner: AsyncPlanner) -> int:
     return planner._backend._process.pid
 
 
+def _resume(pid: int) -> None:
+    """SIGCONT a stopped worker, if the planner has not already killed it (it replaces one that misses its deadline)."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
 def _same(a: flexsp.Plan, b: flexsp.Plan) -> bool:
     return [[(g.ranks, g.seq_ids) for g in mb.groups] for mb in a.micro_batches] == \
            [[(g.ranks, g.seq_ids) for g in mb.groups] for mb in b.micro_batches]
@@ -35,18 +44,20 @@ def _same(a: flexsp.Plan, b: flexsp.Plan) -> bool:
 def test_a_stopped_planner_costs_one_deadline_and_gives_the_fallback_plan():
     planner = AsyncPlanner(_batches(), LENGTHS, GREEDY, lookahead=2, fallback=GREEDY, fallback_after=0.5,
                            mode="process")
+    assert planner.wait_ready()   # stopped once up (a worker still starting would not be waited for)
     pid = _worker(planner)
     os.kill(pid, signal.SIGSTOP)
     try:
         started = time.perf_counter()
         with pytest.warns(RuntimeWarning, match="did not answer within 0.5 s.*fallback"):
-            first = planner.next()
+            results = [planner.next() for _ in range(3)]   # the worker may have answered the first two already
         assert time.perf_counter() - started < 10
-        assert first.fallback and first.batch.key == (0, 0)
-        assert _same(first.plan, GREEDY(LENGTHS[list(first.batch.indices)]))
-        assert planner.stats.fallbacks == 1
+        late = [r for r in results if r.fallback]
+        assert len(late) == 1 and [r.batch.key for r in results] == [(0, 0), (0, 1), (0, 2)]
+        assert _same(late[0].plan, GREEDY(LENGTHS[list(late[0].batch.indices)]))
+        assert planner.stats.fallbacks == 1 and planner.stats.restarts == 1 and _worker(planner) != pid
     finally:
-        os.kill(pid, signal.SIGCONT)
+        _resume(pid)
         planner.close()
 
 
@@ -70,6 +81,7 @@ def test_a_planner_that_keeps_dying_is_a_named_error():
     planner = AsyncPlanner(_batches(), LENGTHS, SlowSolver(exit_on=1), lookahead=1, max_restarts=2,
                            mode="process")
     try:
+        assert planner.wait_ready()   # the worker, not this process, must make the call that ends it
         with pytest.warns(RuntimeWarning, match="restarting"):
             with pytest.raises(PlannerError, match=r"stopped unexpectedly \(.*exited with code 3\) after 2 restart"):
                 planner.next()
@@ -82,11 +94,56 @@ def test_the_loader_falls_back_on_a_stopped_planner_and_counts_it_in_the_plan():
     config = LoaderConfig(batch_size=8, lookahead=2, fallback_after=0.5, plan=PlanConfig(strategy="greedy"))
     with FlexSPLoader(data, cost_model(), cluster(), config) as loader:
         loader.start()
+        assert loader._planner.wait_ready()
         pid = _worker(loader._planner)
         os.kill(pid, signal.SIGSTOP)
         try:
             with pytest.warns(RuntimeWarning, match="fallback"):
-                step = next(iter(loader))
-            assert step.fallback and step.plan.meta["planner_fallbacks"] == 1
+                steps = iter(loader)
+                while not (step := next(steps)).fallback:   # the worker may have answered a batch or two already
+                    assert step.index < 3
+            assert step.plan.meta["planner_fallbacks"] == 1
         finally:
-            os.kill(pid, signal.SIGCONT)
+            _resume(pid)
+
+
+def test_a_planner_stopped_after_the_first_batch_costs_one_deadline_then_the_normal_pace():
+    """Issue 38 point 5: a worker that missed its deadline is replaced, so only one batch waits for it."""
+    deadline = 2.0   # one fresh worker's start (about 0.6 s here) fits well inside it
+    planner = AsyncPlanner(_batches(), LENGTHS, GREEDY, lookahead=2, fallback=GREEDY, fallback_after=deadline,
+                           mode="process")
+    stopped = None
+    try:
+        assert planner.wait_ready()
+        first = planner.next()
+        assert not first.fallback
+        stopped = _worker(planner)
+        os.kill(stopped, signal.SIGSTOP)
+        waits = []
+        with pytest.warns(RuntimeWarning, match=r"did not answer within 2 s.*fallback.*replaced the process \(1 of"):
+            for _ in range(6):
+                started = time.perf_counter()
+                result = planner.next()
+                waits.append(time.perf_counter() - started)
+                assert _same(result.plan, GREEDY(LENGTHS[list(result.batch.indices)]))
+        assert planner.stats.fallbacks == 1 and planner.stats.restarts == 1   # before: a fallback per later batch
+        assert _worker(planner) != stopped
+        assert sum(waits) < 3 * deadline + 10, waits   # one deadline, one restart; before: 6 deadlines or so
+    finally:
+        if stopped is not None:
+            _resume(stopped)
+        planner.close()
+
+
+def test_a_planner_that_keeps_missing_its_deadline_is_a_named_error():
+    planner = AsyncPlanner(_batches(), LENGTHS, SlowSolver(60.0), lookahead=1, fallback=GREEDY, fallback_after=0.3,
+                           max_restarts=1, mode="process")
+    try:
+        assert planner.wait_ready()
+        with pytest.warns(RuntimeWarning, match="replaced the process"):
+            assert planner.next().fallback
+            with pytest.raises(PlannerError, match=r"did not answer within 0.3 s .* after 1 restart"):
+                planner.next()
+        assert planner.stats.restarts == 1
+    finally:
+        planner.close()

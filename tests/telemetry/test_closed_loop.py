@@ -37,9 +37,11 @@ def test_set_cost_reaches_the_planner_process():
         later = [next(steps) for _ in range(4)]
         with pytest.raises(LoaderError, match="token capacity"):
             loader.set_cost(dataclasses.replace(b, token_capacity=a.token_capacity * 2))
-    for step in first + later[:1]:    # planned before the swap (the one in flight included)
+    # planned before the swap: the step prepared ahead (prefetch); the one the planner held (lookahead 1) keeps
+    # the old model too unless the swap reached the planner before the loader thread asked for it
+    for step in first + later[:1]:
         assert step.plan.predicted_time == pytest.approx(_predicted(step.plan, step.lengths, a))
-    for step in later[1:]:
+    for step in later[2:]:
         assert step.plan.predicted_time == pytest.approx(_predicted(step.plan, step.lengths, b))
         assert step.plan.predicted_time != pytest.approx(_predicted(step.plan, step.lengths, a))
 
@@ -81,7 +83,7 @@ def test_short_run_refits_and_hands_the_model_to_the_loader(tmp_path):
     assert out[0]["error"] is None and out[1]["error"] is None
     records = read_records(tmp_path)
     assert len(records) == 8 and [r["step"] for r in records] == list(range(8))
-    assert all(r["plan_wait"] >= 0 and r["load_seconds"] > 0 for r in records)
+    assert all(r["plan_wait"] >= 0 and r["load_seconds"] >= 0 for r in records)   # the loop's wait: ~0 when prefetched
     refits = [json.loads(line) for line in (tmp_path / "refits.jsonl").read_text().splitlines()]
     # a record is predicted by the model of the refits after earlier steps; the loader got each at the next step
     assert [r["cost_version"] for r in records] == [sum(f["step"] < r["step"] for f in refits) for r in records]
