@@ -35,6 +35,7 @@ from flexsp.plan.specs import ModelSpec
 from flexsp.telemetry.records import group_errors, read_records
 from flexsp.telemetry.refit import RefitConfig, Refitter
 from launch import run_ranks  # noqa: E402
+from outputs import resolve_out  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 4
@@ -230,10 +231,8 @@ def main() -> None:
                         help="Markdown output (default: experiments/results/closed_loop_benchmark.md; with --quick a "
                              "temporary folder, $FLEXSP_QUICK_OUT if set)")
     args = parser.parse_args()
-    if args.out is None:   # a quick run never overwrites the tracked results of a full one
-        base = Path(os.environ.get("FLEXSP_QUICK_OUT") or tempfile.mkdtemp(prefix="flexsp-quick-")) if args.quick \
-            else RESULTS
-        args.out = base / "closed_loop_benchmark.md"
+    # a quick run never overwrites the tracked results of a full one: it writes to the quick folder, named at exit
+    args.out = resolve_out(args.out, args.quick, RESULTS / "closed_loop_benchmark.md")
     if args.quick:
         cfg = dict(vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tie_embeddings=True)
         settings = dict(capacity=96, batch=12, steps=5, pairs=3)

@@ -114,7 +114,30 @@ def calibration() -> str:
             + "\n".join(rows) + "\n\n" + tail + "\n")
 
 
+def gpu_step() -> str:
+    """The executed step on a GPU against its targets (``experiments/gpu_step_benchmark.py``'s results file, written
+    only by a CUDA run), or the plain statement that no GPU has run it."""
+    import json
+
+    path = ROOT / "experiments" / "results" / "gpu_step.json"
+    what = ("The executed step on a GPU (`python experiments/gpu_step_benchmark.py`: the executor against the plain "
+            "per-sequence loop and the HF adapter against native per-sequence Hugging Face, at a Llama-3-8B layer "
+            "shape with 2 layers, bf16)")
+    if not path.is_file():
+        return (what + " has not run since the CUDA fixes and the kernel rule: no GPU was at hand. The first GPU run "
+                "(before them) found the step slower than the plain loop; the targets it must meet are in the "
+                "script.\n")
+    result = json.loads(path.read_text())
+    lines = [f"{what}, **measured** on {result['device']} (torch {result['torch']}, {result['date'][:10]}; LM-head "
+             f"loss: {result['lm_head_loss']}):", ""]
+    lines += [f"- {v['what']}: {v['value']:.3g} (target {v['target']}) {'met' if v['met'] else '**MISSED**'}"
+              for v in result["verdicts"]]
+    return "\n".join(lines) + "\n"
+
+
 def render(name: str) -> str:
+    if name == "gpu_step":
+        return gpu_step()
     if name == "simulate":
         return default_simulation()
     if name == "calibration":
