@@ -117,6 +117,12 @@ def _pyplot():
     return plt
 
 
+def _per_step(ax) -> None:
+    """Steps are whole numbers: no 2.5 on a per-step axis."""
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def times_figure(records: Sequence[dict[str, Any]]):
     """Planned vs measured time per step (returned open; the figures below too)."""
     fig, ax = _pyplot().subplots(figsize=(8, 4))
@@ -126,6 +132,7 @@ def times_figure(records: Sequence[dict[str, Any]]):
             label="measured (micro-batches)")
     ax.plot(steps, [r["seconds"] for r in records], "--", label="measured step (checks + optimizer included)")
     ax.set(xlabel="step", ylabel="seconds", title="planned vs measured time per step")
+    _per_step(ax)
     ax.legend()
     return fig
 
@@ -166,6 +173,7 @@ def fractions_figure(records: Sequence[dict[str, Any]]):
     ax.set(xlabel="step", ylabel="fraction", ylim=(0, 1),
            title="idle, loader wait and MFU per step" if mfu else
            "idle and loader wait per step (no MFU: no peak FLOP/s for this device)")
+    _per_step(ax)
     ax.legend()
     return fig
 
@@ -180,6 +188,7 @@ def error_figure(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, A
         ax.axvline(f["step"] + 0.5, color="grey", alpha=0.4)
     ax.set(xlabel="step", ylabel="relative error",
            title="cost-model error per step" + (" (grey: refits)" if refits else ""))
+    _per_step(ax)
     ax.legend()
     return fig
 
