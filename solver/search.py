@@ -42,6 +42,7 @@ from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
 from .materialize import as_groups, flat_ids, to_groups, to_members
 from .milp import solve_milp
+from .one_gpu import one_gpu_plan
 from .tighten import tighten_members
 from .types import DegreeCosts, GroupAssignment, Infeasible, Schedule, group_loads
 
@@ -645,6 +646,9 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     bounded in work; the ``deadline`` only cuts it short (safety net), returning the best plan so far.
     ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``.
     """
+    proven = one_gpu_plan(lengths, costs, num_gpus)
+    if proven is not None:
+        return proven                        # one GPU, fewest micro-batches: nothing can beat it
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
     first = search.first_split()
