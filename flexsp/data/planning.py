@@ -18,9 +18,9 @@ that stopped (SIGSTOP), wedged or died is replaced by a fresh one (its in-flight
 so one stall costs one deadline, not one per step; up to ``max_restarts`` times, then ``PlannerError``.
 The deadline counts from the later of the loop's request and the worker being up (a fresh worker
 gets one deadline to start). A closed pipe is a dead worker, never a raw ``EOFError``/``BrokenPipeError``.
-The loop's first batch does not wait for the first worker's start (an interpreter and its imports,
-about as long as many steps): if the worker is not up when the loop asks for it, the loop's process
-plans that one batch itself and the worker is told to skip it.
+No batch waits for the first worker's start (an interpreter and its imports, about as long as many
+small steps): until it is up, the loop's process plans each batch it asks for itself and the worker is
+told to skip it.
 """
 from __future__ import annotations
 
@@ -247,7 +247,6 @@ class AsyncPlanner:
         self._abandoned: set[tuple[int, int]] = set()   # taken by the fallback while the worker solved them
         self._ended: PlannedBatch | None = None          # the batch iterator's error, after the in-flight ones
         self._exhausted = False
-        self._first = True   # the loop has not asked for a batch yet: it may plan that one itself (next())
         self._submit()
 
     # --- submitting ------------------------------------------------------------------------------
@@ -306,15 +305,15 @@ class AsyncPlanner:
                 return self._account(self._ended, started)
             raise LoaderError(f"the planner {self.mode} has stopped (closed, or the batch iterator ended)")
         result = None
-        if self._first and self.mode == "process":
-            self._first = False
-            self._backend.receive(0.0)   # its "up" message, if it came
-            if self._backend.ready_at is None:   # still starting: plan the first batch here instead of waiting
-                first = self._inflight.popleft()
-                self._abandoned.add(first.key)
-                self._backend.submit(first.key, None)   # the worker skips it
-                result = self._local(first, self._solve)
-        self._first = False
+        if self.mode == "process" and self._backend.ready_at is None and self.stats.restarts == 0:
+            self._backend.receive(0.0)   # its "up" message, if it came (sent before any plan)
+            if self._backend.ready_at is None and self._backend.dead() is None:
+                # the first worker is still starting (an interpreter and its imports: as long as many small
+                # steps): plan this batch here instead of waiting (a replacement gets its deadline instead)
+                due = self._inflight.popleft()
+                self._abandoned.add(due.key)
+                self._backend.submit(due.key, None)   # the worker skips it
+                result = self._local(due, self._solve)
         while result is None:
             reply = self._backend.receive(_POLL)
             if reply is not None:

@@ -193,13 +193,15 @@ def test_a_dead_planner_process_is_an_error_not_a_hang():
 
 
 def test_the_first_batch_does_not_wait_for_the_worker_to_start():
-    """The loop plans the first batch itself while the worker starts (an interpreter and its imports); the
-    worker skips that batch and plans the rest."""
+    """The loop plans the batches due while the worker starts (an interpreter and its imports) itself; the
+    worker skips them and plans the rest once it is up."""
     planner = AsyncPlanner(_batches(), LENGTHS, SlowSolver(0.0), lookahead=2, mode="process")
     try:
-        results = [planner.next() for _ in range(4)]
+        results = [planner.next() for _ in range(2)]
         assert results[0].plan.meta["pid"] == os.getpid()   # planned here: the worker was not up yet
-        assert all(r.plan.meta["pid"] not in (None, os.getpid()) for r in results[1:])
+        assert planner.wait_ready()
+        results += [planner.next() for _ in range(2)]
+        assert all(r.plan.meta["pid"] not in (None, os.getpid()) for r in results[2:])
         assert [r.batch.key for r in results] == [(0, 0), (0, 1), (0, 2), (0, 3)]
         assert planner.stats.fallbacks == 0 and planner.stats.restarts == 0
     finally:
