@@ -13,7 +13,7 @@ soon as its backward is done (overlapping the rest of backward). The sharding ch
 Nothing is wrapped where sharding buys nothing: at world size 1 (whatever the sharding: one rank's
 shard is everything) or with ``"none"``. The model stays a plain module - no per-layer hooks,
 all-gathers or copies (at world 1 FSDP2 costs ~12x the Python calls per layer of the plain module).
-The executor then sums its gradients over ranks with one all-reduce per parameter at the end of the
+The executor then sums its gradients over ranks with one all-reduce per 25 MiB bucket at the end of the
 step (``step.py``), the same sum FSDP2 reduces, in the parameters' dtype (fp32; ``reduce_dtype`` is
 FSDP2's setting). Mixed precision for such a model is ``torch.autocast``, what a single-GPU user
 writes: ``shard_model`` records ``param_dtype`` (``autocast_dtype(model)``) and ``StepExecutor`` runs

@@ -8,7 +8,7 @@
    ``model.shard_loss`` (Ulysses all-to-alls inside its group); a rank idle in a micro-batch runs a
    one-token dummy with loss weight 0, so it joins every FSDP all-gather and reduce-scatter in the
    same order as the others. Gradients are reduce-scattered per layer during backward (FSDP2) and
-   accumulate over micro-batches; a model that was not prepared is all-reduced per parameter at the end.
+   accumulate over micro-batches; a model that was not prepared is all-reduced at the end, in buckets of at most 25 MiB.
 4. **One optimizer step.** A failure after step collectives began is recorded for every rank
    (``failures.FailureChannel``) and raised everywhere as the same ``RankFailure``.
 
@@ -337,14 +337,37 @@ def _lengths(batch: Sequence[torch.Tensor]) -> list[int]:
     return lengths
 
 
+BUCKET_BYTES = 25 * 2**20   # gradients summed per all-reduce: a few collectives per step, a bounded flat copy
+
+
 def _allreduce_grads(model: nn.Module) -> None:
-    """Sum gradients of an unsharded model over the world, parameter by parameter (no flat copy), all in flight at once."""
-    handles = []
+    """Sum gradients of an unsharded model over the world in buckets of at most ``BUCKET_BYTES`` (one
+    collective per bucket, as DDP does, instead of one per parameter: on gloo the per-call latency
+    dominated the step tail), all buckets in flight at once; a parameter larger than a bucket goes alone,
+    without a copy."""
+    grads: list[torch.Tensor] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue
         if p.grad is None:   # unused this step on this rank: still joins, with zeros
             p.grad = torch.zeros_like(p)
-        handles.append(dist.all_reduce(p.grad, async_op=True))
-    for h in handles:
-        h.wait()
+        grads.append(p.grad)
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if (not buckets or size + nbytes > BUCKET_BYTES or buckets[-1][0].dtype != g.dtype
+                or buckets[-1][0].device != g.device):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    pending = []
+    for bucket in buckets:
+        flat = bucket[0] if len(bucket) == 1 else torch.cat([g.reshape(-1) for g in bucket])
+        pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
+    for bucket, flat, handle in pending:
+        handle.wait()
+        if len(bucket) > 1:
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(part.view_as(g))
