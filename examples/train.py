@@ -26,6 +26,7 @@ except ModuleNotFoundError:   # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import flexsp
 from flexsp import PlanConfig
+from flexsp.cli import OneLineParser, whole_number
 from flexsp.data import FlexSPLoader, LoaderConfig
 from flexsp.plan.specs import ModelSpec
 from flexsp.runtime import GroupPool, StepExecutor, TinyLM, TrainConfig, init_distributed, shard_model
@@ -33,37 +34,17 @@ from flexsp.telemetry import Telemetry
 
 # -----------------------------------------------------------------------------------------------
 # config
-def at_least(minimum):
-    """An argparse type: a whole number >= ``minimum`` (``--steps -1`` is refused in one line, not run as 0 steps)."""
-    def whole(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {value}")
-        return value
-    return whole
-
-
-class OneLineErrors(argparse.ArgumentParser):
-    """A bad argument is one line (``train.py: error: ...``, exit 2), without the usage block first."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-parser = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--steps", type=at_least(1), default=10, help="optimizer steps to take (>= 1)")
-parser.add_argument("--batch-size", type=at_least(1), default=24, help="sequences per global batch")
-parser.add_argument("--max-len", type=at_least(1), default=600,
+parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--steps", type=whole_number(1), default=10, help="optimizer steps to take (>= 1)")
+parser.add_argument("--batch-size", type=whole_number(1), default=24, help="sequences per global batch")
+parser.add_argument("--max-len", type=whole_number(1), default=600,
                     help="longest sequence, in tokens (capped at what the largest SP group of this world holds)")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--strategy", default="flexsp", help="flexsp, batchada, static, greedy")
 parser.add_argument("--time-limit", type=float, default=2.0, help="planner seconds per step")
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--dataset-size", type=at_least(1), default=2000, help="sequences in the synthetic dataset")
-parser.add_argument("--lookahead", type=at_least(0), default=2, help="global batches planned ahead in the background")
+parser.add_argument("--dataset-size", type=whole_number(1), default=2000, help="sequences in the synthetic dataset")
+parser.add_argument("--lookahead", type=whole_number(0), default=2, help="global batches planned ahead in the background")
 parser.add_argument("--sharding", default="full", choices=("full", "grad_optim", "none"),
                     help="model-state sharding (the cost model's capacity assumes the same)")
 parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
@@ -71,7 +52,7 @@ parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
 parser.add_argument("--run-dir", type=Path, default=None,
                     help="record every step there (flexsp.telemetry: JSON lines, a log line every --log-every steps); "
                          "read it with `flexsp report DIR`")
-parser.add_argument("--log-every", type=at_least(0), default=5, help="telemetry log line every N steps (with --run-dir)")
+parser.add_argument("--log-every", type=whole_number(0), default=5, help="telemetry log line every N steps (with --run-dir)")
 parser.add_argument("--refit", action="store_true", help="refit the cost model from measured group times (with --run-dir)")
 parser.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s for MFU (default: known GPUs)")
 args = parser.parse_args()

@@ -25,8 +25,8 @@ from flexsp.profile import selftest as selftest_cli
 from flexsp.telemetry import report as report_cli
 
 
-def _count(minimum: int):
-    """argparse type: an integer >= ``minimum``."""
+def whole_number(minimum: int):
+    """argparse type: an integer >= ``minimum`` (``--steps -1`` is one error line, never 0 steps run)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -80,8 +80,8 @@ def _cost_args(parser: argparse.ArgumentParser) -> None:
                        help="analytic cost model, e.g. llama-7b:h100-80gb (models: llama-7b, llama-13b, llama3-8b, "
                             "llama3-70b; GPUs: a100-40gb, a100-80gb, h100-80gb); degrees above the head count are "
                             "Ulysses x ring hybrids")
-    parser.add_argument("--gpus", type=_count(1), default=64, help="number of GPUs (default 64)")
-    parser.add_argument("--gpus-per-node", type=_count(1), default=8)
+    parser.add_argument("--gpus", type=whole_number(1), default=64, help="number of GPUs (default 64)")
+    parser.add_argument("--gpus-per-node", type=whole_number(1), default=8)
     parser.add_argument("--context", type=parse_tokens, default=384 * 1024, help="context limit (default 384K)")
     parser.add_argument("--degrees", type=_degree_set, default=PlanConfig.degrees, metavar="any|D,D,...",
                         help="SP degrees groups may have: any (every size with a tile, inside a node or whole "
@@ -114,7 +114,7 @@ def _cost(args) -> CostModel:
                             gpus_per_node=args.gpus_per_node)
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, with a bad argument reported as the one ``flexsp <command>: error: ...`` line (status 2)
     that every other input error gets, not the usage block first (``--help`` still shows it). Subcommand
     parsers are built with the parent's class, so they all do this."""
@@ -124,7 +124,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="flexsp", description="Plan heterogeneous sequence parallelism.")
+    parser = OneLineParser(prog="flexsp", description="Plan heterogeneous sequence parallelism.")
     parser.add_argument("--max-input", action="append", default=[], metavar="NAME=VALUE",
                         help="raise a cap on what an input may make FlexSP allocate: " + ", ".join(
                             f"{name} ({text}, default {default}, or ${var})"
@@ -135,19 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--dataset", default="wikipedia",
                      help="wikipedia (bundled), github or commoncrawl (approximations), or a lengths file")
     _cost_args(sim)
-    sim.add_argument("--batch-size", type=_count(1), default=512, help="sequences per global batch (default 512)")
-    sim.add_argument("--steps", type=_count(1), default=10, help="simulated steps (default 10)")
+    sim.add_argument("--batch-size", type=whole_number(1), default=512, help="sequences per global batch (default 512)")
+    sim.add_argument("--steps", type=whole_number(1), default=10, help="simulated steps (default 10)")
     sim.add_argument("--strategies", default=None,
                      help="comma list, e.g. flexsp,batchada,static:64,flexsp[1,8,64] (a [...] suffix restricts "
                           "the SP degrees; default: all strategies, static at N and N/2). Strategies: "
                           + _strategy_help())
-    sim.add_argument("--seed", type=_count(0), default=0)
+    sim.add_argument("--seed", type=whole_number(0), default=0)
     sim.add_argument("--json", type=Path, help="write the full results as JSON")
     sim.add_argument("--plot", type=Path, help="write step times per strategy as PNG")
     sim.add_argument("--gantt", type=Path, help="write the first step's FlexSP plan as a Gantt chart PNG")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.add_argument("--no-progress", dest="quiet", action="store_true", help=argparse.SUPPRESS)   # the scripts' old spelling
-    sim.add_argument("--workers", type=_count(1), default=1,
+    sim.add_argument("--workers", type=whole_number(1), default=1,
                      help="plan this many steps at once in separate processes (same results; default 1)")
     replay_cli.add_simulate_options(sim)
 
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", default="flexsp",
                       help="as in simulate --strategies: NAME, static:D (pins the degree) or NAME[1,8,64] (restricts "
                            "the degrees); names: " + _strategy_help())
-    plan.add_argument("--sp-degree", type=_count(1), help="the SP degree, for a strategy that takes one (static)")
+    plan.add_argument("--sp-degree", type=whole_number(1), help="the SP degree, for a strategy that takes one (static)")
     plan.add_argument("--over-context", choices=OVER_CONTEXT, default="error",
                       help="a sequence longer than --context: refuse the batch (error, the default) or cut it to "
                            "--context tokens (truncate)")

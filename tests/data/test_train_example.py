@@ -30,6 +30,6 @@ def test_runs_at_three_ranks():
 def test_bad_steps_is_one_line_and_exit_2(value):
     proc = _run(1, "--steps", value, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"train.py: error: argument --steps: must be a whole number >= 1, "
-                                                f"got {value if value != 'two' else repr(value)}"]
+    why = "expected an integer, got 'two'" if value == "two" else f"must be >= 1, got {value}"
+    assert proc.stderr.strip().splitlines() == [f"train.py: error: argument --steps: {why} (usage: train.py --help)"]
     assert proc.stdout == ""
