@@ -5,32 +5,14 @@ import numpy as np
 import pytest
 
 import flexsp
-from validator import check_plan
 from solver.one_gpu import one_gpu_plan
 from solver.search import SearchOptions, search_plan
 from solver.types import DegreeCosts
+from validator import brute_force_optimum, check_plan
 
 COSTS = DegreeCosts(degrees=(1,), quad=(1e-8,), lin=(1e-4,), capacity=(1000.0,), beta1=0.3)
-
-
-def partitions(items):
-    """Every split of ``items`` into non-empty blocks."""
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for split in partitions(rest):
-        yield [[first]] + split
-        for i in range(len(split)):
-            yield split[:i] + [[first] + split[i]] + split[i + 1:]
-
-
-def brute_force(lengths: np.ndarray) -> float:
-    best = np.inf
-    for split in partitions(list(range(len(lengths)))):
-        if all(lengths[b].sum() <= COSTS.capacity[0] for b in split):
-            best = min(best, sum(COSTS.group_time(lengths[b], 0) for b in split))
-    return best
+COST = flexsp.CostModel(alpha1=1e-8, alpha2=1e-4, beta1=0.3, comm_bytes_per_token=0.0, alltoall_bandwidth={},
+                        token_capacity=1000)   # the same model, for the planner and the validator's brute force
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -42,7 +24,7 @@ def test_a_proven_plan_is_the_brute_force_optimum(seed):
         return
     assert sorted(np.concatenate([g.seq_ids for mb in plan.micro_batches for g in mb]).tolist()) == list(range(len(lengths)))
     assert all(lengths[g.seq_ids].sum() <= COSTS.capacity[0] for mb in plan.micro_batches for g in mb)
-    assert plan.time(lengths, COSTS) == pytest.approx(brute_force(lengths), rel=1e-12)
+    assert plan.time(lengths, COSTS) == pytest.approx(brute_force_optimum(lengths, COST, 1), rel=1e-12)
 
 
 def test_not_used_beyond_one_gpu_or_when_first_fit_proves_nothing():
@@ -63,8 +45,6 @@ def test_the_planners_one_gpu_plans_are_no_worse_than_the_full_search(seed, monk
     monkeypatch.setattr(search, "one_gpu_plan", lambda *a: None)
     full = search_plan(lengths, COSTS, 1, SearchOptions())
     assert fast.time(lengths, COSTS) <= full.time(lengths, COSTS) * (1 + 1e-12)
-    cost = flexsp.CostModel(alpha1=1e-8, alpha2=1e-4, beta1=0.3, comm_bytes_per_token=0.0, alltoall_bandwidth={},
-                            token_capacity=1000)
     monkeypatch.undo()
-    plan = flexsp.plan_batch(lengths, cost, flexsp.Cluster(num_gpus=1, gpus_per_node=1))
-    assert check_plan(plan.to_dict(), lengths, cost, 1, 1) <= full.time(lengths, COSTS) * (1 + 1e-9)
+    plan = flexsp.plan_batch(lengths, COST, flexsp.Cluster(num_gpus=1, gpus_per_node=1))
+    assert check_plan(plan.to_dict(), lengths, COST, 1, 1) <= full.time(lengths, COSTS) * (1 + 1e-9)
