@@ -77,7 +77,7 @@ def known_bounds(cu: Bounds, given: Sequence[int] | None) -> tuple[int, ...] | N
     """Host bounds when they are free to read (``given``, a tuple, a CPU tensor), else None: what the
     kernel rule reads for the length mix, never at the price of a sync."""
     if given is not None:
-        return tuple(int(b) for b in given)
+        return given if isinstance(given, tuple) else tuple(int(b) for b in given)   # the context's: as it is
     if isinstance(cu, torch.Tensor):
         return tuple(int(b) for b in cu.tolist()) if cu.device.type == "cpu" else None
     return tuple(int(b) for b in cu)

@@ -87,10 +87,13 @@ class LengthMix:
     tokens: int
     longest: int
 
-    @classmethod
-    def of(cls, bounds: Sequence[int]) -> "LengthMix":
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(bounds: tuple[int, ...]) -> "LengthMix":
+        """Summarised once per micro-batch: every layer (forward, backward recompute) asks with the same
+        bounds, which at thousands of sequences would otherwise cost a Python pass per layer."""
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        return cls(len(lengths), sum(lengths), max(lengths, default=0))
+        return LengthMix(len(lengths), sum(lengths), max(lengths, default=0))
 
     @property
     def few_long(self) -> bool:
