@@ -130,20 +130,6 @@ class HFPass(HFContender):
         self.model.zero_grad(set_to_none=True)
 
 
-def matmul_params(spec: ModelSpec) -> int:
-    """N of the 6N rule: every layer's matmul weights and the LM head (the embedding lookup is no matmul)."""
-    q, kv = spec.heads * spec.head_size, spec.kv_heads * spec.head_size
-    layer = spec.hidden * (q + 2 * kv) + q * spec.hidden + 3 * spec.hidden * spec.ffn
-    return spec.layers * layer + spec.vocab * spec.hidden
-
-
-def step_flops(spec: ModelSpec, lengths: tuple[int, ...]) -> float:
-    """Forward + backward FLOPs: 6 N per token, and causal attention's two matmuls (QK^T, PV: 2 FLOPs per
-    multiply-add, half the square, three passes) per layer: 6 s^2 heads head_size."""
-    attention = 6 * sum(s * s for s in lengths) * spec.heads * spec.head_size * spec.layers
-    return 6 * matmul_params(spec) * sum(lengths) + attention
-
-
 def batch_of(lengths: tuple[int, ...], vocab: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=gen).to(device) for n in lengths]
@@ -333,7 +319,7 @@ def main() -> None:
             left = max(1.0, args.budget_s - (time.monotonic() - start))
             deadline = time.monotonic() + left / (len(wanted) - i)
             batch = batch_of(lengths, spec.vocab, device)
-            group: dict = {"lengths": list(lengths), "flops": step_flops(spec, lengths)}
+            group: dict = {"lengths": list(lengths), "flops": spec.training_flops(lengths)}
             try:
                 if key == "tiny":
                     group.update(tiny_group(spec, batch, args, deadline, meter))

@@ -13,7 +13,7 @@ constants (``paper``) that ``flexsp.plan.presets`` turns into a ``CostModel``. E
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from flexsp.errors import CostModelError
 
@@ -88,6 +88,18 @@ class ModelSpec:
     def linear_params(self) -> float:
         """Weights each token multiplies (embedding lookup excluded, LM head included)."""
         return self.params - (0 if self.tie_embeddings else self.hidden * self.vocab)
+
+    def training_flops(self, lengths: Iterable[int]) -> float:
+        """Forward + backward FLOPs of a step over sequences of ``lengths`` tokens: ``6 x linear_params`` per
+        token, and per sequence of ``s`` tokens causal attention's ``6 x layers x (heads x head_size) x s^2``
+        (QK^T and PV, 2 FLOPs a multiply-add, half the square, three passes). The one count behind MFU
+        (``flexsp.telemetry``), the selftest's TFLOP/s and the profile's sweep estimate."""
+        tokens = squares = 0
+        for n in lengths:
+            n = int(n)
+            tokens += n
+            squares += n * n
+        return 6.0 * self.linear_params * tokens + 6.0 * self.layers * self.heads * self.head_size * squares
 
     def shape(self) -> dict[str, Any]:
         """The six shape fields and the name: what a cost model records as ``meta["model"]``."""

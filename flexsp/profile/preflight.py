@@ -8,10 +8,9 @@ how long the sweep will take. Torch-free.
 * ``FIT_ERROR_LIMIT``: the compute fit's mean error above which the profile is refused (``--force`` writes it).
 * ``sweep_flops`` / ``sweep_seconds``: before anything runs, the sweep's FLOPs over a matmul's FLOP/s
   (a lower bound: the model reaches a fraction of a bare matmul); after one timed run of its shortest
-  length, every run scaled by its training FLOPs (6 x linear params x s + 6 x layers x width x s^2, the count
-  ``flexsp.telemetry`` uses for MFU; profile sits below telemetry, so it is written here). Fixed per-run costs make
-  short runs slower than their FLOPs say, so this is an over-estimate for the long lengths of a small
-  model and close for a big one.
+  length, every run scaled by its training FLOPs (``ModelSpec.training_flops``, the count behind MFU).
+  Fixed per-run costs make short runs slower than their FLOPs say, so this is an over-estimate for the
+  long lengths of a small model and close for a big one.
 """
 from __future__ import annotations
 
@@ -67,22 +66,16 @@ def check_states_fit(spec: ModelSpec, memory_bytes: float, usable_fraction: floa
         f"({usable_fraction:g} x {memory_bytes / 2**30:.1f} GiB): {advice}")
 
 
-def training_flops(spec: ModelSpec, length: int) -> float:
-    """Forward + backward FLOPs of one sequence of ``length`` tokens (module docstring)."""
-    return 6.0 * spec.linear_params * length + 6.0 * spec.layers * spec.heads * spec.head_size * length * length
-
-
 def sweep_flops(lengths: Sequence[int], runs_per_length: int, memory_lengths: Sequence[int], spec: ModelSpec) -> float:
     """FLOPs of the compute sweep and the memory profile's runs."""
-    return sum(training_flops(spec, n) for n in lengths) * runs_per_length + \
-        sum(training_flops(spec, n) for n in memory_lengths)
+    return spec.training_flops(lengths) * runs_per_length + spec.training_flops(memory_lengths)
 
 
 def sweep_seconds(spec: ModelSpec, lengths: Sequence[int], runs_per_length: int, memory_lengths: Sequence[int],
                   first_length: int, first_seconds: float) -> float:
     """Seconds the compute sweep (``runs_per_length`` runs of each length) and the memory profile (one run
     of each ``memory_lengths``) take, from one run of ``first_length`` that took ``first_seconds``."""
-    return first_seconds / training_flops(spec, first_length) * sweep_flops(lengths, runs_per_length, memory_lengths,
+    return first_seconds / spec.training_flops([first_length]) * sweep_flops(lengths, runs_per_length, memory_lengths,
                                                                           spec)
 
 

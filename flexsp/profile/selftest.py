@@ -171,7 +171,7 @@ def _step(torch, device, built: "sm.Built", batch, repeats: int) -> tuple[dict, 
             sync()
             times[name].append(time.perf_counter() - t0)
     lengths = [int(s.numel()) for s in batch]
-    flops = sm.training_flops(built.spec, lengths)
+    flops = built.spec.training_flops(lengths)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["plain"] / med["flexsp"]
     loss_gap = abs(first[0] - first[1]) / abs(first[1])

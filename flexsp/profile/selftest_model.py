@@ -138,12 +138,6 @@ def fit_vocab(spec: ModelSpec, tokens: int, longest: int, half: bool, memory_byt
                  f"{DEVICE_SHARE:.0%} of the device's {memory_bytes / 2**30:.1f} GiB; layer shape unchanged)")
 
 
-def training_flops(spec: ModelSpec, lengths: list[int]) -> float:
-    """Forward + backward FLOPs of a step on sequences of ``lengths`` (the count ``flexsp.telemetry`` uses)."""
-    width = spec.heads * spec.head_size
-    return sum(6.0 * spec.linear_params * n + 6.0 * spec.layers * width * n * n for n in lengths)
-
-
 @dataclass(frozen=True)
 class Built:
     """The selftest's models: ``flex`` prepared for the executor, ``plain`` its copy for the plain loop,

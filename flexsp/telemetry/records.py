@@ -74,10 +74,9 @@ def peak_flops(device_name: str | None, given: float | None = None) -> float | N
 
 
 def model_flops(spec: ModelSpec, lengths: Iterable[int]) -> float:
-    """Training FLOPs (forward + backward) of one step over sequences of ``lengths`` tokens (module docstring)."""
-    s = np.asarray(list(lengths), dtype=np.float64)
-    width = spec.heads * spec.head_size
-    return float(6.0 * spec.linear_params * s.sum() + 6.0 * spec.layers * width * np.square(s).sum())
+    """Training FLOPs (forward + backward) of one step over sequences of ``lengths`` tokens (module docstring;
+    ``ModelSpec.training_flops``)."""
+    return spec.training_flops(lengths)
 
 
 def group_measured(walls: Sequence[float], busy: Sequence[float | None]) -> float:
