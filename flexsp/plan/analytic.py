@@ -57,6 +57,13 @@ def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
     return 2 * spec.layers * (2 * spec.hidden + 2 * spec.kv_dim) * bytes_per_element
 
 
+def alltoall_degrees(num_gpus: int, gpus_per_node: int, heads: int | None) -> list[int]:
+    """The degrees an all-to-all table needs on this cluster: every degree > 1 a group may have (tiles: 3 and 6
+    too) and their Ulysses parts (``ulysses_split``: a larger group runs Ulysses gcd(degree, heads) x ring)."""
+    degrees = tileable_degrees(num_gpus, gpus_per_node)[1:]
+    return sorted({*degrees, *(ulysses_split(d, heads)[0] for d in degrees)} - {1})
+
+
 def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: int, gpus_per_node: int = 8, *,
                         sharding: str = "full", beta1: float = 0.1, recompute: str | bool = "none") -> CostModel:
     """Cost model from FLOPs, bytes and bandwidths (formulas in the module docstring).
@@ -78,8 +85,7 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
     capacity = token_capacity(gpu.memory_bytes, model_state_bytes(model.params, num_gpus, sharding), act_per_token,
                               usable_fraction=gpu.usable_memory,
                               what=f"{model.name} on {num_gpus} x {gpu.name} with sharding {sharding!r}:")
-    degrees = tileable_degrees(num_gpus, gpus_per_node)[1:]      # every degree a group may have, 3 and 6 too
-    degrees = sorted({*degrees, *(ulysses_split(d, model.heads)[0] for d in degrees)} - {1})   # and their Ulysses parts
+    degrees = alltoall_degrees(num_gpus, gpus_per_node, model.heads)
     return CostModel(
         alpha1=attention_work * 3 * model.layers * 2 * model.hidden / flops,
         alpha2=linear_work * 3 * 2 * model.linear_params / flops,

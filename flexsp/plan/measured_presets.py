@@ -36,8 +36,7 @@ from typing import Any, Mapping
 
 from flexsp.errors import CostModelError
 from flexsp.inputs import integer, load_json, number, write_text
-from flexsp.plan.analytic import alltoall_bandwidth
-from flexsp.plan.cluster import tileable_degrees, ulysses_split
+from flexsp.plan.analytic import alltoall_bandwidth, alltoall_degrees
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import check as check_sharding
 from flexsp.plan.memory import model_state_bytes, token_capacity
@@ -203,8 +202,7 @@ def _bandwidths(base: CostModel, meta: Mapping[str, Any], num_gpus: int,
                    CostModelError, positive=True)
     measured = {int(d): base.alltoall_bandwidth[int(d)] for d in ((meta.get("comm") or {}).get("fits") or {})
                 if int(d) in base.alltoall_bandwidth}
-    degrees = tileable_degrees(num_gpus, gpus_per_node)[1:]
-    degrees = sorted({*degrees, *(ulysses_split(d, base.heads)[0] for d in degrees)} - {1} - set(measured))
+    degrees = [d for d in alltoall_degrees(num_gpus, gpus_per_node, base.heads) if d not in measured]
     table = {**measured, **{d: alltoall_bandwidth(d, gpus_per_node, intra, inter) for d in degrees}}
     return dict(sorted(table.items())), dict(assumed, gpus_per_node=gpus_per_node, degrees=degrees)
 
