@@ -21,7 +21,7 @@ from flexsp.plan.cluster import Cluster
 from flexsp.plan.communicator_memory import describe_reservation, pool_degrees, reserve_communicators
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel
-from flexsp.plan.lengths import LengthDistribution, preprocess
+from flexsp.plan.lengths import LengthDistribution, padded_and_kept, preprocess
 from flexsp.plan.planner import largest_held, plan_batch
 from flexsp.plan.strategies import StrategySpec, get_strategy, parse_strategy, parse_strategy_list, strategies  # noqa: F401 (re-exported)
 from flexsp.plan.types import Plan
@@ -220,17 +220,14 @@ def _too_long(distribution: LengthDistribution, draws: Sequence[np.ndarray], hel
               cost: CostModel, cluster: Cluster, context: int, holder: str) -> str | None:
     """The first drawn sequence that, padded, is longer than ``held`` tokens, in the terms of its source (a
     file's line and value), or None: checked before any bound or plan."""
-    multiple = 2 * cluster.num_gpus
-    kept_below = context - context % multiple                          # what preprocess keeps
     for step, drawn in enumerate(draws):
-        raw = distribution.lengths[drawn]
-        over = np.flatnonzero((-(-raw // multiple) * multiple > held) & (raw <= kept_below))
+        padded, kept = padded_and_kept(distribution.lengths[drawn], context, cluster.num_gpus)   # as preprocess
+        over = np.flatnonzero((padded > held) & kept)
         if over.size:
             i = int(drawn[over[0]])
-            length = int(distribution.lengths[i])
-            pad = -length % multiple
+            length, pad = int(distribution.lengths[i]), int(padded[over[0]])
             return (f"{distribution.where(i)}: a sequence of {length:,} tokens"
-                    + (f" ({length + pad:,} once padded to a multiple of 2 x {cluster.num_gpus} GPUs)" if pad else "")
+                    + (f" ({pad:,} once padded to a multiple of 2 x {cluster.num_gpus} GPUs)" if pad != length else "")
                     + f", drawn for step {step}, is more than {holder} holds: {degree} GPUs x "
                     f"{cost.token_capacity:,.0f} tokens = {held:,}")
     return None

@@ -438,19 +438,24 @@ def preprocess(lengths: Iterable[int] | np.ndarray, context_limit: int, num_gpus
     Returns ``(kept_lengths, dropped_count)`` in the original order; the count is never hidden.
     """
     arr = as_lengths(lengths)
+    if not round_to_multiple:
+        keep = arr <= _positive_int(context_limit, "context_limit")
+        _positive_int(num_gpus, "num_gpus")
+        return arr[keep], int(arr.size - keep.sum())
+    padded, keep = padded_and_kept(arr, context_limit, num_gpus)
+    return padded[keep], int(arr.size - keep.sum())
+
+
+def padded_and_kept(lengths: np.ndarray, context_limit: int, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """``preprocess``'s two rules, position by position: every length padded up to a multiple of
+    ``2 x num_gpus``, and whether it is kept (its padded length fits ``context_limit``)."""
     limit = _positive_int(context_limit, "context_limit")
-    gpus = _positive_int(num_gpus, "num_gpus")
-    if round_to_multiple:
-        multiple = 2 * gpus
-        limit -= limit % multiple  # the longest padded length that still fits
-        if limit == 0:
-            raise LengthsError(f"context_limit {context_limit} is below 2 x num_gpus = {multiple}: "
-                               f"no padded sequence can fit")
-    keep = arr <= limit
-    kept = arr[keep]
-    if round_to_multiple:
-        kept = -(-kept // multiple) * multiple  # ceil to a multiple
-    return kept, int(arr.size - kept.size)
+    multiple = 2 * _positive_int(num_gpus, "num_gpus")
+    limit -= limit % multiple  # the longest padded length that still fits
+    if limit == 0:
+        raise LengthsError(f"context_limit {context_limit} is below 2 x num_gpus = {multiple}: "
+                           f"no padded sequence can fit")
+    return -(-lengths // multiple) * multiple, lengths <= limit
 
 
 OVER_CONTEXT = ("error", "truncate")   # what bound_context does with a sequence above the context limit
