@@ -129,8 +129,7 @@ def _teardown(pool, ok: bool) -> None:
     if ok:
         dist.barrier()
     if pool is not None:
-        for handle in {id(g): g for g in pool._groups.values() if g is not None}.values():
-            dist.destroy_process_group(handle)
+        pool.close()   # its groups, subgroups first
     dist.destroy_process_group()
 
 
