@@ -25,6 +25,7 @@ from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, in
 from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
 from flexsp.runtime.models.fused_loss import lm_head_loss
 from flexsp.hf.route import route_context
+from flexsp.hf.router import RouterLoss, real_rows
 from flexsp.plan.memory import check_recompute
 from flexsp.runtime.sp.context import AttentionContext, check_heads
 
@@ -54,6 +55,8 @@ class HFCausalLM(nn.Module):
         except UnsupportedModelError:   # no decoder layers (a 0-layer base for profiling): nothing to route
             layers = []
         self.routed = route_context(layers, self.name)
+        self.router = RouterLoss.of(model)   # None: no router auxiliary loss to add
+        self.batch_coupled = self.router is not None   # flexsp.runtime.coupled: the executor sums its statistics
 
     def set_recompute(self, recompute: str) -> None:
         """Activation checkpointing (``flexsp.plan.memory.RECOMPUTE``): "full" is transformers' own
@@ -89,7 +92,21 @@ class HFCausalLM(nn.Module):
     def shard_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
                    ctx: AttentionContext) -> torch.Tensor:
         """Through ``__call__`` so that FSDP's hooks on the root module run."""
+        if self.router is not None:
+            raise UnsupportedModelError(f"{self.name} adds a router auxiliary loss over the whole batch: run it "
+                                        f"through StepExecutor (shard_losses), which sums its statistics over the batch")
         return self(input_ids, position_ids, ctx, labels=labels)
+
+    def shard_losses(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                     ctx: AttentionContext):
+        """(summed LM loss, the router term) of this shard: ``flexsp.runtime.coupled``'s protocol."""
+        return self(input_ids, position_ids, ctx, labels=labels, router=True)
+
+    def batch_statistics(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                         ctx: AttentionContext) -> torch.Tensor:
+        """This shard's router statistics from a forward without the LM head (call under no_grad)."""
+        out = self._decode(input_ids, position_ids, ctx)
+        return self.router.term(out.router_logits, real_rows(ctx, input_ids.numel(), input_ids.device)).statistics
 
     # --- model ---------------------------------------------------------------------------------
     @property
@@ -99,6 +116,10 @@ class HFCausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       ctx: AttentionContext) -> torch.Tensor:
         """The decoder's last hidden states for this shard, ``[tokens, hidden]``."""
+        return self._decode(input_ids, position_ids, ctx).last_hidden_state[0]
+
+    def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext):
+        """The decoder's output on this shard (with its router logits when the model adds a router loss)."""
         if input_ids.dim() == 1 and position_ids.dim() > 1 and position_ids.shape[-1] == input_ids.numel():
             raise UnsupportedModelError(f"{self.name}: {position_ids.dim()}-D position ids "
                                         f"{tuple(position_ids.shape)} (multimodal 3-D rotary positions, mRoPE): "
@@ -114,8 +135,9 @@ class HFCausalLM(nn.Module):
         install(key)   # idempotent; covers a key switched after prepare_model (set_attn_implementation)
         no_mask = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)
         receipt: list = []
+        extra = {"output_router_logits": True} if self.router is not None else {}
         out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=no_mask,
-                           use_cache=False, **{CONTEXT_KWARG: ctx, RECEIPT_KWARG: receipt})
+                           use_cache=False, **extra, **{CONTEXT_KWARG: ctx, RECEIPT_KWARG: receipt})
         layers = int(text_config(self.model).num_hidden_layers)
         if len(receipt) > layers:   # e.g. differential attention: two calls per layer, not what the probe vouches for
             raise UnsupportedModelError(
@@ -126,14 +148,19 @@ class HFCausalLM(nn.Module):
                 f"{self.name}: {len(receipt)} of its {layers} decoder layers ran FlexSP's attention (key {key!r}); the "
                 f"others mix tokens some other way (linear attention, state-space layers, a custom attention call) "
                 f"and would see only this rank's shard")
-        return out.last_hidden_state[0]
+        return out
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, router: bool = False):
+        """Logits; with ``labels`` the summed LM loss; with ``router`` too, ``(that loss, the router term)``."""
         if ctx is None:
             ctx = AttentionContext.single(input_ids.numel())
-        hidden = self.hidden_states(input_ids, position_ids, ctx)
+        out = self._decode(input_ids, position_ids, ctx)
+        hidden = out.last_hidden_state[0]
         head = self.model.get_output_embeddings()
         if labels is None:
             return head(hidden)
-        return lm_head_loss(hidden, head.weight, head.bias, labels, self.chunk_tokens, self.loss_kernel)
+        loss = lm_head_loss(hidden, head.weight, head.bias, labels, self.chunk_tokens, self.loss_kernel)
+        if not router:
+            return loss
+        return loss, self.router.term(out.router_logits, real_rows(ctx, input_ids.numel(), input_ids.device))

@@ -111,6 +111,11 @@ def batch(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(1, VOCAB, (n,), generator=gen) for n in LENGTHS]
 
 
+def text_of(model: torch.nn.Module) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
 def has_router_loss(model_type: str) -> bool:
     """Whether the family's config has a router auxiliary loss it adds when ``output_router_logits``."""
     from transformers import AutoConfig
@@ -126,9 +131,12 @@ def native_step(model: torch.nn.Module, sequences: Sequence[torch.Tensor]) -> tu
     """The unmodified model on the whole batch: mean next-token loss and the SGD-updated parameters.
 
     Sequences run one at a time (no packing assumed); a model with ``output_router_logits`` runs them
-    as one padded batch instead, so that its router auxiliary loss covers the whole batch's tokens as
-    it does in native training (HF's loss then averages over the batch's labelled tokens)."""
-    if getattr(model.config, "output_router_logits", False):
+    as one right-padded batch with its attention mask instead, so that its router auxiliary loss covers
+    the whole batch's real tokens as in native training: HF's own ``model(input_ids, attention_mask,
+    labels)``, whose ``.loss`` is the mean next-token loss plus ``coef * aux_loss``. HF computes that LM
+    loss from fp32-cast logits; the reference recomputes it in fp64 from the same logits (checked against
+    HF's ``.loss`` to fp32 rounding) so that the comparison is not limited by HF's cast."""
+    if getattr(model.config, "output_router_logits", False) or getattr(text_of(model), "output_router_logits", False):
         width = max(len(s) for s in sequences)
         ids = torch.zeros(len(sequences), width, dtype=torch.long)
         mask = torch.zeros(len(sequences), width, dtype=torch.long)
@@ -137,7 +145,17 @@ def native_step(model: torch.nn.Module, sequences: Sequence[torch.Tensor]) -> tu
             ids[i, :len(s)], mask[i, :len(s)], labels[i, :len(s)] = s, 1, s
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-        out.loss.backward()
+        from flexsp.hf.router import RouterLoss
+        rule = RouterLoss.of(model)
+        aux = 0.0 if rule is None or out.aux_loss is None else rule.coef * out.aux_loss.to(torch.float64)
+        lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).double(),
+                             labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = lm + aux
+        mine, theirs = float(loss.detach()), float(out.loss.detach())
+        if not abs(mine - theirs) <= 1e-5 * abs(theirs):
+            raise RuntimeError(f"the fp64 reference {mine} is not HF's own loss {theirs}")
+        loss.backward()
+        out.loss = loss
         with torch.no_grad():
             vec = torch.cat([(p - LR * (p.grad if p.grad is not None else torch.zeros_like(p))).reshape(-1)
                              for p in model.parameters() if p.requires_grad])

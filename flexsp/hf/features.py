@@ -81,15 +81,6 @@ def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
                                                               f"{module.mrope_section}; FlexSP shards 1-D position ids")
     if getattr(cfg, "add_cross_attention", False):
         refuse("cross-attention", "config.add_cross_attention=True")
-    router = getattr(cfg, "output_router_logits", False)
-    coefs = {k: getattr(cfg, k, None) for k in ("router_aux_loss_coef", "router_z_loss_coef")}
-    coefs = {k: v for k, v in coefs.items() if v}
-    if router and coefs:
-        detail = ", ".join(f"config.{k}={v}" for k, v in coefs.items())
-        raise UnsupportedModelError(
-            f"{name} adds a router auxiliary loss ({detail}, output_router_logits=True) over the whole batch's "
-            f"tokens, which FlexSP does not compute across its SP groups yet; it would be dropped silently, so it "
-            f"is refused: set config.output_router_logits=False to train on the language-model loss alone")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is not None and not takes_kwargs(type(decoder).forward):
         refuse("a decoder forward without **kwargs", f"{type(decoder).__name__}.forward cannot carry the context "

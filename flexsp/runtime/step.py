@@ -13,7 +13,9 @@
    (``failures.FailureChannel``) and raised everywhere as the same ``RankFailure``.
 
 Each shard's loss is a sum divided by the global batch's label count, so the summed gradient equals
-that of the mean next-token loss over the global batch on one device, whatever the plan.
+that of the mean next-token loss over the global batch on one device, whatever the plan. A model with a
+batch-coupled auxiliary loss (a MoE router's load balancing, ``flexsp.runtime.coupled``) adds its
+shard's term, computed from statistics summed over the whole batch (one small all-reduce).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from flexsp.plan import memory as sharding_mod
 from flexsp.plan.cost import CostModel
 from flexsp.plan.types import Group, Plan
 from flexsp.runtime.config import TrainConfig
+from flexsp.runtime.coupled import BatchCoupled, batch_coupled
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
 from flexsp.runtime.fsdp import is_sharded, runtime_sharding, step_autocast
 from flexsp.runtime.pool import GroupPool
@@ -64,12 +67,13 @@ class Step:
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float                       # mean next-token loss over the global batch (same on every rank)
+    loss: float                       # mean next-token loss over the global batch (same on every rank), plus aux_loss
     loss_tokens: int                  # labelled tokens in the global batch: the loss's denominator
     tokens_processed: int             # real (unpadded) tokens in this rank's shards, all micro-batches
     seq_ids: tuple[int, ...]          # sequences run by this rank's groups, in plan order
     degrees: tuple[int | None, ...]   # this rank's group degree per micro-batch; None where it idled
     seconds: float
+    aux_loss: float = 0.0             # the part of ``loss`` from a batch-coupled auxiliary loss (a MoE router's)
 
 
 @dataclass(frozen=True)
@@ -283,7 +287,7 @@ class StepExecutor:
         start = time.perf_counter()
         self.probe.checked()
         try:
-            loss, processed, seq_ids, degrees = self._forward_backward(work, denominator)
+            (loss, aux), processed, seq_ids, degrees = self._forward_backward(work, denominator)
             self.optimizer.step()
         except Exception as exc:
             if self.channel is None:
@@ -292,26 +296,37 @@ class StepExecutor:
             raise RankFailure(recorded) from exc
         self.steps += 1
         result = StepResult(loss=loss, loss_tokens=denominator, tokens_processed=processed, seq_ids=tuple(seq_ids),
-                            degrees=tuple(degrees), seconds=time.perf_counter() - start)
+                            degrees=tuple(degrees), seconds=time.perf_counter() - start, aux_loss=aux)
         self.probe.step_end(result)
         return result
 
     def _forward_backward(self, work: list[_Work | None], denominator: int):
         self.optimizer.zero_grad(set_to_none=True)
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        local = torch.zeros(2, dtype=torch.float64, device=self.device)   # [total loss, its auxiliary part]
         processed, seq_ids, degrees = 0, [], []
         autocast = nullcontext() if self.autocast is None else torch.autocast(self.device.type, dtype=self.autocast)
+        coupled = BatchCoupled(self.model, self.pool, self._idle) if batch_coupled(self.model) else None
+        if coupled is not None and len(work) > 1:   # the totals must be known before the first backward
+            with autocast:
+                coupled.prepass(work)
         for m, w in enumerate(work):
             self.probe.micro_batch_begin(m, None if w is None else w.group, 0 if w is None else w.real_tokens)
             if w is None:
                 d = self._idle()
                 with autocast:
-                    loss = self.model.shard_loss(d.input_ids, d.position_ids, d.labels, d.ctx) * 0.0
+                    if coupled is None:
+                        loss = self.model.shard_loss(d.input_ids, d.position_ids, d.labels, d.ctx) * 0.0
+                    else:
+                        loss = coupled.losses(d, denominator, idle=True)[0] * 0.0
                 degrees.append(None)
             else:
                 with autocast:   # forward only (autocast's rule); backward runs in the dtypes forward chose
-                    loss = self.model.shard_loss(w.input_ids, w.position_ids, w.labels, w.ctx) / denominator
-                local += loss.detach().to(torch.float64)
+                    if coupled is None:
+                        loss = self.model.shard_loss(w.input_ids, w.position_ids, w.labels, w.ctx) / denominator
+                    else:   # the LM loss as above plus the auxiliary term, kept apart for the report
+                        loss, aux = coupled.losses(w, denominator, idle=False)
+                        local[1] += aux.detach().to(torch.float64)
+                local[0] += loss.detach().to(torch.float64)
                 processed += w.real_tokens
                 seq_ids.extend(w.group.seq_ids)
                 degrees.append(w.group.degree)
@@ -322,7 +337,7 @@ class StepExecutor:
             if not self.sharded:
                 _allreduce_grads(self.model)
             dist.all_reduce(local)
-        return float(local), processed, seq_ids, degrees
+        return (float(local[0]), float(local[1])), processed, seq_ids, degrees
 
 
 def _lengths(batch: Sequence[torch.Tensor]) -> list[int]:
