@@ -16,18 +16,52 @@ per call, covers every builder (causal, sliding, chunked) and costs nothing.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, install
-from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
+from flexsp.hf.features import (UnsupportedModelError, check_call, chunked_attention, decoder_of, model_name,
+                                 sliding_window, text_config)
 from flexsp.runtime.models.fused_loss import lm_head_loss
 from flexsp.hf.route import route_context
 from flexsp.hf.router import RouterLoss, real_rows
 from flexsp.plan.memory import check_recompute
 from flexsp.runtime.sp.context import AttentionContext, check_heads
+
+
+PLACEHOLDER_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "audio_token_id",
+                    "audio_token_index", "boi_token_id", "boi_token_index", "vision_start_token_id", "boa_token_id")
+
+
+def freeze_non_language(model: nn.Module, name: str) -> tuple[str, ...]:
+    """A composite (multimodal) model's parameters outside its language model and LM head: frozen
+    (``requires_grad=False``), so training on text leaves them as loaded. Returns the frozen top-level
+    module names and warns once naming them; () for a plain causal LM."""
+    if text_config(model) is model.config:
+        return ()
+    keep = {id(p) for part in (decoder_of(model), model.get_output_embeddings()) for p in part.parameters()}
+    frozen: dict[str, int] = {}
+    for pname, param in model.named_parameters():
+        if id(param) not in keep and param.requires_grad:
+            param.requires_grad_(False)
+            top = ".".join(pname.split(".")[:2])   # model.visual, model.multi_modal_projector, ...
+            frozen[top] = frozen.get(top, 0) + param.numel()
+    if frozen:
+        warnings.warn(f"{name}: FlexSP trains its language model on text; {', '.join(sorted(frozen))} (vision/audio "
+                      f"tower, projector) left untouched (requires_grad=False)", stacklevel=3)
+    return tuple(sorted(frozen))
+
+
+def placeholder_ids(model: nn.Module) -> torch.Tensor | None:
+    """The composite model's image/video/audio placeholder token ids (None for a plain causal LM)."""
+    cfg = model.config
+    if text_config(model) is cfg:
+        return None
+    ids = sorted({int(v) for k in PLACEHOLDER_KEYS for v in [getattr(cfg, k, None)] if isinstance(v, int)})
+    return torch.tensor(ids, dtype=torch.long) if ids else None
 
 
 class HFCausalLM(nn.Module):
@@ -45,6 +79,7 @@ class HFCausalLM(nn.Module):
         self.chunk_tokens, self.loss_kernel = chunk_tokens, loss_kernel
         self.name = model_name(model)
         self.window = sliding_window(model)
+        self.chunk = chunked_attention(model)
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
             raise UnsupportedModelError(f"{self.name}: the output embedding is {type(head).__name__}, not a Linear "
@@ -55,6 +90,8 @@ class HFCausalLM(nn.Module):
         except UnsupportedModelError:   # no decoder layers (a 0-layer base for profiling): nothing to route
             layers = []
         self.routed = route_context(layers, self.name)
+        self.frozen = freeze_non_language(model, self.name)   # a composite model's vision/audio towers: untouched
+        self.placeholders = placeholder_ids(model)   # image/video/audio token ids FlexSP refuses in input_ids
         self.router = RouterLoss.of(model)   # None: no router auxiliary loss to add
         self.batch_coupled = self.router is not None   # flexsp.runtime.coupled: the executor sums its statistics
 
@@ -81,7 +118,7 @@ class HFCausalLM(nn.Module):
     def fsdp_units(self) -> Sequence[nn.Module]:
         """The decoder layers: the modules transformers itself never splits (``_no_split_modules``)."""
         names = set(getattr(self.model, "_no_split_modules", None) or ())
-        units = [m for m in self.model.modules() if type(m).__name__ in names]
+        units = [m for m in self.decoder.modules() if type(m).__name__ in names]   # not a vision tower's blocks
         if not units:
             units = list(getattr(self.decoder, "layers", ()))
         if not units:
@@ -111,7 +148,7 @@ class HFCausalLM(nn.Module):
     # --- model ---------------------------------------------------------------------------------
     @property
     def decoder(self) -> nn.Module:
-        return self.model.get_decoder()
+        return decoder_of(self.model)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       ctx: AttentionContext) -> torch.Tensor:
@@ -127,8 +164,18 @@ class HFCausalLM(nn.Module):
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids and position_ids must be 1-D and alike, got {tuple(input_ids.shape)} and "
                              f"{tuple(position_ids.shape)}")
+        if self.placeholders is not None:   # one host read per micro-batch, composite models only
+            hit = torch.isin(input_ids, self.placeholders.to(input_ids.device))
+            if bool(hit.any()):
+                token = int(input_ids[hit][0])
+                raise UnsupportedModelError(f"{self.name}: input_ids hold the image/video/audio placeholder token "
+                                            f"{token}; FlexSP trains the language model on text only (no pixel or "
+                                            f"audio inputs)")
         if self.window is not None:   # checked before any collective; the same on every rank of the group
             check_call(self.model, ctx.max_seqlen, sliding_window=self.window)
+        if self.chunk is not None and ctx.max_seqlen > self.chunk:
+            raise UnsupportedModelError(f"{self.name}: a packed sequence of {ctx.max_seqlen} tokens is longer than its "
+                                        f"attention chunk ({self.chunk}); FlexSP's attention would not chunk it")
         heads, kv_heads = self.sp_heads()
         check_heads(heads, kv_heads, ctx.degree)
         key = self.model.config._attn_implementation

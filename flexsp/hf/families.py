@@ -37,8 +37,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_l
             num_key_value_heads=2, head_dim=8, num_experts=4, num_local_experts=4, n_routed_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, n_shared_experts=1,
             max_position_embeddings=512, attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, dropout=0.0, n_embd=32, n_layer=2, n_head=4, n_positions=512, d_model=32, n_inner=48,
-            ffn_dim=48, num_layers=2, num_heads=4, first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8,
+            attn_pdrop=0.0, dropout=0.0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, n_embd=32,
+            n_layer=2, n_head=4, n_positions=512, d_model=32, n_inner=48, ffn_dim=48, num_layers=2, num_heads=4, first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8,
             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
 
 
@@ -66,20 +66,67 @@ def heterogeneous_plan(world: int = 4) -> Plan:
         mb(((0, 1, 2, 3), (1, 3))), mb(((0, 1), (0, 4)), ((2,), (5,)), ((3,), (2, 6))), mb(((0, 1), (7,)))))
 
 
+# The shrink of a composite model's other towers (vision, audio): built and frozen, never run on text.
+TOWER = dict(depth=1, num_hidden_layers=1, num_global_layers=1, hidden_size=32, intermediate_size=48, num_heads=4,
+             num_attention_heads=4, attention_heads=4, num_key_value_heads=4, head_dim=8, out_hidden_size=32,
+             vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+
+
+def _shrink(config: Any, table: dict) -> dict:
+    """``table``'s keys that ``config`` has, with every dropout and noise off (a deterministic comparison;
+    attention dropout is refused by features.py anyway; router jitter noise, PhiMoE's, too)."""
+    values = config.to_dict()
+    kwargs = {k: v for k, v in table.items() if k in values or hasattr(config, k)}
+    kwargs.update({k: 0.0 for k, v in values.items() if ("dropout" in k or "pdrop" in k or "jitter" in k)
+                   and isinstance(v, float)})
+    layers, new = values.get("num_hidden_layers"), kwargs.get("num_hidden_layers")
+    if isinstance(layers, int) and isinstance(new, int) and new < layers:   # per-layer settings of the kept layers
+        keep = _kept_layers(values.get("layer_types"), layers, new)
+        for k, v in values.items():
+            if isinstance(v, list) and len(v) == layers and k not in kwargs:
+                kwargs[k] = [v[i] for i in keep]
+            elif k.startswith("per_layer") and isinstance(v, dict) and all(str(i).isdigit() for i in v):
+                kwargs[k] = {type(i)(j): v[i] for i in v for j, old in enumerate(keep) if int(i) == old}
+    rope = values.get("rope_parameters")
+    if "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict) \
+            and "partial_rotary_factor" not in rope:   # mRoPE (t, h, w) sections summing to the rotary half-dimension
+        half = (TINY["head_dim"] if "head_dim" in values else TINY["hidden_size"] // TINY["num_attention_heads"]) // 2
+        kwargs["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+    vocab = kwargs.get("vocab_size")
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):   # special tokens inside the shrunk vocabulary
+        if isinstance(vocab, int) and isinstance(values.get(k), int) and values[k] >= vocab:
+            kwargs[k] = vocab - 1
+    return kwargs
+
+
+def _kept_layers(layer_types: Any, layers: int, new: int) -> list[int]:
+    """Which ``new`` of ``layers`` layers a shrunk config keeps: the first of each layer kind (a hybrid's
+    linear and full attention both), then the earliest others, in order."""
+    keep: list[int] = []
+    if isinstance(layer_types, list) and len(layer_types) == layers:
+        firsts = {}
+        for i, kind in enumerate(layer_types):
+            firsts.setdefault(str(kind), i)
+        keep = sorted(firsts.values())[:new]
+    keep += [i for i in range(layers) if i not in keep][:new - len(keep)]
+    return sorted(keep)
+
+
 def tiny_config(model_type: str) -> Any:
+    """The family's default config shrunk; a composite (multimodal) one has its text config shrunk as a causal
+    LM's and its other towers to one tiny block each."""
     from transformers import AutoConfig
     base = AutoConfig.for_model(model_type)
     text = base.get_text_config() if hasattr(base, "get_text_config") else base
-    if text is not base:
-        raise _Skip("composite config (a text config inside a multimodal one)")
-    kwargs = {k: v for k, v in TINY.items() if k in text.to_dict() or hasattr(text, k)}
-    # every dropout and noise off: the comparison is deterministic (attention dropout is refused by features.py anyway)
-    kwargs.update({k: 0.0 for k, v in text.to_dict().items() if ("dropout" in k or "pdrop" in k or "jitter" in k)
-                   and isinstance(v, float)})   # router jitter noise (PhiMoE) too
-    cfg = AutoConfig.for_model(model_type, **kwargs)
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = list(cfg.layer_types)[:int(getattr(cfg, "num_hidden_layers", 2))]
-    return cfg
+    if text is base:
+        return AutoConfig.for_model(model_type, **_shrink(text, TINY))
+    subs = {}
+    for name in getattr(type(base), "sub_configs", {}):
+        sub = getattr(base, name, None)
+        if sub is None:
+            continue
+        subs[name] = {**sub.to_dict(), **_shrink(sub, TINY if sub is text else TOWER)}
+    return AutoConfig.for_model(model_type, **subs)
 
 
 class _Skip(Exception):
@@ -88,21 +135,25 @@ class _Skip(Exception):
 
 def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A tiny fp64 random-init instance of ``model_type`` (same seed, same weights on every rank)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     cfg = tiny_config(model_type)
     for k, v in overrides.items():
         setattr(cfg, k, v)
+        if cfg.get_text_config() is not cfg:   # a composite's language model reads its text config
+            setattr(cfg.get_text_config(), k, v)
+    auto = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
     with torch.device("meta"):
-        probe = AutoModelForCausalLM.from_config(cfg)
+        probe = auto.from_config(cfg)
     size = sum(p.numel() for p in probe.parameters())
     if size > MAX_PARAMS:
         raise _Skip(f"does not shrink below {MAX_PARAMS:,} parameters from its config ({size:,})")
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
+        model = auto.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
     except (ValueError, TypeError):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        model = auto.from_config(cfg, attn_implementation="eager")
     return model.double().train()
 
 
@@ -156,10 +207,7 @@ def native_step(model: torch.nn.Module, sequences: Sequence[torch.Tensor]) -> tu
             raise RuntimeError(f"the fp64 reference {mine} is not HF's own loss {theirs}")
         loss.backward()
         out.loss = loss
-        with torch.no_grad():
-            vec = torch.cat([(p - LR * (p.grad if p.grad is not None else torch.zeros_like(p))).reshape(-1)
-                             for p in model.parameters() if p.requires_grad])
-        return float(out.loss.detach()), vec
+        return float(out.loss.detach()), _updated(model)
     denominator = sum(len(s) - 1 for s in sequences)
     model.zero_grad(set_to_none=True)
     total = 0.0
@@ -168,10 +216,14 @@ def native_step(model: torch.nn.Module, sequences: Sequence[torch.Tensor]) -> tu
         loss = F.cross_entropy(logits.double(), s[1:], reduction="sum") / denominator
         loss.backward()
         total += float(loss.detach())
+    return total, _updated(model)
+
+
+def _updated(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter after one SGD step (those without a gradient unchanged: a composite's other towers)."""
     with torch.no_grad():
-        vec = torch.cat([(p - LR * (p.grad if p.grad is not None else torch.zeros_like(p))).reshape(-1)
-                         for p in model.parameters() if p.requires_grad])
-    return total, vec
+        return torch.cat([(p - LR * (p.grad if p.grad is not None else torch.zeros_like(p))).reshape(-1)
+                          for p in model.parameters()])
 
 
 ROUTER = "+router-loss"   # suffix of a model type: the same family with output_router_logits=True
@@ -217,7 +269,7 @@ def check_family(model_type: str, pool: Any, plan: Plan | None = None) -> Family
         except Exception as exc:
             return FamilyResult(model_type, "ERROR", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
                                 wrapped=bool(sp.routed))
-    got = torch.cat([p.detach().reshape(-1) for p in sp.parameters() if p.requires_grad])
+    got = torch.cat([p.detach().reshape(-1) for p in sp.parameters()])
     loss_rel = abs(result.loss - want_loss) / max(abs(want_loss), 1e-300)
     update_rel = float((got - want).abs().max() / (want.abs().max() + 1e-300)) if got.shape == want.shape else math.inf
     ok = loss_rel <= RTOL and update_rel <= RTOL

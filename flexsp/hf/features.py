@@ -2,8 +2,7 @@
 
 FlexSP replaces the model's attention with plain causal attention inside each packed sequence. A
 model that needs more (a sliding window shorter than its sequences, logit soft-capping, attention
-sinks, dropout, bidirectional or cross-attention, scaled logits, 3-D mRoPE positions, a router
-auxiliary loss over the batch) would train on silently different maths, so
+sinks, dropout, bidirectional or cross-attention, scaled logits) would train on silently different maths, so
 it is refused up front with an error naming the model and the feature. The same checks run again
 per attention call (``attention.py``) on what the model actually passes, as a safety net.
 """
@@ -52,6 +51,33 @@ def sliding_window(model: nn.Module) -> int | None:
     return int(window)
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The language model's decoder (``get_decoder()``; a causal LM whose lookup falls back to itself, such as
+    Llama 4's or Mllama's text-only class, holds it as ``.model``)."""
+    decoder = model.get_decoder()
+    return getattr(model, "model", decoder) if decoder is model else decoder
+
+
+def chunked_attention(model: nn.Module) -> int | None:
+    """The attention chunk of a model with "chunked_attention" layers (Llama 4), or None."""
+    cfg = text_config(model)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    types = getattr(cfg, "layer_types", None)
+    if chunk is None or (types is not None and "chunked_attention" not in [str(t) for t in types]):
+        return None
+    return int(chunk)
+
+
+def language_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The named modules that run on text: all of a causal LM; the language model (decoder) and output
+    head of a composite (multimodal) model, whose vision or audio towers FlexSP neither runs nor trains."""
+    if text_config(model) is model.config or not hasattr(model, "get_decoder"):
+        return list(model.named_modules())
+    decoder, head = decoder_of(model), model.get_output_embeddings()
+    keep = {id(m) for part in (decoder, head) if part is not None for m in part.modules()}
+    return [(n, m) for n, m in model.named_modules() if id(m) in keep]
+
+
 def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
     """Raise ``UnsupportedModelError`` naming ``model`` and the first feature FlexSP cannot honour.
 
@@ -69,16 +95,13 @@ def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
     # although its attention is causal.)
     if getattr(cfg, "is_causal", True) is False:
         refuse("non-causal attention", "config.is_causal=False, which transformers' mask builders honour")
-    for mod_name, module in model.named_modules():
+    for mod_name, module in language_modules(model):
         kind = type(module).__name__
         if "crossattention" in kind.lower() or mod_name.rsplit(".", 1)[-1] in ("crossattention", "cross_attn",
                                                                                 "encoder_attn"):
             refuse("cross-attention", f"module {mod_name} ({kind})")
         if kind.endswith("Attention") and getattr(module, "is_causal", True) is False:
             refuse("non-causal attention", f"module {mod_name} ({kind}) has is_causal=False")
-        if getattr(module, "mrope_section", None) is not None:
-            refuse("multimodal 3-D rotary positions (mRoPE)", f"module {mod_name} ({kind}) has mrope_section "
-                                                              f"{module.mrope_section}; FlexSP shards 1-D position ids")
     if getattr(cfg, "add_cross_attention", False):
         refuse("cross-attention", "config.add_cross_attention=True")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
@@ -97,6 +120,11 @@ def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
     sinks = [n for n, p in model.named_parameters() if n.endswith(".sinks")]
     if sinks:
         refuse("attention sinks", f"parameter {sinks[0]}")
+    chunk = chunked_attention(model)
+    if chunk is not None and (max_seqlen is None or max_seqlen > chunk):
+        got = "max_seqlen not given" if max_seqlen is None else f"max_seqlen={max_seqlen}"
+        refuse("chunked attention", f"chunks of {chunk} tokens, {got}; FlexSP is exact only when every sequence "
+                                    f"fits one chunk: pass max_seqlen <= {chunk}")
     window = sliding_window(model)
     if window is not None and (max_seqlen is None or max_seqlen > window):
         got = "max_seqlen not given" if max_seqlen is None else f"max_seqlen={max_seqlen}"

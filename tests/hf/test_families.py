@@ -3,7 +3,7 @@
 4 gloo ranks, a heterogeneous plan (degrees 4, 2, 1, an idle rank), fp64: StableLM (decoder layer
 drops **kwargs: routed by hooks), GPT-NeoX (config.is_decoder=False, causal attention) and Qwen2-MoE
 (router loss off, and on: against HF's own padded-batch loss) train exactly against the native model;
-an ALiBi model is refused by name before any collective. One process: mRoPE positions, routed context under gradient
+an ALiBi model is refused by name before any collective. One process: 3-D positions refused, routed context under gradient
 checkpointing, and the registry the matrix reads."""
 import copy
 
@@ -62,11 +62,8 @@ def test_native_reference_sees_a_changed_model():
     assert a[0] != pytest.approx(b[0], rel=1e-6) and not torch.allclose(a[1], b[1])
 
 
-def test_mrope_positions_are_refused():
-    model = tiny_model("llama")
-    model.model.rotary_emb.mrope_section = [2, 1, 1]   # a Qwen2-VL style rotary: 3-D (t, h, w) positions
-    with pytest.raises(UnsupportedModelError, match=r"multimodal 3-D rotary positions \(mRoPE\)"):
-        prepare_model(model, max_seqlen=17)
+def test_3d_positions_are_refused():
+    """Image/video 3-D (t, h, w) positions: refused; text positions are 1-D (tests/hf/test_composite.py)."""
     sp = prepare_model(tiny_model("llama"), max_seqlen=17)
     packed = pack(batch()[:2], 1)
     three_d = packed.position_ids[None].expand(3, -1)

@@ -1,0 +1,93 @@
+"""Multimodal checkpoints trained on text, and mRoPE text positions.
+
+4 gloo ranks, the heterogeneous family plan, fp64: Gemma 3's and Qwen2.5-VL's ``*ForConditionalGeneration``
+(vision tower frozen), Qwen3-VL's (mRoPE, 4-row positions) and Llama 4's text model (chunked attention,
+every sequence within one chunk) take one SGD step equal to the native composite model's on text. One
+process: the vision tower is left as it was and named, image placeholders and 3-D positions are refused
+in one line, a chunked model with sequences longer than its chunk is refused."""
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from runtime.distributed import run_distributed  # noqa: E402
+
+from flexsp.hf import UnsupportedModelError, prepare_model  # noqa: E402
+from flexsp.hf.families import LENGTHS, RTOL, batch, tiny_model  # noqa: E402
+from flexsp.runtime import AttentionContext, pack  # noqa: E402
+
+FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "llama4")
+
+
+def _worker(rank, world):
+    from flexsp.hf.families import check_family
+    from flexsp.runtime import GroupPool
+    pool = GroupPool()
+    return {t: check_family(t, pool) for t in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_worker, 4, timeout=300)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_language_model_of_a_composite_trains_exactly(results, model_type):
+    for res in results:
+        r = res[model_type]
+        assert r.status == "exact", r
+        assert r.loss_rel <= RTOL and r.update_rel <= RTOL
+
+
+def _prepared(model_type):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sp = prepare_model(tiny_model(model_type), max_seqlen=max(LENGTHS))
+    return sp, [str(w.message) for w in caught]
+
+
+def test_vision_tower_left_untouched_and_named():
+    sp, messages = _prepared("gemma3")
+    assert sp.frozen == ("model.multi_modal_projector", "model.vision_tower")
+    assert any("model.vision_tower" in m and "left untouched" in m for m in messages)
+    tower = [p for n, p in sp.model.named_parameters() if n.startswith("model.vision_tower")]
+    assert tower and not any(p.requires_grad for p in tower)
+    assert all(p.requires_grad for p in sp.model.get_decoder().parameters())
+    assert all(type(u).__name__ == "Gemma3DecoderLayer" for u in sp.fsdp_units())   # no vision block
+
+
+def test_image_placeholders_and_3d_positions_refused():
+    sp, _ = _prepared("qwen2_5_vl")
+    image = int(sp.model.config.image_token_id)
+    seqs = batch()[:2]
+    seqs[1] = seqs[1].clone()
+    seqs[1][3] = image
+    p = pack(seqs, 1)
+    ctx = AttentionContext.packed(p.cu_seqlens)
+    with pytest.raises(UnsupportedModelError, match=f"placeholder token {image}; FlexSP trains the language model on "
+                                                    f"text only"):
+        sp(p.input_ids, p.position_ids, ctx)
+    p = pack(batch()[:2], 1)
+    with pytest.raises(UnsupportedModelError, match=r"3-D rotary positions, mRoPE"):
+        sp(p.input_ids, p.position_ids[None].expand(3, -1), ctx)
+
+
+def test_mrope_text_positions_are_the_models_own():
+    """A packed Qwen2.5-VL text row under FlexSP (1-D positions, which the text model lifts to equal 3-D
+    rows) gives the composite model's own logits, each sequence run alone through its forward."""
+    sp, _ = _prepared("qwen2_5_vl")
+    seqs = batch()[:3]
+    p = pack(seqs, 1)
+    with torch.no_grad():
+        ours = sp(p.input_ids, p.position_ids, AttentionContext.packed(p.cu_seqlens))
+        native = torch.cat([sp.model(input_ids=s[None]).logits[0] for s in seqs])
+    assert float((ours - native).abs().max() / native.abs().max()) < 1e-12
+
+
+def test_chunked_attention_longer_than_a_chunk_refused():
+    model = tiny_model("llama4")
+    chunk = model.config.get_text_config().attention_chunk_size
+    with pytest.raises(UnsupportedModelError, match="chunked attention"):
+        prepare_model(model, max_seqlen=chunk + 1)
