@@ -26,10 +26,12 @@ from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, in
 from flexsp.hf.features import (UnsupportedModelError, check_call, chunked_attention, decoder_of, model_name,
                                  sliding_window, text_config)
 from flexsp.runtime.models.fused_loss import lm_head_loss
+from flexsp.hf.mixers import install_mixers, ring_capable
 from flexsp.hf.route import route_context
 from flexsp.hf.router import RouterLoss, real_rows
 from flexsp.plan.memory import check_recompute
-from flexsp.runtime.sp.context import AttentionContext, check_heads
+from flexsp.runtime.sp.context import AttentionContext, ShardingError, check_heads
+from flexsp.runtime.sp.linear import check_linear_heads
 
 
 PLACEHOLDER_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "audio_token_id",
@@ -90,6 +92,8 @@ class HFCausalLM(nn.Module):
         except UnsupportedModelError:   # no decoder layers (a 0-layer base for profiling): nothing to route
             layers = []
         self.routed = route_context(layers, self.name)
+        self.mixers = install_mixers(model)   # the token-mixer kinds it uses (flexsp.hf.mixers)
+        self.linear_heads = int(getattr(text_config(model), "linear_num_value_heads", 0) or 0)
         self.frozen = freeze_non_language(model, self.name)   # a composite model's vision/audio towers: untouched
         self.placeholders = placeholder_ids(model)   # image/video/audio token ids FlexSP refuses in input_ids
         self.router = RouterLoss.of(model)   # None: no router auxiliary loss to add
@@ -178,6 +182,15 @@ class HFCausalLM(nn.Module):
                                         f"attention chunk ({self.chunk}); FlexSP's attention would not chunk it")
         heads, kv_heads = self.sp_heads()
         check_heads(heads, kv_heads, ctx.degree)
+        if ctx.ring is not None and not ring_capable(self.mixers):   # before any collective of this forward
+            raise UnsupportedModelError(f"{self.name} has recurrent token mixers ({', '.join(self.mixers[1:])}), which "
+                                        f"cannot be split over a ring group exactly: plan it with Ulysses-only groups "
+                                        f"(PlanConfig(ulysses_only=True))")
+        if self.linear_heads and ctx.degree > 1:
+            try:
+                check_linear_heads(self.linear_heads, ctx.degree)
+            except ShardingError as exc:
+                raise UnsupportedModelError(f"{self.name}: {exc}") from None
         key = self.model.config._attn_implementation
         install(key)   # idempotent; covers a key switched after prepare_model (set_attn_implementation)
         no_mask = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)

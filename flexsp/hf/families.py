@@ -172,6 +172,7 @@ def has_router_loss(model_type: str) -> bool:
     from transformers import AutoConfig
     try:
         cfg = AutoConfig.for_model(model_type)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     except Exception:
         return False
     return hasattr(cfg, "output_router_logits") and bool(getattr(cfg, "router_aux_loss_coef", 0)

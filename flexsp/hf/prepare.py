@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from flexsp.hf.adapter import HFCausalLM
-from flexsp.hf.attention import install
+from flexsp.hf.mixers import install_mixers
 from flexsp.hf.features import UnsupportedModelError, check_supported, model_name
 from flexsp.hf.probe import probe as run_probe
 from flexsp.plan.specs import ModelSpec, get_model, model_names
@@ -84,8 +84,7 @@ def prepare_model(model: nn.Module, *, max_seqlen: int | None = None, chunk_toke
     if not hasattr(model, "get_output_embeddings") or not hasattr(model, "config"):
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers causal LM (*ForCausalLM)")
     check_supported(model, max_seqlen)
-    key = model.config._attn_implementation
-    install(key)
+    install_mixers(model)   # softmax attention under the model's key, and every other registered token mixer
     adapter = HFCausalLM(model, chunk_tokens=chunk_tokens, loss_kernel=loss_kernel)
     if probe:
         run_probe(adapter)

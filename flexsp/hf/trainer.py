@@ -31,6 +31,7 @@ every line and writes the same checkpoints). A Trainer whose world is not the la
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from flexsp.errors import FlexSPError
 from flexsp.hf.adapter import HFCausalLM
 from flexsp.hf.features import check_supported
+from flexsp.hf.mixers import ring_capable
 from flexsp.hf.prepare import prepare_model
 
 LOADER_STATE = "flexsp_loader.json"
@@ -163,6 +165,8 @@ class FlexSPTrainer(Trainer):
         else:
             cost = default_cost(self.model.config, world, int(args.flexsp_tokens_per_rank))
         heads, _ = self.sp_model.sp_heads()
+        if self.sp_model.linear_heads:   # a Gated DeltaNet hybrid: degrees must divide its value heads too
+            heads = math.gcd(heads, self.sp_model.linear_heads)
         pool = GroupPool()
         seed = args.data_seed if args.data_seed is not None else args.seed
         lengths = [len(row["input_ids"]) for row in self.train_dataset]
@@ -171,7 +175,8 @@ class FlexSPTrainer(Trainer):
             self.train_dataset, cost, cluster, pool=pool, device=self.args.device, lengths=lengths,
             config=LoaderConfig(batch_size=args.per_device_train_batch_size * world, seed=seed,
                                 plan=PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit,
-                                                max_degree=heads & -heads)))
+                                                max_degree=heads & -heads,
+                                                ulysses_only=not ring_capable(self.sp_model.mixers))))
         if args.flexsp_run_dir is not None:   # the same per-step records as the project's own loop
             from flexsp.plan.specs import spec_from_hf_config
             from flexsp.telemetry import Telemetry
