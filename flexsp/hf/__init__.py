@@ -7,7 +7,9 @@
 |---|---|
 | ``attention`` | the registry wrapper under the model's own attention key: Ulysses when the call carries a context |
 | ``adapter`` | ``HFCausalLM``: packed shard in, logits or summed loss out; ``sp_heads``/``fsdp_units`` |
-| ``features`` | refuse what the attention cannot honour (sliding window, softcap, sinks, dropout, non-causal, cross-attention, mRoPE, router loss) |
+| ``features`` | refuse what the attention cannot honour (sliding window, chunk, softcap, sinks, dropout, non-causal, cross-attention) |
+| ``mixers`` | the token-mixer registry: softmax attention, Gated DeltaNet linear attention (``linear_attention``) |
+| ``router`` | a MoE router's load-balancing loss over the global batch |
 | ``prepare`` | ``prepare_model`` / ``from_config`` / tiny built-in configs |
 | ``route`` | the context to attention modules of layers that drop ``**kwargs`` (StableLM) |
 | ``probe`` | a packed degree-1 forward against the native model: refuse what FlexSP would get wrong |

@@ -49,14 +49,37 @@ def probe(adapter) -> None:
                 raise UnsupportedModelError(f"{name}: fails on a packed row under FlexSP's attention at SP degree 1 "
                                             f"({type(exc).__name__}: {first})") from None
             native = torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]).float()
+            noise = native_noise(model, seqs, native)
     finally:
         model.train(was_training)
     scale = float(native.abs().max()) or 1.0
     error = float((ours - native).abs().max()) / scale
-    tol = TOLERANCE.get(param.dtype, 1e-4)
+    tol = max(TOLERANCE.get(param.dtype, 1e-4), min(NOISE_FACTOR * noise, NOISE_CAP))
     if not error <= tol:
         raise UnsupportedModelError(
             f"{name}: its logits on two packed sequences under FlexSP's attention differ from the native model's "
             f"by {error:.1e} (relative; tolerance {tol:g}): it mixes tokens in a way the packed causal attention "
             f"does not reproduce (position biases such as ALiBi, convolutions, recurrent or linear-attention "
             f"layers, or packing across sequence boundaries)")
+
+
+# The native model's own rounding noise widens the tolerance (never beyond NOISE_CAP): a model that casts to fp32
+# inside (a router's softmax, an fp32 recurrence, eager attention's fp32 softmax) disagrees with itself across
+# batch shapes at fp32 rounding even with fp64 weights, and FlexSP's packed row is one more batch shape.
+NOISE_FACTOR, NOISE_CAP = 10.0, 1e-5
+
+
+def native_noise(model, seqs, native: torch.Tensor) -> float:
+    """How far the native model's logits move when the same sequences run as one right-padded batch with
+    its attention mask instead of one at a time (relative, max-norm); 0.0 where that batch fails."""
+    width = max(int(s.numel()) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=native.device)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :s.numel()], mask[i, :s.numel()] = s, 1
+    try:
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    except Exception:
+        return 0.0
+    batched = torch.cat([logits[i, :s.numel()] for i, s in enumerate(seqs)]).float()
+    return float((batched - native).abs().max()) / (float(native.abs().max()) or 1.0)

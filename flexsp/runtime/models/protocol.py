@@ -5,6 +5,8 @@ The executor calls only ``sp_heads()`` (head checks before a step), ``fsdp_units
 ``parameters()``. ``TinyLM`` implements it; a Hugging Face adapter implements it around a
 transformers model. ``shard_loss`` returns a SUM, never a mean: the executor divides by the label
 count of the whole global batch, so summed over ranks the gradient is that of the global mean loss.
+A model whose auxiliary loss couples the whole batch (a MoE router's) also sets ``batch_coupled`` and
+implements ``shard_losses`` / ``batch_statistics`` (``flexsp.runtime.coupled``).
 """
 from __future__ import annotations
 
