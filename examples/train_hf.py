@@ -182,14 +182,15 @@ stop = False
 while step < args.steps and not stop:
     for batch in loader:   # one epoch; the next global batches are planned meanwhile
         t0 = time.perf_counter()
-        loss = executor.step(batch).loss
+        result = executor.step(batch)
+        loss, aux = result.loss, result.aux_loss   # aux: the part of loss from a MoE router's balancing loss
         seconds = time.perf_counter() - t0
         step += 1
         tokens_seen += batch.num_tokens
         bar.set_postfix_str(f"loss {loss:.3f} | {batch.num_tokens / seconds:,.0f} tok/s | groups {describe(batch.plan)}")
         bar.update()
         if args.log_every and step % args.log_every == 0:
-            log(f"step {step:4d} | loss {loss:.4f} | {batch.num_tokens:6d} tokens in {len(batch.indices)} seqs "
+            log(f"step {step:4d} | loss {loss:.4f}{f' (router aux {aux:.4f})' if aux else ''} | {batch.num_tokens:6d} tokens in {len(batch.indices)} seqs "
                 f"(max {max(batch.lengths)}) | {batch.num_tokens / seconds:8,.0f} tok/s | groups {describe(batch.plan)}")
         before = ckpt.last_saved
         stop = ckpt.step_done()   # saves every N steps; True after a SIGTERM on any rank (saved: stop everywhere)

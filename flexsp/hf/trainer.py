@@ -125,6 +125,7 @@ class FlexSPTrainer(Trainer):
         self.flexsp_loader = None
         self._executor = None
         self._telemetry = None
+        self._aux_sum, self._aux_steps = 0.0, 0
         if not self.flexsp:
             return
         args = self.args
@@ -212,7 +213,17 @@ class FlexSPTrainer(Trainer):
         step = inputs[STEP_KEY]
         self.sp_model.train()
         result = self._executor.step(step)
+        self._aux_sum += result.aux_loss   # the router part of the loss, logged apart
+        self._aux_steps += 1
         return torch.tensor(result.loss, dtype=torch.float32, device=self.args.device)
+
+    def log(self, logs: dict, *a: Any, **kw: Any) -> None:
+        """The Trainer's log, plus ``aux_loss`` (the router part of the logged loss, averaged alike) when any."""
+        if self.flexsp and "loss" in logs and self._aux_steps:
+            if self.sp_model is not None and self.sp_model.router is not None:
+                logs["aux_loss"] = round(self._aux_sum / self._aux_steps, 6)
+            self._aux_sum, self._aux_steps = 0.0, 0
+        super().log(logs, *a, **kw)
 
     def floating_point_ops(self, inputs) -> int:
         if not self.flexsp:
