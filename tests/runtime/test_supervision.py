@@ -141,6 +141,17 @@ def _worker(rank, world_size, plan, seeds, with_loader):
         loaded = _model()
         result = StepExecutor(loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-2, weight_decay=0.1), pool,
                               backend="sdpa", failure_name="supervision-loader").step(step)
+        bad = _rows(seeds[0])
+        bad[4] = {"input_ids": bad[4]["input_ids"], "labels": [-100] * 5 + [VOCAB] + [1] * (LENGTHS[4] - 6)}
+        loader = FlexSPLoader(bad, cost, flexsp.Cluster(num_gpus=4, gpus_per_node=4), pool=pool, lengths=LENGTHS,
+                              vocab_size=VOCAB, planner=_fixed_planner,
+                              config=LoaderConfig(batch_size=len(LENGTHS), seed=3, lookahead=0, prefetch=False))
+        try:   # only the rank holding item 4 reads it; the load agreement makes it every rank's error
+            next(iter(loader))
+            out["bad_row"] = None
+        except Exception as exc:
+            out["bad_row"] = f"{type(exc).__name__}: {exc}"
+        loader.close()
         out.update(loader_params=torch.nn.utils.parameters_to_vector(loaded.parameters()).detach(),
                    loader_result=result, loader_rings=sorted({g.ring for mb in step.plan.micro_batches
                                                               for g in mb.groups}))
@@ -182,3 +193,12 @@ def test_loader_step_equals_one_device(runs):
         assert run["loader_result"].loss == pytest.approx(losses[0], rel=1e-12)
         assert run["loader_result"].loss_tokens == runs[0]["results"][0].loss_tokens
     assert runs[0]["loader_rings"] == [1, 2]   # the loader ran the ring group too
+
+
+def test_a_bad_row_on_one_rank_is_every_ranks_error_naming_row_and_column(runs):
+    errors = {run["bad_row"] for run in runs}
+    assert len(errors) == 1
+    (error,) = errors
+    assert error.startswith("LoaderError: loading global batch 0 of epoch 0 failed on rank ")
+    assert "dataset item 4, column 'labels': position 5 holds 64, outside the vocabulary 0..63" in error
+    assert "\n" not in error

@@ -1,0 +1,93 @@
+"""examples/sft_trl.py: TRL's SFTTrainer with FlexSP on 4 gloo ranks (torchrun) against TRL's own SFTTrainer in
+one process on the same global batches, for prompt-completion data (completion-only loss) and conversational
+data (assistant-only loss through the chat template's generation markers), and a resumed FlexSP run against the
+uninterrupted one. Tolerances as tests/hf/test_trainer.py (fp64 model; the logged losses pass through the
+Trainer's fp32 accumulator, Adam turns rounding noise of near-zero gradients into relative noise)."""
+import dataclasses
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+pytest.importorskip("trl")
+from safetensors.torch import load_file  # noqa: E402
+from scripts import experiment  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "sft_trl.py"
+STEPS = ["--steps", "4", "--save-steps", "2", "--sequences", "32"]
+
+
+def _run(tmp_path, name, *argv, ranks=1):
+    launcher, env = experiment("launch").torchrun(ranks)
+    history = tmp_path / f"{name}.json"
+    proc = subprocess.run([*launcher, str(EXAMPLE), *STEPS, "--out", str(tmp_path / name), "--history", str(history),
+                           *argv], capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return {int(k): v for k, v in json.loads(history.read_text())["losses"].items()}
+
+
+def _params(tmp_path, name, step):
+    return load_file(str(tmp_path / name / f"checkpoint-{step}" / "model.safetensors"))
+
+
+def _assert_same_training(tmp_path, flex, plain, a_name, b_name):
+    assert sorted(flex) == sorted(plain) == [1, 2, 3, 4]
+    for step in plain:
+        assert flex[step] == pytest.approx(plain[step], rel=1e-6)
+    assert plain[1] != pytest.approx(plain[4], rel=1e-6)   # the curve moves: the comparison is not vacuous
+    a, b = _params(tmp_path, a_name, 4), _params(tmp_path, b_name, 4)
+    for key in b:
+        assert float((a[key] - b[key]).abs().max()) <= 1e-6 * float(b[key].abs().max()), key
+
+
+def test_prompt_completion_equals_trl_and_resumes_exactly(tmp_path):
+    plain = _run(tmp_path, "trl", "--no-flexsp", "--data", "prompt-completion")
+    flex = _run(tmp_path, "flex", "--data", "prompt-completion", ranks=4)
+    _assert_same_training(tmp_path, flex, plain, "flex", "trl")
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "flex" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = _run(tmp_path, "resumed", "--data", "prompt-completion", "--resume", ranks=4)
+    assert resumed[3] == flex[3] and resumed[4] == flex[4]
+    a, b = _params(tmp_path, "resumed", 4), _params(tmp_path, "flex", 4)
+    assert all(torch.equal(a[key], b[key]) for key in b)
+
+
+def test_conversational_assistant_only_equals_trl(tmp_path):
+    plain = _run(tmp_path, "trl", "--no-flexsp", "--data", "conversational")
+    flex = _run(tmp_path, "flex", "--data", "conversational", ranks=4)
+    _assert_same_training(tmp_path, flex, plain, "flex", "trl")
+
+
+def test_config_shares_the_flexsp_fields_with_the_trainer_arguments():
+    from trl import SFTConfig
+
+    from flexsp.hf.trainer import FlexSPArguments, FlexSPTrainingArguments
+    from flexsp.hf.trl import FlexSPSFTConfig
+    assert issubclass(FlexSPSFTConfig, SFTConfig) and issubclass(FlexSPSFTConfig, FlexSPArguments)
+    assert issubclass(FlexSPTrainingArguments, FlexSPArguments)
+    mine = {f.name for f in dataclasses.fields(FlexSPArguments)}
+    assert {"flexsp", "flexsp_tokens_per_rank", "flexsp_cost"} <= mine
+    for cls in (FlexSPSFTConfig, FlexSPTrainingArguments):
+        assert mine <= {f.name for f in dataclasses.fields(cls)}
+        assert all(name not in vars(cls).get("__annotations__", {}) for name in mine)   # inherited, not restated
+
+
+@pytest.mark.parametrize("setting", ["packing", "padding_free"])
+def test_trl_packing_is_refused_with_flexsp(tmp_path, setting):
+    from datasets import Dataset
+
+    from flexsp.hf.trainer import TrainerSetupError
+    from flexsp.hf.trl import FlexSPSFTConfig, FlexSPSFTTrainer
+    from .models import build
+    args = FlexSPSFTConfig(output_dir=str(tmp_path), flexsp=True, flexsp_tokens_per_rank=64, use_cpu=True,
+                           report_to=[], bf16=False, **{setting: True})
+    with pytest.raises(TrainerSetupError, match=f"{setting}=True with flexsp=True: FlexSP already packs") as info:
+        FlexSPSFTTrainer(model=build("llama"), args=args,
+                         train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+    assert "\n" not in str(info.value)
