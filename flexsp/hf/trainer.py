@@ -13,8 +13,10 @@ With ``flexsp=False`` it is the plain ``Trainer``. With ``flexsp=True`` FlexSP s
   ``flexsp_cost``), and each rank gets its packed per-rank ``Step`` (no collator, no padding);
 - **attention**: ``prepare_model`` registers FlexSP's attention under the model's own key;
 - **loss and gradients**: ``training_step`` runs the step's micro-batches through the runtime's
-  ``StepExecutor`` (summed loss / the global batch's label count, gradients summed over the world),
-  so one Trainer step equals the mean next-token loss over the global batch on one device. The
+  ``StepExecutor`` (summed loss / the global batch's count of supervised targets: a ``labels`` column or
+  TRL's ``completion_mask`` / ``assistant_masks`` say which, ``flexsp.runtime.labels``; gradients summed
+  over the world), so one Trainer step equals HF's loss (``num_items_in_batch``) over the global batch on
+  one device. TRL's ``SFTTrainer``: ``flexsp.hf.trl``. The
   Trainer keeps its optimizer, scheduler, clipping, logging and callbacks; the model is not wrapped
   in DDP (FlexSP reduces the gradients itself).
 - **checkpoints**: the Trainer's own (``save_steps``, ``resume_from_checkpoint``), plus the loader's

@@ -19,9 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trl import SFTConfig, SFTTrainer
-
 from flexsp.hf.trainer import FlexSPArguments, FlexSPTrainer, TrainerSetupError
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ModuleNotFoundError as exc:   # name the extra rather than a bare missing module
+    raise ModuleNotFoundError(f"flexsp.hf.trl needs TRL ({exc}): pip install 'flexsp[trl]'", name=exc.name) from None
 
 
 @dataclass
