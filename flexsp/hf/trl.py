@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexsp.hf.trainer import FlexSPArguments, FlexSPTrainer, TrainerSetupError
+from flexsp.runtime.labels import LABELS, MASKS
 
 try:
     from trl import SFTConfig, SFTTrainer
@@ -49,3 +50,16 @@ class FlexSPSFTTrainer(FlexSPTrainer, SFTTrainer):
         args = kw.get("args", a[1] if len(a) > 1 else None)
         check_sft_args(args)
         super().__init__(*a, **kw)
+        if self.flexsp:
+            self.train_dataset = labels_only(self.train_dataset)
+
+
+def labels_only(dataset: Any) -> Any:
+    """TRL's prepared rows with the ``labels`` it built as their only supervision: a mask column TRL chose not to
+    apply (``completion_only_loss=False`` leaves ``completion_mask`` in place) must not reach FlexSP's loader,
+    which would apply it (or refuse it as disagreeing with the labels); TRL's collator ignores it too."""
+    columns = getattr(dataset, "column_names", None) or ()
+    stale = [c for c in MASKS if c in columns]
+    if LABELS in columns and stale:
+        dataset = dataset.remove_columns(stale)
+    return dataset

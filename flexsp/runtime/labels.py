@@ -8,8 +8,8 @@ The conventions are Hugging Face's and TRL's:
   1 = the token is a target, 0 = it is not (the prompt, the user's turns).
 
 A row may carry several: a token is a target where every mask says 1 (TRL's collator applies both masks),
-and ``labels`` beside a mask must agree with it (-100 exactly where the mask is 0), since two columns that
-disagree mean the dataset was built wrong. ``read_targets`` turns a row into the per-token targets the
+and ``labels`` beside a mask must agree with it (-100 exactly where the mask is 0, from the second token on:
+the first is never a target), since two columns that disagree mean the dataset was built wrong. ``read_targets`` turns a row into the per-token targets the
 packing step shifts (``flexsp.runtime.sp.tokens.next_token_labels``, the one place labels are laid out)
 and counts its supervised targets on the host, so the step's denominator needs no device read.
 Per-token loss weights are not supported (a target is in or out).
@@ -87,6 +87,7 @@ def read_targets(columns: Mapping[str, Any], ids: torch.Tensor, where: str,
         on = mask.eq(1)
         if labels is not None:
             differ = on.ne(labels.ne(IGNORE_INDEX))
+            differ[0] = False   # the first token is never a target: what either says there changes no loss
             if bool(differ.any()):
                 j = _first(differ)
                 raise LabelsError(f"{where}: columns 'labels' and {name!r} disagree at position {j} (label "

@@ -93,3 +93,33 @@ def test_trl_packing_is_refused_with_flexsp(tmp_path, setting):
         FlexSPSFTTrainer(model=build("llama"), args=args,
                          train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
     assert "\n" not in str(info.value)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = [f"w{i}" for i in range(20)]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *words])},
+                                         unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("completion_only", [True, False])
+def test_the_loader_sees_the_labels_trl_built_and_no_mask_it_left_unapplied(tmp_path, completion_only):
+    """completion_only_loss=False: TRL trains every token and leaves completion_mask in the rows; FlexSP must not
+    apply it (nor refuse it as disagreeing with the labels)."""
+    from datasets import Dataset
+
+    from flexsp.hf.trl import FlexSPSFTConfig, FlexSPSFTTrainer
+    from .models import build
+    rows = [{"prompt": "w1 w2 w3", "completion": " w4 w5"}, {"prompt": "w6", "completion": " w7 w8 w9"}]
+    args = FlexSPSFTConfig(output_dir=str(tmp_path), flexsp=True, flexsp_tokens_per_rank=64, use_cpu=True,
+                           report_to=[], bf16=False, completion_only_loss=completion_only)
+    trainer = FlexSPSFTTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_list(rows),
+                               processing_class=_tokenizer())
+    prepared = trainer.train_dataset
+    assert "labels" in prepared.column_names and "completion_mask" not in prepared.column_names
+    first = prepared[0]
+    assert first["input_ids"] == [3 + 1, 3 + 2, 3 + 3, 3 + 4, 3 + 5, 1]   # w1 w2 w3 w4 w5 <eos>
+    assert first["labels"] == ([-100] * 3 + first["input_ids"][3:] if completion_only else first["input_ids"])

@@ -71,6 +71,8 @@ def test_masks_and_labels_become_targets():
     assert t.tolist() == [I, 40, 41, I, I, 3] and n == 3
     t, n = _read({"labels": [0, I, I, I, I, I]})          # the first token is never predicted
     assert n == 0
+    t, n = _read({"labels": [1, I, 3, 4, 5, 6], "completion_mask": [0, 0, 1, 1, 1, 1]})   # position 0: no target
+    assert t.tolist() == [I, I, 3, 4, 5, 6] and n == 4
     assert _read({}) == (None, 5)
 
 
