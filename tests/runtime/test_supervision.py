@@ -2,6 +2,7 @@
 plan on 4 gloo ranks (fp64: degrees 1, 2 and 4, a 2 x 2 ring group, idle ranks, groups with no supervised
 target) equals one device computing Hugging Face's loss: the sum over supervised targets divided by their
 count in the global batch. Both entry points: ``StepExecutor.run_plan`` and the ``FlexSPLoader``'s step."""
+import logging
 import math
 
 import numpy as np
@@ -124,9 +125,14 @@ def _worker(rank, world_size, plan, seeds, with_loader):
     executor = StepExecutor(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), pool,
                             backend="sdpa", failure_name="supervision")
     results = [executor.run_plan(Plan.from_dict(plan), _rows(seed)) for seed in seeds]
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("flexsp.step").addHandler(handler)
     zero = executor.run_plan(Plan.from_dict(plan), _rows(0, masked_all=True))
+    logging.getLogger("flexsp.step").removeHandler(handler)
     out = {"params": torch.nn.utils.parameters_to_vector(model.parameters()).detach(), "results": results,
-           "zero": zero}
+           "zero": zero, "logged": logged}
     if with_loader:
         from flexsp.data import FlexSPLoader, LoaderConfig
         cost = flexsp.CostModel(alpha1=1e-6, alpha2=1e-4, beta1=1e-3, comm_bytes_per_token=1e3,
@@ -180,6 +186,8 @@ def test_update_equals_one_device_including_a_zero_supervision_step(runs):
     for run in runs:
         assert abs(run["params"] - model_want).max() < 1e-10
         assert run["zero"].loss == 0.0 and run["zero"].loss_tokens == 0 and math.isfinite(run["zero"].loss)
+        assert run["logged"] == ["step 2: the global batch has no supervised target (every label -100 or masked): "
+                                 "a zero-loss step, zero gradients"]
         assert np.isfinite(run["params"]).all()
     plain, _ = _reference([[r if isinstance(r, torch.Tensor) else r["input_ids"] for r in _rows(0)]])
     once, _ = _reference([_rows(0)])
