@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from flexsp.plan.types import Group
 from flexsp.runtime.sp.context import IGNORE_INDEX, PAD_TOKEN, AttentionContext, Shard
-from flexsp.runtime.sp.tokens import next_token_labels
 from flexsp.runtime.sp.ring import ring_context
+from flexsp.runtime.sp.tokens import next_token_labels
 from flexsp.runtime.sp.zigzag import zigzag_pack
 from flexsp.runtime.transfer import host_tensor
 
@@ -104,7 +104,7 @@ def pack(sequences: Sequence[torch.Tensor], degree: int,
 
 def loss_tokens(lengths: Sequence[int]) -> int:
     """Tokens that carry a next-token label when every target is supervised: all but each sequence's last.
-    With ``labels`` or a mask the count is the rows' (``flexsp.runtime.labels.Row.supervised``)."""
+    With ``labels`` or a mask the count is the rows' (``flexsp.runtime.labels.read_targets``)."""
     return sum(max(0, int(n) - 1) for n in lengths)
 
 
