@@ -56,12 +56,13 @@ class BatchCoupled:
                 stats = s if stats is None else stats + s
         self.total = self._reduce(stats)
 
-    def losses(self, w: Any, denominator: int, *, idle: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(LM sum / denominator + this shard's auxiliary term, the term) for micro-batch inputs ``w``."""
+    def losses(self, w: Any, normalise: Callable[[torch.Tensor], torch.Tensor], *,
+               idle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``normalise(LM sum)`` + this shard's auxiliary term, the term) for micro-batch inputs ``w``."""
         lm, term = self.model.shard_losses(w.input_ids, w.position_ids, w.labels, w.ctx)
         if self.total is None:   # one micro-batch: this forward's statistics are the batch's
             self.total = self._reduce(term.statistics * (0 if idle else 1))
         aux = term.loss(self.total.to(term.statistics.device))
         if idle:
             aux = aux * 0.0
-        return lm / denominator + aux, aux
+        return normalise(lm) + aux, aux
