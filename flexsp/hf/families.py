@@ -198,7 +198,11 @@ def native_step(model: torch.nn.Module, sequences: Sequence[torch.Tensor]) -> tu
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         from flexsp.hf.router import RouterLoss
-        rule = RouterLoss.of(model)
+        try:
+            rule = RouterLoss.of(model)
+        except UnsupportedModelError:   # a router loss FlexSP refuses: the reference is HF's own loss as it is
+            out.loss.backward()
+            return float(out.loss.detach()), _updated(model)
         aux = 0.0 if rule is None or out.aux_loss is None else rule.coef * out.aux_loss.to(torch.float64)
         lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).double(),
                              labels[:, 1:].reshape(-1), ignore_index=-100)
