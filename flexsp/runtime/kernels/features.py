@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from flexsp.runtime.kernels.layout import AttentionError
@@ -66,11 +67,15 @@ class Features:
         t = torch.tanh(scores / self.softcap)
         return t * self.softcap, 1 - t * t
 
-    def unreachable(self, min_q: int, max_k: int) -> bool:
-        """No query at position ``>= min_q`` sees any key at position ``<= max_k`` (a ring block to skip)."""
-        if self.window is not None and min_q - max_k >= self.window:
-            return True
-        return self.chunk is not None and min_q // self.chunk > max_k // self.chunk
+    def unreachable(self, min_q: np.ndarray, max_k: np.ndarray) -> bool:
+        """For every sequence ``s``, no query at position ``>= min_q[s]`` sees a key at position ``<= max_k[s]``:
+        the whole block is masked out (the ring skips it)."""
+        far = np.zeros(np.shape(min_q), dtype=bool)
+        if self.window is not None:
+            far |= np.asarray(min_q) - np.asarray(max_k) >= self.window
+        if self.chunk is not None:
+            far |= np.asarray(min_q) // self.chunk > np.asarray(max_k) // self.chunk
+        return bool(far.all())
 
 
 PLAIN = Features()
@@ -87,10 +92,3 @@ def chunked_bounds(bounds: tuple[int, ...], chunk: int) -> tuple[int, ...]:
         out.append(b)
     return tuple(out)
 
-
-def positions(bounds: Sequence[int], tokens: int, device: torch.device) -> torch.Tensor:
-    """``[tokens]`` int64: each row's position within its sequence (0 on rows past the last bound)."""
-    pos = torch.zeros(tokens, dtype=torch.int64)
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        pos[a:b] = torch.arange(b - a)
-    return pos.to(device)
