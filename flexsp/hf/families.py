@@ -32,6 +32,7 @@ RTOL = 1e-7          # relative error of the loss and of the update (max-norm), 
 LR = 0.5
 MAX_PARAMS = 5_000_000
 LENGTHS = (9, 17, 5, 12, 3, 7, 11, 6)
+WINDOW = 4           # tiny sliding window and attention chunk, where a family has them
 VOCAB = 128
 # The shrink: config attributes set when the family's config has them (names differ per family).
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -40,7 +41,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_l
             max_position_embeddings=512, attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, dropout=0.0, n_embd=32, n_layer=2, n_head=4, n_positions=512, d_model=32, n_inner=48,
             ffn_dim=48, num_layers=2, num_heads=4, first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8,
-            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+            sliding_window=WINDOW, attention_chunk_size=WINDOW)   # shorter than most LENGTHS: windows and chunks bind
 
 
 @dataclass(frozen=True)

@@ -218,3 +218,60 @@ def test_every_sp_layout_computes_every_feature_exactly():
                     np.testing.assert_allclose(got, w.numpy(), rtol=1e-10, atol=1e-12, err_msg=where)
                 if sink:
                     np.testing.assert_allclose(dsink, wgrads[3].numpy(), rtol=1e-10, atol=1e-12, err_msg=where)
+
+
+# --- the CUDA kernels' API shapes, as hostile stand-ins on CPU ------------------------------------
+def _flash_without_softcap(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """flash-attn 2.3-2.5's shape: a window, no softcap."""
+    from . import hostile
+    return hostile.hostile_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  dropout_p, softmax_scale, causal, window_size)
+
+
+STANDIN_CASES = {   # name: (features, sinks, flash stand-in or None for FA2's, old varlen API, kernel calls expected)
+    "varlen window": (Features(window=3), False, None, False, {"forward"}),
+    "varlen chunk (cut bounds)": (Features(chunk=4), False, None, False, {"forward"}),
+    "varlen window + sinks (lse correction)": (Features(window=3), True, None, False, {"forward", "backward"}),
+    "softcap -> flash-attn 2's softcap": (Features(window=3, softcap=2.0), False, None, False, {"flash"}),
+    "softcap, flash-attn without it -> sdpa": (Features(softcap=2.0), False, _flash_without_softcap, False, set()),
+    "learnable_sink (FA4 shape)": (Features(window=3), True, "sink", False, {"flash_sink"}),
+    "torch 2.10 varlen (is_causal) window -> flash-attn's window": (Features(window=3), False, _flash_without_softcap,
+                                                                     True, {"flash"}),
+    "torch 2.10 varlen (is_causal) window + sinks -> sdpa": (Features(window=3), True, _flash_without_softcap, True,
+                                                              set()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STANDIN_CASES))
+def test_cuda_kernel_shapes_compute_the_features_or_fall_back(monkeypatch, case):
+    import dataclasses
+
+    from flexsp.runtime.kernels import varlen as varlen_mod
+    from . import hostile
+    features, sink, flash_fn, old_varlen, want_ops = STANDIN_CASES[case]
+    if flash_fn == "sink":
+        flash_fn = hostile.hostile_flash_attn_varlen_sink_func
+    facts = hostile.FACTS if flash_fn is None or flash_fn is _flash_without_softcap else \
+        dataclasses.replace(hostile.FACTS, flash=2)
+    hostile.install(monkeypatch.setattr, float("nan"), facts, flash=flash_fn)
+    if old_varlen:   # torch 2.10/2.11: is_causal, no window_size: a window cannot be passed to varlen
+        monkeypatch.setattr(varlen_mod, "VARLEN", dataclasses.replace(varlen_mod.VARLEN, causal_arg="is_causal"))
+    q, k, v, sinks = _inputs(torch.float64)
+    backend = "flash" if want_ops & {"flash_sink"} else "auto"
+    dout = torch.randn(q.shape, dtype=torch.float64)
+    got, grads = _run(lambda q, k, v, s: attend(q, k, v, BOUNDS, max_seqlen=9, backend=backend, features=features,
+                                                sinks=s), q, k, v, sinks if sink else None, dout)
+    want, wgrads = _run(lambda q, k, v, s: reference(q, k, v, BOUNDS, window=features.window, chunk=features.chunk,
+                                                     softcap=features.softcap, sinks=s), q, k, v,
+                        sinks if sink else None, dout)
+    assert {c["op"] for c in hostile.Trace.calls} == want_ops, hostile.Trace.calls
+    if features.window is not None:   # the kernel was told the window, never run without it
+        assert all(c["window"] == features.window - 1 for c in hostile.Trace.calls), hostile.Trace.calls
+    # the stand-ins keep a float32 lse, as the kernels do: ~1e-7 in the backward and in a sink's correction
+    tol = dict(rtol=1e-6, atol=1e-6) if sink else dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(grads, wgrads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    real = BOUNDS[-1]
+    assert (got[real:] == 0).all() and all((g[real:] == 0).all() for g in grads[:3])

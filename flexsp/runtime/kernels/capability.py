@@ -15,8 +15,9 @@ rule's kernel      with a window / softcap / sinks
 ``reference``      itself (it computes everything)
 ``flash``          itself where its signature takes every feature (``learnable_sink`` for sinks);
                    sinks without it: ``varlen`` lse form + correction if varlen takes the rest, else ``sdpa``
-``varlen``         itself for a window (``window_size``, torch >= 2.12); sinks: its lse form + correction
-                   (the backward op must take ``window_size`` too); softcap: ``flash`` if it takes it, else ``sdpa``
+``varlen``         itself for a window (``window_size``, torch >= 2.12; before: ``flash`` if it takes one, else
+                   ``sdpa``); sinks: its lse form + correction (the backward op must take ``window_size``
+                   too); softcap: ``flash`` if it takes it, else ``sdpa``
 ``varlen_cudnn``   as ``varlen`` (cuDNN's varlen branch is not known to honour a window)
 ``sdpa``           the per-sequence explicit lse form (``sdpa.each_forward``) + correction for sinks:
 ``sdpa_each``      SDPA's fused kernels take no window mask, softcap or sink
@@ -52,7 +53,9 @@ def attend_kernel(kernel: str, features: Features, sinks: bool) -> tuple[str, bo
             return ("flash", False) if flash.supports(api, window, softcap, sinks) else ("sdpa", True)
         if sinks:
             return ("varlen", True) if varlen_lse else ("sdpa", True)
-        return ("varlen", False) if vl is not None and vl.takes_window(backward=False) else ("sdpa", True)
+        if vl is not None and vl.takes_window(backward=False):
+            return "varlen", False
+        return ("flash", False) if flash.supports(api, window, False, False) else ("sdpa", True)
     return "sdpa", True
 
 
