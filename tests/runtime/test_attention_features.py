@@ -275,3 +275,24 @@ def test_cuda_kernel_shapes_compute_the_features_or_fall_back(monkeypatch, case)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     real = BOUNDS[-1]
     assert (got[real:] == 0).all() and all((g[real:] == 0).all() for g in grads[:3])
+
+
+def test_the_lse_form_runs_varlen_only_where_it_computes_the_layer(monkeypatch):
+    """The ring's and attend_lse's kernel: varlen for a bottom-right window (its backward op takes
+    window_size), the per-sequence form for explicit positions (zigzag blocks), a chunk or a softcap."""
+    from flexsp.runtime.kernels.capability import lse_kernel
+    from . import hostile
+    hostile.install(monkeypatch.setattr, float("nan"))
+    assert lse_kernel("varlen", Features(), True) == "varlen"
+    assert lse_kernel("varlen", Features(window=3), False) == "varlen"
+    assert lse_kernel("varlen_cudnn", Features(window=3), False) == "varlen"
+    for features, positions in ((Features(window=3), True), (Features(chunk=3), False), (Features(softcap=1.0), False)):
+        assert lse_kernel("varlen", features, positions) == "sdpa"
+    q, k, v, _ = _inputs(torch.float64)
+    bq, bk = (0, 3, 8, 8, 12), (0, 9, 17, 17, 24)
+    out, lse = attend_lse(q, k, v, bq, bk, causal=True, features=Features(window=3))
+    want, wlse = reference(q, k, v, bq, bk, return_lse=True, window=3)
+    assert {c["op"] for c in hostile.Trace.calls} == {"forward"} and hostile.Trace.calls[0]["window"] == 2
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse.double(), wlse, rtol=1e-6, atol=1e-6)
+    assert (out[12:] == 0).all() and torch.isinf(lse[:, 12:]).all()
