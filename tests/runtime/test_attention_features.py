@@ -296,3 +296,43 @@ def test_the_lse_form_runs_varlen_only_where_it_computes_the_layer(monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse.double(), wlse, rtol=1e-6, atol=1e-6)
     assert (out[12:] == 0).all() and torch.isinf(lse[:, 12:]).all()
+
+
+def test_sinks_on_merged_statistics_through_a_hostile_kernel_are_exact(monkeypatch):
+    """The ring's way with sinks: partials over two key blocks merged, the sink applied once to the merged
+    statistics, every block's q/k/v gradient from the augmented statistics (through the varlen stand-in's
+    FA2-style backward, NaN in its padding rows) and the sink's from one reduction - all equal to attention
+    over the union of the keys with the sink as an extra key."""
+    from flexsp.runtime.kernels import LseSpec, lse_backward, lse_forward, merge_partials
+    from flexsp.runtime.kernels.sinks import sink_grad, sink_stats
+    from . import hostile
+    hostile.install(monkeypatch.setattr, float("nan"))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, h, 8, generator=g, dtype=torch.float64) for n, h in ((12, 4), (15, 2), (15, 2)))
+    sinks = torch.randn(4, generator=g, dtype=torch.float64)
+    cu_q = (0, 5, 10)                                                  # rows 10, 11: padding
+    blocks = [((0, 3, 6), slice(0, 8)), ((0, 2, 4), slice(8, 15))]     # keys 0..5 | 8..11 real
+    specs = [LseSpec(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), 5, 3, False, 0.25,
+                     "varlen") for cu_k, _ in blocks]
+    (oa, la), (ob, lb) = (lse_forward(q, k[rows], v[rows], spec) for (_, rows), spec in zip(blocks, specs))
+    out, lse = sink_stats(*merge_partials(oa, la, ob, lb), sinks)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+    for (cu_k, rows), spec in zip(blocks, specs):
+        gq, gk, gv = lse_backward(dout, q, k[rows], v[rows], out, lse, spec)
+        dq += gq
+        dk[rows] += gk
+        dv[rows] += gv
+    dsink = sink_grad(dout, out, lse, sinks)
+    keep = torch.tensor([0, 1, 2, 8, 9, 3, 4, 5, 10, 11])
+    leaves = [t.clone().requires_grad_() for t in (q, k[keep], v[keep], sinks)]
+    want = reference(*leaves[:3], cu_q, (0, 5, 10), causal=False, scale=0.25, sinks=leaves[3])
+    wq, wk, wv, ws = torch.autograd.grad((want * dout).sum(), leaves)
+    tol = dict(rtol=1e-6, atol=1e-6)   # the stand-in's float32 lse
+    torch.testing.assert_close(out, want.detach(), **tol)
+    assert (out[10:] == 0).all() and torch.isinf(lse[:, 10:]).all()
+    torch.testing.assert_close(dq, wq, **tol)
+    torch.testing.assert_close(dk[keep], wk, **tol)
+    torch.testing.assert_close(dv[keep], wv, **tol)
+    torch.testing.assert_close(dsink, ws, **tol)
+    assert (dq[10:] == 0).all()
