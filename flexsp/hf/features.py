@@ -72,8 +72,9 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
 def layer_features(model: nn.Module) -> dict[int, Features]:
     """Each decoder layer's attention features (``Features``), read once from the config and the modules.
 
-    Window: ``config.layer_types[i] == "sliding_attention"`` (or, without layer types, every layer of a
-    config with ``sliding_window`` and ``use_sliding_window`` not False), the attention module's own
+    Window: ``config.layer_types[i] == "sliding_attention"`` (or, where no layer type is a sliding one,
+    every attention layer of a config with ``sliding_window`` and ``use_sliding_window`` not False: the
+    mask builders of Mistral-style models apply it everywhere), the attention module's own
     ``sliding_window`` attribute overriding; chunk: "chunked_attention" layers' ``attention_chunk_size``;
     softcap: ``attn_logit_softcapping``."""
     cfg = text_config(model)
@@ -88,7 +89,9 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
     out = {}
     for i in range(layers):
         kind = types[i] if i < len(types) else None
-        w = window if (kind == SLIDING or (not types and window is not None)) else None
+        # a config whose layer types name no sliding layer (none, or attention vs linear: MiniMax) builds its
+        # mask with the window on every attention layer, as Mistral's does
+        w = window if (kind == SLIDING or (SLIDING not in types and kind != CHUNKED)) else None
         module = modules.get(i)
         if module is not None and hasattr(module, "sliding_window"):
             w = module.sliding_window
