@@ -46,6 +46,7 @@ import numpy as np
 from flexsp.errors import CostModelError
 from flexsp.inputs import exact_sum, integer, load_json, number, write_text
 from flexsp.plan.cluster import ulysses_split
+from flexsp.plan.layers import pairs
 from flexsp.plan.lengths import as_lengths
 from solver.types import DegreeCosts, seconds
 
@@ -59,6 +60,7 @@ def _as_array(lengths: Iterable[int]) -> np.ndarray:
 
 
 _COEFFICIENTS = ("alpha1", "alpha2", "beta1", "comm_bytes_per_token", "token_capacity")
+_TERMS = ("window_alpha", "chunk_alpha")    # per-size attention terms of windowed / chunked layers
 
 
 MAX_BANDWIDTH_DEGREES = 2**16  # entries an alltoall_bandwidth table may have (every degree of 16,384 GPUs: 2,055)
@@ -90,6 +92,8 @@ class CostModel:
     ring_bytes_per_token: float = 0.0   # K+V bytes per token, all layers, fwd+bwd (ring axis)
     ring_bandwidth: float | None = None  # point-to-point bytes/s per GPU for the ring axis
     ring_hop_latency: float = 0.0       # s of latency per ring hop, summed over a step's layers and passes
+    window_alpha: Mapping[int, float] = field(default_factory=dict)  # window w -> s per pair of its layers
+    chunk_alpha: Mapping[int, float] = field(default_factory=dict)   # chunk c -> s per pair of its layers
 
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
@@ -102,8 +106,6 @@ class CostModel:
         if self.token_capacity > MAX_GROUP_TOKENS:
             raise CostModelError(f"token_capacity {self.token_capacity:.6g} is above 2**52 tokens per GPU, more than "
                                  f"the planner counts exactly; give the activation tokens one GPU holds")
-        if self.alpha1 == 0 and self.alpha2 == 0:
-            raise CostModelError("alpha1 and alpha2 are both 0: every sequence would take no time")
         table = self.alltoall_bandwidth if self.alltoall_bandwidth is not None else {}
         if not isinstance(table, Mapping):
             raise CostModelError(f"alltoall_bandwidth must map SP degree -> bytes/s, got {type(table).__name__}")
@@ -132,6 +134,26 @@ class CostModel:
         if self.ring_bandwidth is not None:
             object.__setattr__(self, "ring_bandwidth", number(self.ring_bandwidth, "ring_bandwidth (bytes/s, or None)",
                                                               CostModelError, positive=True))
+        for name in _TERMS:
+            table = getattr(self, name)
+            if table is None:
+                table = {}
+            if not isinstance(table, Mapping):
+                raise CostModelError(f"{name} must map a size in tokens -> seconds per attention pair, got "
+                                     f"{type(table).__name__}")
+            checked = {}
+            for key, value in table.items():
+                size = None
+                if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 20:
+                    size = int(key)
+                elif isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+                    size = int(key)
+                if size is None or size < 1:
+                    raise CostModelError(f"{name} has size {key!r}; sizes are whole numbers of tokens >= 1")
+                checked[size] = number(value, f"{name}[{size}]", CostModelError)
+            object.__setattr__(self, name, dict(sorted(checked.items())))
+        if self.alpha1 == 0 and self.alpha2 == 0 and not any(self.terms_alpha()):
+            raise CostModelError("alpha1 and alpha2 are both 0: every sequence would take no time")
         self.check_range(d for d in (1, *self.alltoall_bandwidth) if self.split(d)[1] == 1 or self.ring_bandwidth)
 
     def check_range(self, degrees: Iterable[int]) -> None:
@@ -150,13 +172,13 @@ class CostModel:
                     f"more than the planner counts exactly; lower token_capacity or the largest SP degree")
             quad, lin, ring = self.coefficients(degree)
             full = float(math.floor(tokens))
-            longest = lin * full + max(quad * full * full, ring * full + self.ring_hops(degree)) + self.beta1
+            longest = float(self.seq_time(full, degree)) + self.beta1
             if not longest <= MAX_SECONDS:
                 raise CostModelError(
                     f"a group of {degree} GPUs at its capacity of {full:.0f} tokens would take {longest:.3g} s, above "
                     f"{MAX_SECONDS:.0e} s: alpha1/alpha2 are seconds per token^2 / per token, comm_bytes_per_token "
                     f"bytes and bandwidths bytes/s; check their units")
-            shortest = lin + max(quad, ring)
+            shortest = lin + max(quad + sum(self.terms_alpha()) / degree, ring)
             if not (shortest >= MIN_SECONDS and shortest >= self.beta1 * MIN_SHARE_OF_BETA1):
                 raise CostModelError(
                     f"one token in a group of {degree} GPUs takes {shortest:.3g} s, which vanishes beside "
@@ -217,9 +239,33 @@ class CostModel:
         ring = self.split(degree)[1]
         return (ring - 1) * self.ring_hop_latency if ring > 1 else 0.0
 
+    # --- layer kinds (flexsp.plan.layers) -------------------------------------------------------
+    @property
+    def terms(self) -> tuple[tuple[str, int], ...]:
+        """The attention terms beyond ``alpha1 * s^2``: ``("window", w)`` and ``("chunk", c)``, in a fixed order."""
+        return tuple(("window", w) for w in self.window_alpha) + tuple(("chunk", c) for c in self.chunk_alpha)
+
+    def terms_alpha(self) -> tuple[float, ...]:
+        """Seconds per attention pair (one GPU) of each of ``terms``."""
+        return (*self.window_alpha.values(), *self.chunk_alpha.values())
+
+    def attention_seconds(self, length, degree: int = 1):
+        """Seconds of attention compute of sequence(s) of ``length`` tokens at ``degree`` (vectorised):
+        ``(alpha1 s^2 + sum over windows and chunks of alpha x pairs(s)) / degree``."""
+        s = np.asarray(length, dtype=np.float64)
+        out = self.alpha1 * s * s
+        for (mixer, size), alpha in zip(self.terms, self.terms_alpha()):
+            out = out + alpha * pairs(s, mixer, size)
+        return out / degree
+
     def seq_time(self, length, degree: int):
         """Seconds for sequence(s) of ``length`` tokens in a group of ``degree`` GPUs (no beta1)."""
-        out = seconds(length, *self.coefficients(degree), self.ring_hops(degree))
+        if not self.terms:
+            out = seconds(length, *self.coefficients(degree), self.ring_hops(degree))
+        else:
+            _, lin, ring = self.coefficients(degree)
+            s = np.asarray(length, dtype=np.float64)
+            out = lin * s + np.maximum(self.attention_seconds(s, degree), ring * s + self.ring_hops(degree))
         return float(out) if out.ndim == 0 else out
 
     def group_time(self, lengths: Iterable[int], degree: int) -> float:
@@ -257,9 +303,12 @@ class CostModel:
         degrees = tuple(sorted(set(int(d) for d in degrees)))
         self.check_range(degrees)
         quad, lin, ring = zip(*(self.coefficients(d) for d in degrees))
-        return DegreeCosts(degrees=degrees, quad=quad, lin=lin,
-                           capacity=tuple(float(self.group_capacity(d)) for d in degrees),
-                           beta1=self.beta1, ring=ring, hops=tuple(self.ring_hops(d) for d in degrees))
+        common = dict(degrees=degrees, quad=quad, lin=lin, capacity=tuple(float(self.group_capacity(d)) for d in degrees),
+                      beta1=self.beta1, ring=ring, hops=tuple(self.ring_hops(d) for d in degrees))
+        if not self.terms:
+            return DegreeCosts(**common)
+        return TermCosts(**common, terms=self.terms,
+                         weights=tuple(tuple(a / d for d in degrees) for a in self.terms_alpha()))
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -270,6 +319,9 @@ class CostModel:
                               ("ring_bandwidth", None), ("ring_hop_latency", 0.0)):
             if getattr(self, name) != default:      # written when set, so every model round-trips exactly
                 out[name] = getattr(self, name)
+        for name in _TERMS:                         # written when a model has windowed or chunked layers
+            if getattr(self, name):
+                out[name] = {str(size): alpha for size, alpha in getattr(self, name).items()}
         return out
 
     @classmethod
@@ -300,6 +352,31 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
         return load_json(path, "cost model", CostModelError, cls.from_dict)
+
+
+@dataclass(frozen=True)
+class TermCosts(DegreeCosts):
+    """``DegreeCosts`` of a model with windowed or chunked layers: the solver's one view of the cost, its
+    ``seconds`` adding each term's ``weights[j][k] * pairs(s)`` (``flexsp.plan.layers.pairs``) to the
+    ``quad * s^2`` attention. Every solver step evaluates time through ``seconds`` (``times``, ``seq_time``,
+    ``group_time``, ``group_loads``), so the solver plans on plain numbers as before, vectorised over lengths."""
+
+    terms: tuple[tuple[str, int], ...] = ()
+    weights: tuple[tuple[float, ...], ...] = ()   # per term, per degree: seconds per attention pair
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.weights) != len(self.terms) or any(len(w) != len(self.degrees) for w in self.weights):
+            raise ValueError("TermCosts needs one weight per term and degree")
+        object.__setattr__(self, "_weights", np.asarray(self.weights, dtype=np.float64).reshape(
+            len(self.terms), len(self.degrees)))
+
+    def seconds(self, lengths, k) -> np.ndarray:
+        s = np.asarray(lengths, dtype=np.float64)
+        attention = self._quad[k] * s * s
+        for (mixer, size), weight in zip(self.terms, self._weights):
+            attention = attention + weight[k] * pairs(s, mixer, size)
+        return self._lin[k] * s + np.maximum(attention, self._ring[k] * s + self._hops[k])
 
 
 def describe_sources(cost: CostModel) -> str:

@@ -102,7 +102,7 @@ def budget(spec: ModelSpec, tokens: int, *, half: bool, sharding: str = "full", 
     """The capacity model's accounting of a world-1 step of ``spec`` on ``tokens`` tokens; ``half``: bf16
     compute (a 2-byte compute copy), else the parameters compute in fp32 (no copy)."""
     states = state_bytes(spec.params, 1, sharding, compute_bytes=2 if half else 0)
-    return Budget(states, activation_bytes_per_token(spec.hidden, spec.layers, recompute), tokens, sharding)
+    return Budget(states, activation_bytes_per_token(spec, recompute, "autocast"), tokens, sharding)
 
 
 def selftest_bytes(spec: ModelSpec, tokens: int, longest: int, half: bool) -> float:
