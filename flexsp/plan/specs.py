@@ -74,6 +74,7 @@ class ModelSpec:
     shared_ffn: int = 0                   # total FFN width of the shared (always active) experts
     linear: LinearShape | None = None     # linear-attention heads (None: heads x head size)
     implementation: str = "flexsp"        # what builds the layers: "flexsp" (TinyLM) or "transformers"
+    attn_gate: bool = False               # attention output gated per head (Qwen3-Next / Qwen3.5: q_proj x 2)
 
     def __post_init__(self) -> None:
         for field in SHAPE_FIELDS:   # layers may be 0: the embedding and head alone (profiling extrapolates blocks)
@@ -178,7 +179,8 @@ class ModelSpec:
     # --- parameters ---------------------------------------------------------------------------
     def _mixer_params(self, kind: LayerKind) -> float:
         if kind.softmax:
-            return self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+            gate = self.hidden * self.q_dim if self.attn_gate else 0
+            return self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden + gate
         shape = self.linear_shape
         k, v = shape.key_width, shape.value_width   # in-projections q, k, v, z, b, a; conv over q, k, v; out
         return self.hidden * (2 * k + 2 * v + 2 * shape.v_heads) + shape.conv * (2 * k + v) + v * self.hidden
@@ -325,7 +327,8 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
                      kinds=runs(kinds), experts=experts if moe_layers else 0,
                      active_experts=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe_layers else 0,
                      expert_ffn=expert_ffn if moe_layers and expert_ffn != ffn else 0,
-                     shared_ffn=shared_ffn if moe_layers else 0, linear=linear, implementation="transformers")
+                     shared_ffn=shared_ffn if moe_layers else 0, linear=linear, implementation="transformers",
+                     attn_gate=family.startswith(("qwen3_next", "qwen3_5")))
 
 
 _HF_MIXERS = {"full_attention": "full", "sliding_attention": "window", "chunked_attention": "chunk",
@@ -411,7 +414,22 @@ for _family, _overrides in (
         ("mistral", {}),                                          # sliding_window 4096 by default: exact below it
         ("gemma", {"head_dim": 32, "kv_heads": 1, "tie_embeddings": True}),   # MQA, tied, scaled embedding
         ("phi3", {"hf_extra": hf_extra(pad_token_id=0, bos_token_id=1, eos_token_id=2)})):   # fused projections
-    register_model(ModelSpec(**{**_HF_TINY, **_overrides}, name=f"hf-{_family}", family=_family))
+    register_model(ModelSpec(**{**_HF_TINY, **_overrides}, name=f"hf-{_family}", family=_family,
+                             implementation="transformers"))
+# Models with layer kinds and experts (``flexsp.plan.layers``), shapes from their published configs; they
+# have no measured constants: ``cost_from_preset`` serves them as analytic presets (``ANALYTIC_PRESETS``).
+_WINDOW_128 = LayerKind("window", 128, sinks=True, moe=True)
+register_model(ModelSpec(24, 2880, 64, 8, 2880, 201088, "gpt-oss-20b", family="gpt_oss", head_dim=64, norm_eps=1e-5,
+                         kinds=runs([_WINDOW_128, LayerKind("full", sinks=True, moe=True)] * 12),
+                         experts=32, active_experts=4, implementation="transformers"))
+register_model(ModelSpec(62, 5376, 32, 16, 21504, 262208, "gemma-3-27b", family="gemma3_text", head_dim=128,
+                         tie_embeddings=True, implementation="transformers",
+                         kinds=runs(LayerKind("window", 1024) if (i + 1) % 6 else FULL for i in range(62))))
+# Qwen3.5-27B's text decoder: 64 layers, 3 Gated DeltaNet layers (16 key, 48 value heads of 128) to 1 gated
+# full-attention layer (24 heads, 4 KV heads of 256)
+register_model(ModelSpec(64, 5120, 24, 4, 17408, 248320, "qwen3.5-27b", family="qwen3_5_text", head_dim=256,
+                         implementation="transformers", linear=LinearShape(16, 48, 128, 128, 4), attn_gate=True,
+                         kinds=runs(([LayerKind("linear")] * 3 + [FULL]) * 16)))
 
 GPUS: Mapping[str, GPUSpec] = {
     # Achieved, not nominal, bandwidths: the A100 entries reproduce the paper's cluster (all-to-all at
