@@ -63,7 +63,8 @@ def main() -> None:
     p = common.parser(__doc__, "layer_kinds")
     p.add_argument("--batches", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--time-limit", type=float, default=2.0)
+    p.add_argument("--time-limit", type=float, default=30.0,
+                   help="seconds per solve: high, so that machine load never cuts a search (default 30)")
     args = common.parse(p)
     if args.quick:
         args.batches, args.batch_size, args.time_limit = 1, 128, 0.5
@@ -96,7 +97,9 @@ def main() -> None:
     body = (f"{args.batches} {common.label(dist)} batches of {args.batch_size} sequences, {NUM_GPUS} GPUs (8 per node), context "
             f"{CONTEXT:,}; FlexSP plans (time limit {args.time_limit:g} s). `twin_plan_on_model_s`: the all-full-"
             f"attention twin's plans timed by the real model's cost (`OOM`: a twin plan puts more tokens on a GPU "
-            f"than the real model holds); `twin_plan_slowdown`: that over the real model's own plans.\n\n"
+            f"than the real model holds); `twin_plan_slowdown`: that over the real model's own plans. The activation bytes "
+            f"of linear-attention and MoE layers are counts of what those layers are built to save, not yet "
+            f"measured (`flexsp.plan.memory.layer_activation_bytes`).\n\n"
             + common.markdown_table(rows, COLUMNS) + "\n\n" + common.provenance([DATASET]))
     common.write_markdown(args.out / f"{args.stem}.md", "Layer kinds: how plans differ from an all-full-attention "
                           "model", body, started, args.quick, label=LABEL)
