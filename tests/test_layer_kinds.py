@@ -228,3 +228,30 @@ def test_layer_kinds_per_layer_view_and_runs_roundtrip():
     assert list(spec.layer_kinds) == kinds and len(spec.kinds) == 3
     assert runs([FULL] * 3) == ()
     assert spec.attention_pairs([10]) == 2 * pairs(10, "window", 4) + 100
+
+
+@pytest.mark.parametrize("terms", [{"window_alpha": {300: 6e-9}}, {"chunk_alpha": {256: 6e-9}}])
+def test_bounds_stay_below_plans_with_window_and_chunk_terms(terms):
+    """Chunked attention's work per token dips just past each chunk, so the bounds cost buckets at a rate
+    floor; neither bound may exceed a valid plan's time."""
+    from flexsp.plan.bounds import coupled_lower_bound, lower_bound
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(200, 700, 120), rng.integers(2000, 9000, 8)]).tolist()
+    cost = cost_with_window(alpha1=0.0, token_capacity=6000, **terms)
+    cluster = flexsp.Cluster(num_gpus=8, gpus_per_node=8)
+    plan = flexsp.plan_batch(lengths, cost, cluster, time_limit=5)
+    plan.validate(lengths, cost, cluster)
+    assert max(lower_bound(lengths, cost, cluster), coupled_lower_bound(lengths, cost, cluster)) <= plan.predicted_time
+
+
+def test_the_bounds_rate_floor_never_exceeds_a_longer_sequences_rate():
+    """Chunked work per token dips just past a chunk (9 tokens on chunks of 8 cost less per token than 8): the
+    rate the bounds cost a bucket at, its shortest length's under ``_rate_floor``, stays below every longer one."""
+    from flexsp.plan.bounds import _rate_floor
+    cost = cost_with_window(alpha1=0.0, alpha2=1e-12, chunk_alpha={8: 1e-9}, window_alpha={5: 1e-9})
+    costs = cost.degree_costs([1, 2])
+    s = np.arange(1, 200, dtype=np.float64)
+    true_rate = costs.seconds(s, 0) / s
+    floor_rate = _rate_floor(costs).seconds(s, 0) / s
+    assert np.all(floor_rate <= np.minimum.accumulate(true_rate[::-1])[::-1] * (1 + 1e-12))
+    assert true_rate[8] < true_rate[7]          # the dip the floor is for
