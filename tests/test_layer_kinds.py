@@ -255,3 +255,14 @@ def test_the_bounds_rate_floor_never_exceeds_a_longer_sequences_rate():
     floor_rate = _rate_floor(costs).seconds(s, 0) / s
     assert np.all(floor_rate <= np.minimum.accumulate(true_rate[::-1])[::-1] * (1 + 1e-12))
     assert true_rate[8] < true_rate[7]          # the dip the floor is for
+
+
+def test_with_layers_keeps_the_pattern_and_drops_experts_only_when_no_layer_is_moe():
+    gpt_oss = get_model("gpt-oss-20b").with_layers(3)
+    assert [k.mixer for k in gpt_oss.layer_kinds] == ["window", "full", "window"] and gpt_oss.experts == 32
+    deepseek_like = ModelSpec(4, 64, 4, 2, 128, 256, kinds=runs([FULL] + [LayerKind(moe=True)] * 3), experts=8,
+                              active_experts=2)
+    dense_head = deepseek_like.with_layers(1)
+    assert dense_head.kinds == () and dense_head.experts == 0 and dense_head.params < deepseek_like.params
+    assert get_model("qwen3.5-27b").with_layers(0).kinds == ()
+    assert ModelSpec(2, 64, 4, 2, 128, 256).with_layers(5).kinds == ()

@@ -12,6 +12,7 @@ constants (``paper``) that ``flexsp.plan.presets`` turns into a ``CostModel``. E
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -144,6 +145,17 @@ class ModelSpec:
         if not self.kinds:
             return (FULL,) * self.layers
         return tuple(kind for kind, count in self.kinds for _ in range(count))
+
+    def with_layers(self, layers: int) -> "ModelSpec":
+        """The same model with ``layers`` layers (profiling and tests run a few): its first ``layers`` layer
+        kinds, the pattern repeated where it asks for more; experts kept while a layer is still MoE."""
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise CostModelError(f"model {self.name!r}: layers must be an integer >= 0, got {layers!r}")
+        per_layer = self.layer_kinds
+        kinds = runs(per_layer[i % len(per_layer)] for i in range(layers)) if per_layer else ()
+        moe = any(kind.moe for kind, _ in kinds)
+        experts = {} if moe else dict(experts=0, active_experts=0, expert_ffn=0, shared_ffn=0)
+        return dataclasses.replace(self, layers=layers, kinds=kinds, **experts)
 
     def kind_counts(self) -> dict[LayerKind, int]:
         """Layers of each distinct kind (what the cost and memory models sum over)."""
