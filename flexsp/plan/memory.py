@@ -181,6 +181,8 @@ def layer_activation_bytes(spec: Any, kind: Any, recompute: str | bool = "none",
         total += f * spec.ffn
     if kind.softmax:
         total += q * spec.q_dim + kv * spec.kv_dim + heads * spec.heads
+        if spec.qk_norm:   # each per-head norm keeps its input and normalised output, and its rsqrt (fp32)
+            total += 6 * (spec.q_dim + spec.kv_dim) + 4 * (spec.heads + spec.kv_heads)
     else:
         shape = spec.linear_shape
         k, v = shape.key_width, shape.value_width

@@ -76,6 +76,7 @@ class ModelSpec:
     linear: LinearShape | None = None     # linear-attention heads (None: heads x head size)
     implementation: str = "flexsp"        # what builds the layers: "flexsp" (TinyLM) or "transformers"
     attn_gate: bool = False               # attention output gated per head (Qwen3-Next / Qwen3.5: q_proj x 2)
+    qk_norm: bool = False                 # RMSNorm on q and k per head (Qwen3, Gemma 3): more activations
 
     def __post_init__(self) -> None:
         for field in SHAPE_FIELDS:   # layers may be 0: the embedding and head alone (profiling extrapolates blocks)
@@ -340,7 +341,12 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
                      active_experts=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe_layers else 0,
                      expert_ffn=expert_ffn if moe_layers and expert_ffn != ffn else 0,
                      shared_ffn=shared_ffn if moe_layers else 0, linear=linear, implementation="transformers",
-                     attn_gate=family.startswith(("qwen3_next", "qwen3_5")))
+                     attn_gate=family.startswith(("qwen3_next", "qwen3_5")),
+                     qk_norm=family.startswith(_QK_NORM_FAMILIES) or bool(getattr(text, "use_qk_norm", False)))
+
+
+# transformers families whose attention normalises q and k per head (their modeling files' q_norm / k_norm)
+_QK_NORM_FAMILIES = ("qwen3", "gemma3", "olmo2", "olmo3")
 
 
 _HF_MIXERS = {"full_attention": "full", "sliding_attention": "window", "chunked_attention": "chunk",

@@ -86,3 +86,17 @@ def test_saved_bytes_counts_a_storage_once():
     assert saved_bytes(model, 64, "fp32") > 0
     with pytest.raises(ValueError, match="precision"):
         saved_bytes(model, 64, "fp8")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("precision", ["autocast", "bf16"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma", "phi3"])
+def test_other_tiny_families_within_tolerance(arch, precision):
+    """The transformers families the tests train (q/k norms in Qwen3, fused projections in Phi-3, MQA Gemma)."""
+    from flexsp.hf.prepare import from_config, tiny_config
+
+    def build(layers: int):
+        return from_config(tiny_config(arch, num_hidden_layers=layers), dtype=torch.float32)
+    spec = spec_from_hf_config(build(1).model.config)
+    assert spec.qk_norm == (arch == "qwen3")
+    _close(bytes_per_token_layer(build, precision), layer_activation_bytes(spec, FULL, "none", precision))
