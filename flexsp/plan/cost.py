@@ -24,6 +24,13 @@ ring, summed over a step's layers and its three passes; a ring of ``r`` ranks ma
 ``flexsp profile`` under torchrun measures both ring figures (``flexsp.profile.ring``: ``3 * layers``
 times the fitted per-message latency); analytic models and the interconnect presets assume them.
 
+Layer kinds (``flexsp.plan.layers``): a model with sliding-window or chunked layers adds, for each window
+``w`` and chunk ``c``, ``window_alpha[w] * pairs_w(s)`` and ``chunk_alpha[c] * pairs_c(s)`` to the attention
+term ``alpha1 * s^2`` (``alpha1`` then covers the full layers only; ``pairs`` is ``s^2`` below the window and
+``w^2 + (s - w)(2w - 1)`` above it), divided by ``d`` and overlapped with the ring like it. Both tables are
+empty by default, so every model and JSON file without them means what it did. The solver sees them through
+``TermCosts``, a ``DegreeCosts`` whose ``seconds`` adds the terms (vectorised over lengths).
+
 Constructors for the paper's presets and for a model + hardware description live in
 ``flexsp.plan.presets.cost_from_preset`` and ``flexsp.plan.analytic.cost_from_hardware``; they all build
 this one object.
@@ -80,7 +87,7 @@ def _degree_key(key: Any) -> int:
 
 @dataclass(frozen=True)
 class CostModel:
-    alpha1: float                       # s per token^2: attention, all layers, fwd+bwd, one GPU
+    alpha1: float                       # s per token^2: attention of the full layers (all, without kinds), fwd+bwd, one GPU
     alpha2: float                       # s per token: everything linear in tokens
     beta1: float                        # s per group per micro-batch: fixed overhead
     comm_bytes_per_token: float         # all-to-all bytes per token over a whole step
