@@ -266,3 +266,11 @@ def test_with_layers_keeps_the_pattern_and_drops_experts_only_when_no_layer_is_m
     assert dense_head.kinds == () and dense_head.experts == 0 and dense_head.params < deepseek_like.params
     assert get_model("qwen3.5-27b").with_layers(0).kinds == ()
     assert ModelSpec(2, 64, 4, 2, 128, 256).with_layers(5).kinds == ()
+
+
+def test_simulate_names_the_layer_kinds_of_an_analytic_preset(capsys):
+    from flexsp.cli import main
+    assert main(["simulate", "--model", "gemma-3-27b", "--gpus", "8", "--steps", "1", "--batch-size", "16",
+                 "--strategies", "flexsp", "--quiet", "--time-limit", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "layers: 52 window 1024, 10 full" in out and "analytic" in out

@@ -419,7 +419,15 @@ def describe_sources(cost: CostModel) -> str:
                 line += f" ({meta['context_note']})"
         return line
     if source == "analytic":
-        return "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"
+        line = "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"
+        model = meta.get("model") if isinstance(meta.get("model"), Mapping) else {}
+        kinds = model.get("layer_kinds")
+        if isinstance(kinds, Mapping) and kinds:        # flexsp.plan.specs.ModelSpec.shape of a model with kinds
+            line += "\nlayers: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
+            if model.get("active_params") and model.get("params"):
+                line += (f"; {model['active_params'] / 1e9:.1f} B of {model['params'] / 1e9:.1f} B parameters "
+                         f"active per token")
+        return line
     if meta.get("preset"):
         return (f"cost model parts: the published constants of preset {meta['preset']} (measured by the FlexSP paper on "
                 "its A100 cluster, not on this hardware)")
