@@ -109,7 +109,7 @@ def _kernels(torch, device, spec) -> dict:
             out, fwd = ran.kernels_in(lambda: attend(*dev, cu, max_seqlen=longest, bounds=bounds))
             want = reference(*ref, bounds)
         grads, bwd = ran.kernels_in(lambda: torch.autograd.grad((out.double() * dout).sum(), dev))
-        seen["attend_lse" if lse else "attend"] = {"forward": fwd, "backward": bwd}
+        seen["attend_lse" if lse else "attend"] = {"forward": fwd["forward"], "backward": bwd["backward"]}
         wants = torch.autograd.grad((want * dout).sum(), ref)
         for got, exp in zip((out, *grads), (want, *wants)):
             scale = exp[:real].abs().max().item() or 1.0
@@ -118,7 +118,7 @@ def _kernels(torch, device, spec) -> dict:
     kernel = resolve_backend("auto", base[0].to(dtype), bounds)
     tol = KERNEL_TOLERANCE[half]
     ok = worst <= tol and leak == 0.0
-    ran_text = "; ".join(f"{name} {ran.describe(k['forward'], k['backward'])}" for name, k in seen.items())
+    ran_text = "; ".join(f"{name} {ran.describe(k)}" for name, k in seen.items())
     return _row("kernels", PASS if ok else FAIL,
                 f"auto -> {kernel}, ran: {ran_text} ({str(dtype).replace('torch.', '')}, {spec.heads}/{spec.kv_heads} "
                 f"heads x {spec.head_size}), max error / max |ref| {worst:.1e} (tolerance {tol:.0e}); {rows - real} "

@@ -41,6 +41,7 @@ def _check(bounds, rows, backend, lse=False):
     out, fwd = ran.kernels_in(run)
     dout = torch.randn(out.shape, dtype=torch.float64, device="cuda")
     grads, bwd = ran.kernels_in(lambda: torch.autograd.grad((out.double() * dout).sum(), dev))
+    fwd, bwd = fwd["forward"], bwd["backward"]
     wants = torch.autograd.grad((want * dout).sum(), ref)
     real = bounds[-1]
     for got, exp in zip((out, *grads), (want, *wants)):
@@ -57,10 +58,10 @@ def test_auto_kernel_exact_padding_zero_and_recorded(bounds, rows, lse):
     fwd, bwd = _check(bounds, rows, "auto", lse)
     facts = rule.device_facts("cuda")
     kernel = resolve_backend("auto", torch.empty(1, 8, 128, dtype=BF16, device="cuda"), bounds)
-    print(f"auto -> {kernel}: {ran.describe(fwd, bwd)} (selects: {facts.varlen_selects}, cuDNN {facts.cudnn})")
+    print(f"auto -> {kernel}: {ran.describe({'forward': fwd, 'backward': bwd})} (selects: {facts.varlen_selects}, cuDNN {facts.cudnn})")
     assert fwd and bwd, "no attention kernel seen by the profiler"
     if kernel.startswith("varlen") or lse:
-        assert fwd == bwd, f"the backward ran on another backend: {ran.describe(fwd, bwd)}"
+        assert fwd == bwd, f"the backward ran on another backend: {ran.describe({'forward': fwd, 'backward': bwd})}"
     if facts.varlen_selects and max(b - a for a, b in zip(bounds, bounds[1:])) <= varlen.CUDNN_MIN_Q:
         assert "cudnn" not in fwd + bwd
 
@@ -71,7 +72,7 @@ def test_varlen_cudnn_where_offered_never_raises_and_backward_matches_forward(bo
     if not facts.cudnn_varlen:
         pytest.skip(f"varlen_cudnn is not offered here: needs {facts.cudnn_missing()}")
     fwd, bwd = _check(bounds, rows, "varlen_cudnn")
-    assert fwd == bwd, ran.describe(fwd, bwd)
+    assert fwd == bwd, ran.describe({'forward': fwd, 'backward': bwd})
     if bounds[-1] <= varlen.CUDNN_MIN_Q:
         assert fwd == ["flash"]
 

@@ -34,15 +34,25 @@ def kernel_of(op_name: str) -> str | None:
     return None
 
 
-def kernels_in(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
-    """``(fn(), the attention kernels its ops ran, sorted)``: the profiler's CPU-side op names (every CUDA
-    kernel launch is made from one)."""
+def kernels_in(fn: Callable[[], Any]) -> tuple[Any, dict[str, list[str]]]:
+    """``(fn(), {"forward": [...], "backward": [...]})``: the attention kernels ``fn``'s ops ran, sorted, read
+    from the profiler's CPU-side op names (every CUDA kernel launch is made from one); an op whose name says
+    ``backward`` is a backward kernel."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         result = fn()
-    names = {kernel_of(e.name) for e in prof.events()}
-    return result, sorted(n for n in names if n is not None)
+    seen: dict[str, set[str]] = {"forward": set(), "backward": set()}
+    for event in prof.events():
+        kernel = kernel_of(event.name)
+        if kernel is not None:
+            seen["backward" if "backward" in event.name else "forward"].add(kernel)
+    return result, {phase: sorted(kernels) for phase, kernels in seen.items()}
 
 
-def describe(forward: list[str], backward: list[str]) -> str:
+def describe(kernels: dict[str, list[str]]) -> str:
     """``forward flash, backward flash`` (``none`` where no attention kernel ran)."""
-    return f"forward {'+'.join(forward) or 'none'}, backward {'+'.join(backward) or 'none'}"
+    return ", ".join(f"{phase} {'+'.join(kernels.get(phase, [])) or 'none'}" for phase in ("forward", "backward"))
+
+
+def merged(*records: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Several records as one (each phase's kernels, sorted)."""
+    return {phase: sorted({k for r in records for k in r.get(phase, [])}) for phase in ("forward", "backward")}
