@@ -44,10 +44,11 @@ def _check(bounds, rows, backend, lse=False):
     fwd, bwd = fwd["forward"], bwd["backward"]
     wants = torch.autograd.grad((want * dout).sum(), ref)
     real = bounds[-1]
-    for got, exp in zip((out, *grads), (want, *wants)):
-        assert bool((got[real:] == 0).all()), "padding rows are not exactly zero"
-        err = float((got[:real].double() - exp[:real]).abs().max() / exp[:real].abs().max())
-        assert err < 3e-2, f"{err:.3g} of the largest reference entry"
+    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *wants)):
+        assert bool((got[real:] == 0).all()), f"{name}: padding rows are not exactly zero"
+        # bf16: within 3% of the largest reference entry (a one-token sequence's dq/dk are exactly 0)
+        diff, scale = float((got[:real].double() - exp[:real]).abs().max()), float(exp[:real].abs().max())
+        assert diff <= 3e-2 * scale + 1e-2, f"{name}: off by {diff:.3g}, largest reference entry {scale:.3g}"
     return fwd, bwd
 
 
@@ -85,9 +86,13 @@ def test_weight_gradient_accumulates_in_fp32_by_the_out_dtype_matmul_where_it_ru
     want = acc.double() + gr.to(BF16).double().t() @ h.to(BF16).double()
     got = acc.cuda()
     accumulate_outer(got, gr.to(BF16).cuda(), h.to(BF16).cuda())
-    print(f"out_dtype matmul: {has_out_dtype_matmul(got.device)}")
+    fused = has_out_dtype_matmul(got.device)
+    print(f"out_dtype matmul: {fused}")
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-4)
+    if fused:    # bf16 products summed in fp32 by the matmul itself
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-4)
+    else:        # blocks of bf16 products added to the fp32 accumulator
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-2, atol=5e-2)
 
 
 def test_library_loss_matches_the_own_loss():
