@@ -56,10 +56,14 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0]) if argv else None
     cpu = "--cpu" in argv
     have = {name: version(name) for name in PACKAGES}
+    try:
+        import torch
+        have["torch"] = torch.__version__
+    except ImportError:
+        have["torch"] = None
     if have["torch"] is None:
         print("missing: torch (required by every step): nothing can run")
         return 2
-    import torch
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if cuda else "no CUDA device"
     facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": device, "packages": have,
