@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from flexsp.errors import PlanError
-from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard
+from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard, next_token_labels
 from flexsp.runtime.transfer import host_tensor, to_device
 
 
@@ -146,8 +146,11 @@ class ZigzagGroup:
         return Shard(self.input_ids[rows], self.position_ids[rows], self.labels[rows], real_tokens=real)
 
 
-def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int) -> ZigzagGroup:
-    """Lay 1-D token tensors out for a ``ulysses x ring`` group (labels computed before reordering)."""
+def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int,
+                targets: Sequence[torch.Tensor | None] | None = None) -> ZigzagGroup:
+    """Lay 1-D token tensors out for a ``ulysses x ring`` group. Labels are ``next_token_labels`` of the plain
+    stream (``targets`` as ``flexsp.runtime.shard.pack`` takes them), computed before reordering, so each
+    token keeps its label wherever the zigzag puts it."""
     if not sequences:
         raise PlanError("a ring group needs at least one sequence")
     layout = zigzag_layout([int(s.numel()) for s in sequences], ulysses, ring)
@@ -157,9 +160,7 @@ def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int) -> Z
     ends = np.cumsum(lens)
     # index arrays are host numpy: moved with to_device (pinned, non_blocking) where the tokens are on a GPU
     positions = to_device(torch.from_numpy(np.arange(ends[-1]) - np.repeat(ends - lens, lens)), device)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    labels[:-1] = ids[1:]
-    labels[to_device(torch.from_numpy(ends - 1), device)] = IGNORE_INDEX   # a sequence's last token predicts nothing
+    labels = next_token_labels(sequences, targets, to_device(torch.from_numpy(ends - 1), device))
     order = to_device(torch.from_numpy(layout.stream_order()), device)
     pad = order < 0
     take = order.clamp(min=0)
