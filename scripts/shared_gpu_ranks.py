@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                       max_relative_error=max(errs), finite=finite)
         ok = finite and max(errs) <= report["tolerance"]
     else:
-        report.update(errors={str(r): e for r, e in errors.items()}, missing=missing)
+        report.update(errors={str(r): e for r, e in errors.items()}, missing=missing,
+                      timed_out=time.monotonic() >= deadline)
         for r, o in outs.items():
             if "error" in o:
                 print(f"rank {r} failed:\n{o['error']}")
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{report['degrees']}: gradients vs one process {report['max_relative_error']:.2e} of the largest "
                 f"(tolerance {report['tolerance']:.0e}); attention {ran.describe(report['kernels'])}; {RING_NOT_CARRIED}")
     else:
-        line = f"FAILED: {report.get('errors') or report.get('missing') or report}"
+        line = (f"FAILED: ranks {missing} did not finish within --timeout {args.timeout:.0f} s" if report["timed_out"]
+                else f"FAILED: {report.get('errors') or report.get('missing') or report}")
     report["summary"] = line
     print(("pass: " if ok else "") + line)
     if args.output is not None:
