@@ -6,17 +6,23 @@ Checks, each printed as a table row and written to a JSON report (exit code 1 wh
    model's head layout against a float64 reference on the same packed batch, outputs and q/k/v
    gradients, *including padding rows* past ``cu_seqlens[-1]``: their output and gradients must be
    exactly 0 (a kernel's backward may leave anything in rows it never visits; training at degree > 1
-   pads every group).
+   pads every group). On CUDA the allocator is poisoned first (``runtime.poison``: a large NaN block
+   freed just before), so an unwritten row shows every time; the row names the kernels the profiler saw
+   run, forward and backward (``runtime.kernels.ran``), beside the one the rule asked for.
 2. **step**: the degree-1 ``StepExecutor`` step against the plain per-sequence loop
    (``flexsp.runtime.models.plain``, or the transformers model itself with ``--hf-config``) under the same
    autocast, from the same weights: losses and SGD updates agree within the compute dtype's tolerance;
    the time ratio (plain / flexsp, medians of interleaved repeats) and both TFLOP/s are printed.
-3. **memory** (CUDA): the step's peak allocated bytes during forward and backward (AdamW, so both sides
-   count the same states) against what the capacity model sets aside for the configuration
-   (``selftest_model.budget``: states + activation bytes per token x tokens); within 15% passes, and
-   never above it by more than the workspace the capacity formula leaves (``1 - usable_memory``).
+3. **memory** (CUDA): activations against activations, states apart: what each micro-batch's forward
+   leaves allocated, less the states a forward makes (``Budget.forward_states``), against the capacity
+   model's ``activation_bytes_per_token`` x its tokens, within 15% (an activation regression fails it);
+   and the step's peak allocated bytes during forward and backward (AdamW, so both sides count the same
+   states) never above the capacity model's whole budget (``selftest_model.budget``: states +
+   activations) by more than the workspace the capacity formula leaves (``1 - usable_memory``).
 4. **host syncs** (CUDA): ``torch.cuda.set_sync_debug_mode("error")`` from the step's packing to the
-   end of its last backward; a synchronising call is reported with its innermost flexsp call site.
+   end of its last backward; a synchronising call is reported with its innermost flexsp call site. The
+   LM-head library's own syncs (liger-kernel's ``.item()`` and ``torch.equal``) are outside the check
+   (``fused_loss.library_syncs_allowed``); FlexSP's code around them is not.
 5. **all-to-all** on the ranks available: under ``torchrun`` a round trip over the world equals its
    input; with one rank there is nothing to exchange (skipped).
 
@@ -38,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flexsp.errors import FlexSPError
+from flexsp.plan.specs import GPUSpec
 from flexsp.profile import selftest_model as sm
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
@@ -79,7 +86,8 @@ def kernel_batch(spec, half: bool) -> tuple[tuple[int, ...], int]:
 
 
 def _kernels(torch, device, spec) -> dict:
-    from flexsp.runtime.kernels import attend, attend_lse, reference, resolve_backend
+    from flexsp.runtime.kernels import attend, attend_lse, ran, reference, resolve_backend
+    from flexsp.runtime.poison import poison_allocator
 
     half = device.type == "cuda"
     dtype = torch.bfloat16 if half else torch.float32
@@ -91,30 +99,36 @@ def _kernels(torch, device, spec) -> dict:
     dout = torch.randn(rows, spec.heads, spec.head_size, generator=g, dtype=torch.float64).to(device)
     cu = torch.tensor(bounds, dtype=torch.int32).to(device)
     worst, leak = 0.0, 0.0
+    seen: dict[str, dict[str, list[str]]] = {}
     for lse in (False, True):
         dev = [t.to(dtype).requires_grad_() for t in base]
         ref = [t.clone().requires_grad_() for t in base]   # float64 on the device: the reference is exact
+        poison_allocator(device)                           # unwritten rows read NaN, not a lucky zero
         if lse:
-            out = attend_lse(*dev, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True,
-                             bounds_q=bounds, bounds_k=bounds)[0]
+            out, fwd = ran.kernels_in(lambda: attend_lse(*dev, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                                                         causal=True, bounds_q=bounds, bounds_k=bounds)[0])
             want = reference(*ref, bounds, bounds, causal=True)
         else:
-            out = attend(*dev, cu, max_seqlen=longest, bounds=bounds)
+            out, fwd = ran.kernels_in(lambda: attend(*dev, cu, max_seqlen=longest, bounds=bounds))
             want = reference(*ref, bounds)
-        grads = torch.autograd.grad((out.double() * dout).sum(), dev)
+        grads, bwd = ran.kernels_in(lambda: torch.autograd.grad((out.double() * dout).sum(), dev))
+        seen["attend_lse" if lse else "attend"] = {"forward": fwd["forward"], "backward": bwd["backward"]}
         wants = torch.autograd.grad((want * dout).sum(), ref)
         for got, exp in zip((out, *grads), (want, *wants)):
             scale = exp[:real].abs().max().item() or 1.0
             worst = max(worst, (got[:real].double() - exp[:real]).abs().max().item() / scale)
             leak = max(leak, got[real:].double().abs().max().nan_to_num(float("inf")).item())
-    kernel = resolve_backend("auto", base[0].to(dtype))
+    kernel = resolve_backend("auto", base[0].to(dtype), bounds)
     tol = KERNEL_TOLERANCE[half]
     ok = worst <= tol and leak == 0.0
+    ran_text = "; ".join(f"{name} {ran.describe(k)}" for name, k in seen.items())
     return _row("kernels", PASS if ok else FAIL,
-                f"auto -> {kernel} ({str(dtype).replace('torch.', '')}, {spec.heads}/{spec.kv_heads} heads x "
-                f"{spec.head_size}), max error / max |ref| {worst:.1e} (tolerance {tol:.0e}); {rows - real} padding "
-                f"rows: max |output or q/k/v grad| {leak:.1e} (must be exactly 0)",
-                kernel=kernel, max_relative_error=worst, padding_max_abs=leak)
+                f"auto -> {kernel}, ran: {ran_text} ({str(dtype).replace('torch.', '')}, {spec.heads}/{spec.kv_heads} "
+                f"heads x {spec.head_size}), max error / max |ref| {worst:.1e} (tolerance {tol:.0e}); {rows - real} "
+                f"padding rows{' (allocator poisoned with NaN)' if half else ''}: max |output or q/k/v grad| "
+                f"{leak:.1e} (must be exactly 0)",
+                kernel=kernel, kernels_ran=seen,
+                max_relative_error=worst, padding_max_abs=leak)
 
 
 # --- 2. step ----------------------------------------------------------------------------------------------
@@ -200,10 +214,17 @@ def _window(on_open: Callable[[], None], on_close: Callable[[], None]):
     class Window(StepProbe):
         def __init__(self) -> None:
             self.on_open, self.on_close, self.last = on_open, on_close, -1
+            self.on_forward_begin = self.on_forward_end = lambda index, tokens=0: None
 
         def step_begin(self, plan, source) -> None:
             self.last = len(plan.micro_batches) - 1
             self.on_open()
+
+        def micro_batch_begin(self, index: int, group, real_tokens: int) -> None:
+            self.on_forward_begin(index, real_tokens)
+
+        def forward_end(self, index: int) -> None:
+            self.on_forward_end(index)
 
         def micro_batch_end(self, index: int) -> None:
             if index == self.last:
@@ -224,6 +245,31 @@ def call_site(exc: BaseException) -> str:
     return f"{path}:{f.lineno} in {f.name}" + (f" ({f.line.strip()})" if f.line else "")
 
 
+def memory_row(spec, tokens: int, marks: dict, forwards: dict, workspace: float) -> dict:
+    """The memory check's row (module docstring, check 3) from the allocator figures: ``marks`` (``other``:
+    allocations at the step's start that are not model states; ``peak``), ``forwards`` (micro-batch ->
+    [real tokens, allocated before its forward, after it]) and the workspace the capacity formula leaves."""
+    need = sm.budget(spec, tokens, half=True)
+    peak = marks["peak"] - marks["other"]
+    # the micro-batch with the most tokens: its forward's growth less the states a forward makes
+    mb_tokens, before, after = max(forwards.values(), key=lambda f: f[0]) if forwards else (0, 0, 0)
+    measured = after - before - need.forward_states
+    predicted = need.activation_per_token * mb_tokens
+    rel = (measured - predicted) / predicted if predicted else float("inf")
+    ok = abs(rel) <= MEMORY_TOLERANCE and peak <= need.total + workspace
+    return _row("memory", PASS if ok else FAIL,
+                f"activations {measured / 2**20:.0f} MiB after the forward vs capacity model {predicted / 2**20:.0f} "
+                f"MiB ({need.activation_per_token:.0f} B/token x {mb_tokens}; {rel:+.1%}, tolerance "
+                f"{MEMORY_TOLERANCE:.0%}; the forward's own states, {need.forward_states / 2**20:.0f} MiB of bf16 "
+                f"layer weights and the head's fp32 gradient, apart); peak {peak / 2**20:.0f} MiB in "
+                f"forward+backward vs the whole budget {need.total / 2**20:.0f} MiB, above it by at most the "
+                f"{1 - GPUSpec.usable_memory:.0%} workspace ({workspace / 2**20:.0f} MiB): {need.describe()}; "
+                f"measured, other allocations ({marks['other'] / 2**20:.0f} MiB) excluded",
+                peak_bytes=peak, predicted_bytes=need.total, relative_error=rel, workspace_bytes=workspace,
+                activation_bytes=measured, predicted_activation_bytes=predicted,
+                forward_state_bytes=need.forward_states, predicted_state_bytes=need.states.total)
+
+
 def _resident_bytes(model, optimizer) -> int:
     """Bytes of the states the capacity model counts that exist now: parameters, gradients, optimizer states."""
     params = list(model.parameters())
@@ -235,7 +281,6 @@ def _resident_bytes(model, optimizer) -> int:
 
 
 def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int) -> list[dict]:
-    from flexsp.plan.specs import GPUSpec
     from flexsp.runtime.config import TrainConfig
     from flexsp.runtime.pool import GroupPool
     from flexsp.runtime.step import StepExecutor
@@ -251,6 +296,14 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
     def close_memory() -> None:
         marks["peak"] = torch.cuda.max_memory_allocated(device)
 
+    forwards: dict[int, list] = {}    # micro-batch -> [tokens, allocated before its forward, after it]
+
+    def forward_begin(index: int, real_tokens: int = 0) -> None:
+        forwards[index] = [real_tokens, torch.cuda.memory_allocated(device), None]
+
+    def forward_end(index: int, tokens: int = 0) -> None:
+        forwards[index][2] = torch.cuda.memory_allocated(device)
+
     probe = _window(lambda: None, lambda: None)
     executor = StepExecutor(model, optimizer, GroupPool(), config=TrainConfig(param_dtype=torch.bfloat16),
                             probe=probe, failure_name="selftest-memory")
@@ -259,21 +312,12 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     probe.on_open, probe.on_close = open_memory, close_memory
+    probe.on_forward_begin, probe.on_forward_end = forward_begin, forward_end
     executor.run_plan(plan, batch)
     torch.cuda.synchronize(device)
-    need = sm.budget(built.spec, tokens, half=True)
-    peak = marks["peak"] - marks["other"]
-    rel = (peak - need.total) / need.total
-    # the capacity formula leaves (1 - usable) of the device as workspace: a peak past it eats planned room
-    workspace = (1 - GPUSpec.usable_memory) * torch.cuda.get_device_properties(device).total_memory
-    ok = abs(rel) <= MEMORY_TOLERANCE and peak <= need.total + workspace
-    memory = _row("memory", PASS if ok else FAIL,
-                  f"peak {peak / 2**20:.0f} MiB in forward+backward vs capacity model {need.total / 2**20:.0f} MiB "
-                  f"({rel:+.1%}, tolerance {MEMORY_TOLERANCE:.0%}; above it by at most the "
-                  f"{1 - GPUSpec.usable_memory:.0%} workspace, {workspace / 2**20:.0f} MiB): {need.describe()}; measured, "
-                  f"other allocations ({marks['other'] / 2**20:.0f} MiB) excluded",
-                  peak_bytes=peak, predicted_bytes=need.total, relative_error=rel, workspace_bytes=workspace,
-                  predicted_state_bytes=need.states.total, predicted_activation_bytes=need.activations)
+    probe.on_forward_begin = probe.on_forward_end = lambda index, tokens=0: None
+    memory = memory_row(built.spec, tokens, marks, forwards,
+                        (1 - GPUSpec.usable_memory) * torch.cuda.get_device_properties(device).total_memory)
 
     def arm() -> None:
         torch.cuda.set_sync_debug_mode("error")
@@ -281,11 +325,15 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
     def disarm() -> None:
         torch.cuda.set_sync_debug_mode(0)
 
+    from flexsp.runtime.models.fused_loss import library_syncs_allowed
+
     probe.on_open, probe.on_close = arm, disarm
     try:
-        executor.run_plan(plan, batch)
-        syncs = _row("host syncs", PASS, "none from the step's packing to the end of its backward "
-                                         "(set_sync_debug_mode('error'), warmed-up step)")
+        with library_syncs_allowed():
+            executor.run_plan(plan, batch)
+        syncs = _row("host syncs", PASS, "none in FlexSP's code from the step's packing to the end of its backward "
+                                         "(set_sync_debug_mode('error'), warmed-up step; the LM-head library's own "
+                                         "syncs excluded)")
     except RuntimeError as exc:
         syncs = _row("host syncs", FAIL, f"a synchronising call inside the step at {call_site(exc)}: "
                                          f"{str(exc).splitlines()[0]}", site=call_site(exc))

@@ -1,10 +1,9 @@
 """Multimodal checkpoints trained on text, and mRoPE text positions.
 
 4 gloo ranks, the heterogeneous family plan, fp64: Gemma 3's and Qwen2.5-VL's ``*ForConditionalGeneration``
-(vision tower frozen), Qwen3-VL's (mRoPE, 4-row positions) and Llama 4's text model (chunked attention,
-every sequence within one chunk) take one SGD step equal to the native composite model's on text. One
-process: the vision tower is left as it was and named, image placeholders and 3-D positions are refused
-in one line, a chunked model with sequences longer than its chunk is refused."""
+(vision tower frozen), Qwen3-VL's (mRoPE, 4-row positions) and Llama 4's text model (chunked attention) take
+one SGD step equal to the native composite model's on text. One process: the vision tower is left as it was and named, image placeholders and 3-D positions are refused
+in one line."""
 import warnings
 
 import pytest
@@ -84,10 +83,3 @@ def test_mrope_text_positions_are_the_models_own():
         ours = sp(p.input_ids, p.position_ids, AttentionContext.packed(p.cu_seqlens))
         native = torch.cat([sp.model(input_ids=s[None]).logits[0] for s in seqs])
     assert float((ours - native).abs().max() / native.abs().max()) < 1e-12
-
-
-def test_chunked_attention_longer_than_a_chunk_refused():
-    model = tiny_model("llama4")
-    chunk = model.config.get_text_config().attention_chunk_size
-    with pytest.raises(UnsupportedModelError, match="chunked attention"):
-        prepare_model(model, max_seqlen=chunk + 1)
