@@ -41,6 +41,7 @@ from .bucketing import RULES, Buckets, exact_buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
 from .materialize import as_groups, flat_ids, to_groups, to_members
+from .exact import exact_plan
 from .milp import solve_milp
 from .one_gpu import one_gpu_plan
 from .tighten import tighten_members
@@ -649,6 +650,10 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     proven = one_gpu_plan(lengths, costs, num_gpus)
     if proven is not None:
         return proven                        # one GPU, fewest micro-batches: nothing can beat it
+    if len(lengths) <= options.exact_max_sequences:
+        proven = exact_plan(np.asarray(lengths), costs, num_gpus)
+        if proven is not None:
+            return proven                    # the optimum (subset DP): nothing can beat it
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
     first = search.first_split()
