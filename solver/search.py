@@ -40,7 +40,7 @@ from . import blaster
 from .bucketing import RULES, Buckets, exact_buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
-from .materialize import as_groups, flat_ids, to_groups, to_members
+from .materialize import Groups, as_groups, flat_ids, to_groups, to_members
 from .exact import exact_plan
 from .milp import solve_milp
 from .one_gpu import one_gpu_plan
@@ -154,6 +154,10 @@ class BatchSearch:
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
         self.cluster_tokens = costs.capacity[0] * num_gpus   # capacity is linear in degree
         self.num_buckets = len(self.buckets.upper)
+        real = costs.times(self.lengths)                          # [n, D] on real lengths, inf: no room
+        self.real_area = (real * np.asarray(costs.degrees)[None, :]).min(axis=1)
+        self.real_time = real.min(axis=1)
+        self._refined: dict[bytes, tuple] = {}                   # refine_members' results by their input
 
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -543,11 +547,20 @@ class BatchSearch:
     def refine_members(self, raw: list) -> Refined:
         """``refine`` on micro-batches given as (each group's ids, degree indices[, their seconds]), returning them in
         the same form with each micro-batch's real time: candidates are compared on these times and
-        group objects are built once, for the plan that wins (``as_schedule``)."""
+        group objects are built once, for the plan that wins (``as_schedule``).
+
+        Splits share most micro-batches (a local-search move changes two), so a micro-batch already
+        refined from the same groups is taken from ``self._refined`` instead of re-packed and
+        tightened: the same input gives the same output, so the plan does not change."""
         micro_batches: list = [mb[:2] for mb in raw]
         times = np.full(len(raw), np.nan)
         for m, item in enumerate(raw):
             members, deg = item[:2]
+            key = self._members_key(members, deg)
+            done = self._refined.get(key)
+            if done is not None:
+                micro_batches[m], times[m] = done[:2], done[2]
+                continue
             loads = item[2] if len(item) > 2 else group_loads(members, deg, self.lengths, self.costs)
             cut = False
             if len(members) > 1 or len(flat_ids(members)) > 1:
@@ -580,7 +593,27 @@ class BatchSearch:
                 times[m + 1:] = [float(group_loads(mm, dd, self.lengths, self.costs).max()) + self.costs.beta1
                                  for mm, dd in rest]
                 break
+            if not self.out_of_time():       # a cut-short tighten is not what a later call would give
+                self._refined[key] = (members, deg, times[m])
         return Refined(micro_batches, float(times.sum()))
+
+    @staticmethod
+    def _members_key(members, deg) -> bytes:
+        """The groups of a micro-batch as bytes (ids in group order, group sizes, degrees): equal keys, equal input."""
+        sizes = (members.sizes if isinstance(members, Groups)
+                 else np.fromiter(map(len, members), dtype=np.int64, count=len(members)))
+        return b"|".join((flat_ids(members).astype(np.int64).tobytes(), np.asarray(sizes, dtype=np.int64).tobytes(),
+                          np.asarray(deg, dtype=np.int64).tobytes()))
+
+    def real_bound(self, split: Split) -> float:
+        """No refinement of ``split`` (its micro-batches keep their sequences) beats this, on real
+        lengths: per micro-batch the cheapest area of its sequences spread over N, or its slowest
+        sequence at its fastest degree, plus beta1; shaved by ``BOUND_SLACK``."""
+        num_mb = len(split.packings)
+        area = np.bincount(split.assignment, weights=self.real_area, minlength=num_mb) / self.num_gpus
+        slowest = np.zeros(num_mb)
+        np.maximum.at(slowest, split.assignment, self.real_time)
+        return float((np.maximum(area, slowest) + self.costs.beta1).sum()) * (1 - BOUND_SLACK)
 
     def as_schedule(self, refined: Refined) -> Schedule:
         return Schedule(tuple(as_groups(members, deg, self.costs) for members, deg in refined.micro_batches))
@@ -693,6 +726,8 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         if len(lengths) > MAX_PER_SEQUENCE_SPLITS and len(done) >= MAX_REFINED_LARGE:
             break
         done.append(split)
+        if refined is not None and search.real_bound(split) >= refined.time:
+            continue                         # cannot beat the refined plan so far: same plan, less work
         candidate = search.refine_members(search.members(split))
         if refined is None or candidate.time < refined.time:
             refined = candidate
