@@ -373,6 +373,8 @@ class BatchSearch:
                 p_dst = self.packer.solve(new_dst)
                 if p_dst is None:
                     continue
+                if p_dst.makespan + self.bound(new_src) >= before * (1 - 1e-9):
+                    continue                   # cannot be kept whatever the source packs to
                 p_src = self.packer.solve(new_src) if new_src.any() else None
                 if new_src.any() and p_src is None:
                     continue
@@ -422,11 +424,20 @@ class BatchSearch:
             if left:
                 continue
             changed = [m for m in range(num_mb) if m == src or new[m, b] != counts[m, b]]
-            trial = {m: (self.packer.solve(new[m]) if new[m].any() else None) for m in changed}
-            if any(trial[m] is None and new[m].any() for m in changed):
-                continue
             before = sum(packings[m].makespan for m in changed)
-            after = sum(trial[m].makespan for m in changed if trial[m] is not None)
+            # pack the changed micro-batches in turn; stop once the packed ones plus the bounds of
+            # the rest reach ``before`` (the step cannot be kept: same outcome, fewer packings)
+            trial, after, left = {}, 0.0, sum(self.bound(new[m]) for m in changed)
+            for m in changed:
+                trial[m] = self.packer.solve(new[m]) if new[m].any() else None
+                if trial[m] is None and new[m].any():
+                    break
+                left -= self.bound(new[m])
+                after += trial[m].makespan if trial[m] is not None else 0.0
+                if after + left >= before * (1 - 1e-9):
+                    break
+            if len(trial) < len(changed) or any(trial[m] is None and new[m].any() for m in changed):
+                continue
             if after < before * (1 - 1e-9):
                 counts = new
                 for m in changed:

@@ -8,7 +8,7 @@ from validator import brute_force_optimum, check_plan
 
 import flexsp
 import solver.search
-from flexsp.hf.trainer import default_cost
+from flexsp.plan.token_budget import token_budget_cost
 from flexsp.plan.planner import solver_costs
 from solver.bucketing import exact_buckets
 from solver.exact import MAX_SEQUENCES, exact_plan, subset_pairs
@@ -63,8 +63,7 @@ def test_plan_batch_proves_tiny_batches_without_the_milp(monkeypatch):
     def no_milp(*a, **k):
         raise AssertionError("the MILP ran")
     monkeypatch.setattr(solver.search, "solve_milp", no_milp)
-    config = type("C", (), {"num_hidden_layers": 2, "hidden_size": 64})()
-    cost, cluster = default_cost(config, 4, 96), flexsp.Cluster(4, 4)
+    cost, cluster = token_budget_cost(2, 64, 4, 96), flexsp.Cluster(4, 4)
     rng = np.random.default_rng(0)
     for _ in range(4):
         lengths = np.clip(rng.lognormal(3.0, 0.9, 8).astype(int), 2, 288)
