@@ -10,10 +10,13 @@
    ``evict`` empties the most wasteful micro-batch of whole buckets into the others and ``merge``
    packs two short micro-batches as one.
 4. Back to real sequences, rebalanced on real lengths (``materialize``); each micro-batch re-packed
-   on buckets of its own and its slowest groups tightened (``tighten``); the MILP (``milp``) proves
-   tiny batches optimal or polishes micro-batches; the best of all candidates and the baselines'
+   on buckets of its own and its slowest groups tightened (``tighten``); the MILP (``milp``) can
+   polish micro-batches; the best of all candidates and the baselines'
    plans (``fallbacks``), scored on real lengths, wins, so FlexSP is never slower than a plan it
    could have chosen.
+
+Tiny batches (``exact_max_sequences``) skip all of this: ``exact.exact_plan`` returns their optimum in
+milliseconds (the MILP proves the few it cannot do).
 
 Splits that cannot win are not packed: a split whose micro-batches' lower bounds (``bound``) already
 sum to the best makespan so far is dropped before its bisections, so pruning never changes the plan.
@@ -88,7 +91,7 @@ class SearchOptions:
     # moves: long-mix at 16,384 GPUs 1.114 -> 1.099 of the bound (about +0.3 s of CPU at most there);
     # at 512 sequences 400 trials would double the solve time for no gain
     max_moves_large: int = 400
-    exact_max_sequences: int = 8    # up to this many sequences, the MILP proves the plan optimal
+    exact_max_sequences: int = 8    # up to this many sequences the plan is proven optimal (exact.py's DP, else the MILP)
     milp_time_limit: float = 0.0    # seconds of MILP polishing per micro-batch on larger batches
     bucketing: str = "dp"           # bucketing rule (solver.bucketing.RULES): "dp" (the paper's) or "naive"
     sort_longest_first: bool = True  # the blaster cuts lengths sorted longest first (False: arrival order)
