@@ -579,6 +579,7 @@ class BatchSearch:
             cut = False
             if len(members) > 1 or len(flat_ids(members)) > 1:
                 ids = flat_ids(members)
+                tried = None
                 for num_buckets, estimate in REFINE_VARIANTS:
                     if self.out_of_time():
                         cut = True
@@ -586,7 +587,16 @@ class BatchSearch:
                     local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
                     if len(local.upper) == 1 and len(members) == 1:
                         break
-                    bucket_times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
+                    upper = self.costs.times(local.upper)               # inf where one does not fit: as the packer
+                    bucket_times = (np.where(np.isfinite(upper), mean_bucket_times(self.lengths[ids], local, self.costs),
+                                             np.inf) if estimate == "mean" else upper)
+                    # a micro-batch of few distinct lengths gets them as buckets in both variants, and then
+                    # mean and upper times agree: the same packing twice, packed once
+                    same = (tried is not None and np.array_equal(local.upper, tried[0])
+                            and np.array_equal(local.counts, tried[1]) and np.array_equal(bucket_times, tried[2]))
+                    tried = (local.upper, local.counts, bucket_times)
+                    if same:
+                        continue
                     packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, bucket_times).solve(local.counts)
                     if packing is None:
                         continue
