@@ -161,6 +161,7 @@ class BatchSearch:
         self.real_area = (real * np.asarray(costs.degrees)[None, :]).min(axis=1)
         self.real_time = real.min(axis=1)
         self._refined: dict[bytes, tuple] = {}                   # refine_members' results by their input
+        self._swept: set[bytes] = set()                          # whole-batch packings arranged_split dealt
 
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -263,6 +264,13 @@ class BatchSearch:
         packing = self.packer.pack(self.buckets.counts, makespan, max_gpus=math.inf, stretch=True)
         if packing is None:
             return None
+        if not must_finish:
+            # a sweep point whose whole-batch packing an earlier one had deals the same split, which was
+            # compared with a best that has only improved since (same outcome, nothing repacked)
+            key = b"|".join((packing.degree_idx.tobytes(), packing.counts.tobytes(), packing.multiplicity().tobytes()))
+            if key in self._swept:
+                return None
+            self._swept.add(key)
         times = self.packer.group_times(packing)
         degrees = np.asarray(self.costs.degrees)[packing.degree_idx]
         room: list[int] = []
