@@ -585,8 +585,11 @@ class BatchSearch:
                 continue
             loads = item[2] if len(item) > 2 else group_loads(members, deg, self.lengths, self.costs)
             cut = False
-            if len(members) > 1 or len(flat_ids(members)) > 1:
-                ids = flat_ids(members)
+            ids = flat_ids(members)
+            # no packing of these sequences has a slower group below their cheapest area spread over N
+            # nor below the slowest one at its fastest degree: a micro-batch there keeps its groups
+            floor = max(float(self.real_area[ids].sum()) / self.num_gpus, float(self.real_time[ids].max()))
+            if (len(members) > 1 or len(ids) > 1) and loads.max() > floor * (1 - BOUND_SLACK):
                 tried = None
                 for num_buckets, estimate in REFINE_VARIANTS:
                     if self.out_of_time():
