@@ -113,7 +113,8 @@ max_len = min(args.max_len, cost.group_capacity(max(pool.degrees)))
 
 class SyntheticTokens(torch.utils.data.Dataset):
     """A map-style dataset of long-tailed, variable-length token lists (any tokenized dataset works:
-    lists, tensors, or dicts with ``input_ids`` such as a Hugging Face ``datasets.Dataset``).
+    lists, tensors, or dicts with ``input_ids`` such as a Hugging Face ``datasets.Dataset``; a dict's
+    ``labels`` or TRL ``completion_mask`` / ``assistant_masks`` say which targets carry loss).
     Each sequence counts up mod vocab with its own start and stride, so there is something to learn."""
 
     def __init__(self, size, seed):
@@ -131,6 +132,7 @@ class SyntheticTokens(torch.utils.data.Dataset):
 
 dataset = SyntheticTokens(args.dataset_size, args.seed)
 loader = FlexSPLoader(dataset, cost, cluster, pool=pool, device=device, lengths=dataset.lengths,  # lengths known: no pass
+                      vocab_size=model_config.vocab,   # rows with labels / loss masks are checked against it
                       config=LoaderConfig(batch_size=args.batch_size, seed=args.seed, lookahead=args.lookahead,
                                           plan=plan_config))
 

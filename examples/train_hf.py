@@ -152,6 +152,7 @@ else:   # made-up numbers of the right shape; profile yours with `flexsp profile
 if args.max_len > cost.token_capacity * world:
     raise SystemExit(f"--max-len {args.max_len} does not fit the whole world ({world} x {cost.token_capacity} tokens)")
 loader = FlexSPLoader(dataset, cost, cluster, pool=pool, device=device, lengths=lengths,
+                      vocab_size=config.vocab_size,
                       config=LoaderConfig(batch_size=args.batch_size, seed=args.seed,
                                           plan=PlanConfig(strategy=args.strategy, time_limit=args.time_limit,
                                                           max_degree=heads & -heads)))

@@ -18,7 +18,7 @@ from flexsp.plan.cost import CostModel, describe_sources
 from flexsp.plan.lengths import OVER_CONTEXT, bound_context, get_distribution, load_lengths, locate
 from flexsp.plan.memory import SHARDINGS
 from flexsp.plan.measured_presets import measured_names
-from flexsp.plan.presets import cost_from_preset
+from flexsp.plan.presets import ANALYTIC_PRESETS, cost_from_preset
 from flexsp.profile import cli as profile_cli
 from flexsp.replay import cli as replay_cli
 from flexsp.profile import selftest as selftest_cli
@@ -73,12 +73,14 @@ def _degree_set(text: str) -> tuple[int, ...] | str:
 
 def _cost_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--model", default="gpt-7b", help="preset: the paper's gpt-7b, gpt-13b, gpt-30b or a measured one "
-                       f"({', '.join(measured_names())}; docs/simulation.md) (default gpt-7b)")
+    group.add_argument("--model", default="gpt-7b", help="preset: the paper's gpt-7b, gpt-13b, gpt-30b, a measured one "
+                       f"({', '.join(measured_names())}; docs/simulation.md) or an analytic one with layer kinds and "
+                       f"experts ({', '.join(ANALYTIC_PRESETS)}; H100 datasheet figures) (default gpt-7b)")
     group.add_argument("--cost", type=Path, help="cost model JSON (from CostModel.save or flexsp profile)")
     group.add_argument("--analytic", metavar="MODEL:GPU",
                        help="analytic cost model, e.g. llama-7b:h100-80gb (models: llama-7b, llama-13b, llama3-8b, "
-                            "llama3-70b; GPUs: a100-40gb, a100-80gb, h100-80gb); degrees above the head count are "
+                            "llama3-70b, gpt-oss-20b, gemma-3-27b, qwen3.5-27b; GPUs: a100-40gb, a100-80gb, "
+                            "h100-80gb); degrees above the head count are "
                             "Ulysses x ring hybrids")
     parser.add_argument("--gpus", type=whole_number(1), default=64, help="number of GPUs (default 64)")
     parser.add_argument("--gpus-per-node", type=whole_number(1), default=8)

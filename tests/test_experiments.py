@@ -129,3 +129,16 @@ def test_quick_run_says_where_it_wrote_and_reuses_one_folder(tmp_path):
     assert len(folders) == 1 and folders[0].name.startswith("flexsp-quick-"), folders
     assert f"outputs in {folders[0]}" in first.stderr
     assert (folders[0] / "case_study.md").is_file()
+
+
+def test_layer_kinds_quick_compares_each_model_with_its_full_attention_twin(tmp_path):
+    run_script("layer_kinds", "--quick", "--quiet", "--out", tmp_path, timeout=120)
+    with (tmp_path / "layer_kinds.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["model"] for r in rows] == ["gpt-oss-20b"] * 2 + ["gemma-3-27b"] * 2 + ["qwen3.5-27b"] * 2
+    assert {r["costed_as"] for r in rows[1::2]} == {"every layer full attention"}
+    assert rows[2]["layers"] == "52 window 1024, 10 full" and rows[4]["layers"] == "48 linear, 16 full"
+    # the windowed model is cheaper than its twin under the twin's own prediction
+    assert float(rows[2]["mean_step_s"]) < float(rows[3]["mean_step_s"])
+    markdown = (tmp_path / "layer_kinds.md").read_text()
+    assert "Simulated, not measured" in markdown and "analytic" in markdown

@@ -85,6 +85,23 @@ def test_a_dropped_in_profile_is_a_preset_without_code_changes(tmp_path, monkeyp
         flexsp.cost_from_preset("no-such-gpu")                       # the error lists what there is
 
 
+def test_a_preset_with_windowed_layers_keeps_its_terms(tmp_path, monkeypatch):
+    """The measured-preset format carries per-kind attention terms (window_alpha, chunk_alpha): a profile of a
+    windowed model is a preset whose plans are costed with them; the older files (none) load unchanged."""
+    document = _document()
+    document["name"] = "h999-windowed"
+    document["profile"]["window_alpha"] = {"4096": document["profile"]["alpha1"] / 2}
+    (tmp_path / "h999-windowed.json").write_text(json.dumps(document))
+    shutil.copy(FOLDER / f"{H200}.json", tmp_path)
+    monkeypatch.setattr(measured_presets, "FOLDER", tmp_path)
+    cost = flexsp.cost_from_preset("h999-windowed", num_gpus=8)
+    plain = flexsp.cost_from_preset(H200, num_gpus=8)
+    assert cost.window_alpha == {4096: plain.alpha1 / 2} and plain.window_alpha == {}
+    s = 20_000.0
+    extra = plain.alpha1 / 2 * (4096**2 + (s - 4096) * (2 * 4096 - 1))
+    assert cost.seq_time(s, 1) == pytest.approx(plain.seq_time(s, 1) + extra)
+
+
 def _bad(document: dict, how: str) -> dict | str:
     if how == "version":
         document["version"] = 2

@@ -65,7 +65,7 @@ def test_a_ring_model_checks_the_range_at_every_degree_it_is_asked_for():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: cost_from_preset(None), r"unknown preset None; choose one of \['gpt-13b'"),
+    (lambda: cost_from_preset(None), r"unknown preset None; choose one of \['gemma-3-27b', 'gpt-13b'"),
     (lambda: cost_from_preset("gpt-7b", context="384K"), r"context \(tokens.*must be an integer, got '384K'"),
     (lambda: cost_from_preset("gpt-7b", num_gpus=0), "num_gpus must be >= 1"),
     (lambda: cost_from_hardware("llama-7b", "h100-80gb", num_gpus=0), "num_gpus must be >= 1, got 0"),
@@ -276,7 +276,7 @@ def test_communicators_come_off_the_planning_capacity():
     assert again.token_capacity == math.floor(6407 - 2 * 256 * 2**20 / per_token)
     assert CostModel.from_dict(json.loads(json.dumps(again.to_dict()))) == again
     analytic = cost_from_hardware("llama-7b", "a100-40gb", num_gpus=64)
-    per_token = 34 * 4096 * 32
+    per_token = analytic.activation_bytes_per_token     # the capacity model's measured-layer figure
     assert reserve_communicators(analytic, (1, 2)).token_capacity == math.floor(analytic.token_capacity - 2**29 / per_token)
     with pytest.raises(CostModelError, match="leave no activation memory"):
         reserve_communicators(PRESET, CLUSTER.degrees, 8 * 2**30)

@@ -7,7 +7,8 @@ import pytest
 from flexsp import CostModel
 from flexsp.errors import CostModelError
 from flexsp.plan.analytic import analytic_cost_model
-from flexsp.plan.memory import SHARDINGS, assumed, check_runtime, model_state_bytes, state_bytes
+from flexsp.plan.memory import (SHARDINGS, activation_bytes_per_token, assumed, check_runtime, model_state_bytes,
+                                precision_for, state_bytes)
 from flexsp.plan.presets import cost_from_preset
 from flexsp.plan.specs import GPUS, ModelSpec, get_model
 
@@ -41,7 +42,8 @@ def test_capacities_use_the_formula_and_record_the_choice():
         cost = analytic_cost_model(model, "h100-80gb", 64, sharding=sharding)
         gpu = GPUS["h100-80gb"]
         free = gpu.memory_bytes * gpu.usable_memory - model_state_bytes(model.params, 64, sharding)
-        assert cost.token_capacity == math.floor(free / (34 * model.hidden * model.layers))
+        per_token = activation_bytes_per_token(model, "none", precision_for(64, sharding))
+        assert cost.token_capacity == math.floor(free / per_token)
         again = CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
         assert assumed(again) == sharding == again.meta["sharding"]
     preset = cost_from_preset("gpt-7b", sharding="full")

@@ -5,6 +5,8 @@ loader step and ``StepExecutor.run_plan`` see identical shards.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 from flexsp.data.errors import LoaderError
 from flexsp.data.source import item_tokens
 from flexsp.plan.types import Group
+from flexsp.runtime.labels import read_targets
 from flexsp.runtime.shard import MicroBatchShard, group_inputs
 
 if TYPE_CHECKING:
@@ -35,21 +38,42 @@ def to_tokens(item: Any, index: int) -> torch.Tensor:
     return t.to(torch.long)
 
 
-def shard_group(fetch: Callable[[int], torch.Tensor], micro_batch: int, group: Group, rank: int,
+@dataclass(frozen=True)
+class Row:
+    """One dataset item as the packing step takes it: its tokens, their targets and how many carry loss."""
+
+    input_ids: torch.Tensor           # 1-D int64
+    targets: torch.Tensor | None      # aligned, unshifted, -100 = no loss; None: every next token is a target
+    supervised: int                   # targets that carry loss (flexsp.runtime.labels.read_targets)
+
+
+def read_row(item: Any, index: int, vocab_size: int | None = None) -> Row:
+    """One dataset item with its supervision: ``labels`` / ``completion_mask`` / ``assistant_masks`` columns
+    of a mapping (``flexsp.runtime.labels``); any other item trains every next token."""
+    ids = to_tokens(item, index)
+    columns = item if isinstance(item, Mapping) else {}
+    targets, supervised = read_targets(columns, ids, f"dataset item {index}", vocab_size)
+    return Row(ids, targets, supervised)
+
+
+def shard_group(fetch: Callable[[int], Row], micro_batch: int, group: Group, rank: int,
                 indices: Sequence[int], lengths: Sequence[int], device: torch.device | None,
                 pool: "GroupPool | None" = None) -> MicroBatchShard:
-    """Fetch ``group``'s sequences (plan seq id -> ``indices``), check their lengths, and cut out ``rank``'s
-    shard and attention context (``flexsp.runtime.shard.group_inputs``)."""
-    seqs = []
+    """Fetch ``group``'s rows (plan seq id -> ``indices``), check their lengths, and cut out ``rank``'s
+    shard and attention context (``flexsp.runtime.shard.group_inputs``); labels travel with their tokens."""
+    rows = []
     for s in group.seq_ids:
-        tokens = fetch(indices[s])
-        if tokens.numel() != lengths[s]:
-            raise LoaderError(f"dataset item {indices[s]} has {tokens.numel()} tokens but its planned length is "
-                              f"{lengths[s]}: the lengths given to the loader are stale or wrong")
-        seqs.append(tokens)
-    shard, ctx = group_inputs(group, seqs, rank, device if device is not None else "cpu", pool=pool)
+        row = fetch(indices[s])
+        if row.input_ids.numel() != lengths[s]:
+            raise LoaderError(f"dataset item {indices[s]} has {row.input_ids.numel()} tokens but its planned length "
+                              f"is {lengths[s]}: the lengths given to the loader are stale or wrong")
+        rows.append(row)
+    targets = None if all(r.targets is None for r in rows) else [r.targets for r in rows]
+    shard, ctx = group_inputs(group, [r.input_ids for r in rows], rank, device if device is not None else "cpu",
+                              pool=pool, targets=targets)
     return MicroBatchShard(
         micro_batch=micro_batch, input_ids=shard.input_ids, labels=shard.labels, position_ids=shard.position_ids,
         cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, real_tokens=shard.real_tokens,
         ranks=tuple(group.ranks), local_rank=tuple(group.ranks).index(rank), group=ctx.group,
-        indices=tuple(int(indices[s]) for s in group.seq_ids), ring=ctx.ring)
+        indices=tuple(int(indices[s]) for s in group.seq_ids), ring=ctx.ring,
+        supervised=sum(r.supervised for r in rows))

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flexsp.data.batching import EpochBatches
-from flexsp.data.collate import shard_group, to_tokens
+from flexsp.data.collate import Row, read_row, shard_group
 from flexsp.data.config import LoaderConfig
 from flexsp.data.errors import LoaderError
 from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, planner_deadline
@@ -39,7 +39,6 @@ from flexsp.plan.memory import assumed as assumed_sharding
 from flexsp.plan.types import Plan
 from flexsp.runtime.failures import ControlGroup, error_line
 from flexsp.runtime.pool import GroupPool
-from flexsp.runtime.shard import loss_tokens
 from flexsp.runtime.step import Step
 
 STATE_VERSION = 1
@@ -71,7 +70,10 @@ class FlexSPLoader:
 
     ``for step in loader`` runs one epoch from the current position; iterate again for the next.
     Items may be lists, tuples, numpy arrays, 1-D tensors or mappings with ``input_ids`` (Hugging
-    Face ``datasets`` rows). Lengths come from ``lengths``, a ``"length"`` column, or one ``len()``
+    Face ``datasets`` rows); a mapping's ``labels`` (HF: aligned, unshifted, -100 = no loss), TRL's
+    ``completion_mask`` / ``assistant_masks`` (1 = loss) say which targets carry loss
+    (``flexsp.runtime.labels``; checked against ``vocab_size`` when given), and ``Step.loss_tokens`` is the
+    global batch's count of them, summed over the ranks on the load agreement. Lengths come from ``lengths``, a ``"length"`` column, or one ``len()``
     pass over the items on the planning rank (see ``flexsp.data.source``). ``pool`` (a ``GroupPool``
     over ``cluster.num_gpus`` ranks) is needed with more than one process and supplies each shard's
     process group; without it the loader stands in for ``rank`` of the cluster. ``planner``, if
@@ -85,12 +87,14 @@ class FlexSPLoader:
 
     def __init__(self, dataset: Sequence[Any], cost: CostModel, cluster: Cluster, config: LoaderConfig, *,
                  lengths: Any = None, pool: GroupPool | None = None, rank: int | None = None,
-                 planner: Solver | None = None, device: torch.device | str | None = None) -> None:
+                 planner: Solver | None = None, device: torch.device | str | None = None,
+                 vocab_size: int | None = None) -> None:
         if not isinstance(config, LoaderConfig):
             raise LoaderError(f"config must be a flexsp.data.LoaderConfig, got {type(config).__name__}")
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
             raise LoaderError(f"dataset must be map-style (__len__ and __getitem__), got {type(dataset).__name__}")
         self.dataset, self.cost, self.cluster, self.config = dataset, cost, cluster, config
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.pool = pool
         self.sharding = assumed_sharding(cost)
         self.device = None if device is None else torch.device(device)
@@ -307,13 +311,14 @@ class FlexSPLoader:
         plan = dataclasses.replace(plan, meta={**plan.meta, "planner_fallbacks": payload["planner_fallbacks"]})
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
         loaded = time.perf_counter()
-        shards, failure = [], None
+        shards, failure, supervised = [], None, 0
         try:
             for m, mb in enumerate(plan.micro_batches):
                 group = mb.group_of_rank(self.rank)
                 if group is not None:
                     shards.append(shard_group(self._fetch, m, group, self.rank, indices, lengths, self.device,
                                               self.pool))
+            supervised = self._supervised(plan, shards, indices)
         except Exception as exc:
             if self._control is not None:
                 failure = error_line(exc)   # named with the batch and the rank by the agreement below
@@ -323,11 +328,12 @@ class FlexSPLoader:
                 raise LoaderError(f"loading global batch {self._index} of epoch {self._epoch} "
                                   f"failed: {type(exc).__name__}: {exc}") from None
         if self._control is not None:   # a bad item (or a hung read) on one rank stops every rank with the same error
-            self._control.check(failure, what=f"loading global batch {self._index} of epoch {self._epoch}",
-                                error=LoaderError)
+            # the same all-reduce sums the global batch's supervised targets (each group counted by its first rank)
+            supervised = self._control.check(failure, what=f"loading global batch {self._index} of epoch "
+                                             f"{self._epoch}", error=LoaderError, count=supervised)
         load = time.perf_counter() - loaded
         step = Step(epoch=self._epoch, index=self._index, step=self._step, plan=plan, indices=indices,
-                    lengths=lengths, num_tokens=sum(lengths), loss_tokens=loss_tokens(lengths),
+                    lengths=lengths, num_tokens=sum(lengths), loss_tokens=supervised,
                     micro_batches=tuple(shards), last=payload["last"], plan_wait=wait, load_seconds=load,
                     fallback=payload["fallback"], sharding=self.sharding)
         self._epoch, self._index = (self._epoch + 1, 0) if step.last else (self._epoch, self._index + 1)
@@ -338,8 +344,18 @@ class FlexSPLoader:
         s.prepare_load_seconds += load
         return step
 
-    def _fetch(self, index: int) -> torch.Tensor:
-        return to_tokens(self.dataset[index], index)
+    def _fetch(self, index: int) -> Row:
+        return read_row(self.dataset[index], index, self.vocab_size)
+
+    def _supervised(self, plan: Plan, shards: list, indices: Sequence[int]) -> int:
+        """This rank's part of the global batch's supervised-target count: the groups it leads (first rank),
+        whose rows it fetched; summed over the ranks by the load agreement. A process standing in for one
+        rank of a bigger cluster has no peers to count the rest: it reads the other groups' rows too."""
+        if self._communicate:
+            return sum(s.supervised for s in shards if s.local_rank == 0)
+        others = [indices[i] for mb in plan.micro_batches for g in mb.groups if self.rank not in g.ranks
+                  for i in g.seq_ids]
+        return sum(s.supervised for s in shards) + sum(self._fetch(i).supervised for i in others)
 
     def num_batches(self, epoch: int | None = None) -> int:
         """Global batches in ``epoch`` (default: the current one). Needs the lengths on this rank, so it

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, install
-from flexsp.hf.features import UnsupportedModelError, check_call, model_name, sliding_window, text_config
+from flexsp.hf.features import (FEATURES_ATTR, UnsupportedModelError, attention_modules, decoder_of, layer_features,
+                                logit_transform, model_name, text_config)
 from flexsp.runtime.models.fused_loss import lm_head_loss
 from flexsp.hf.route import route_context
 from flexsp.plan.memory import check_recompute
@@ -43,7 +44,18 @@ class HFCausalLM(nn.Module):
         self.model = model
         self.chunk_tokens, self.loss_kernel = chunk_tokens, loss_kernel
         self.name = model_name(model)
-        self.window = sliding_window(model)
+        # per-layer attention features and the head's logit transform: read once here, passed down explicitly
+        features = layer_features(model)
+        for index, module in attention_modules(model).items():
+            if index in features:
+                setattr(module, FEATURES_ATTR, features[index])
+        self.features = features
+        self.logit_scale, self.logit_softcap = logit_transform(model)
+        # Llama 4's attention temperature tuning scales NoPE layers' queries by the row's index in the call,
+        # not its position id: the same as native only while every row index stays below floor_scale - 1
+        floors = [int(m.floor_scale) for m in attention_modules(model).values()
+                  if getattr(m, "attn_temperature_tuning", False) and getattr(m, "use_rope", True) is False]
+        self.temperature_floor = min(floors) if floors else None
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
             raise UnsupportedModelError(f"{self.name}: the output embedding is {type(head).__name__}, not a Linear "
@@ -94,7 +106,7 @@ class HFCausalLM(nn.Module):
     # --- model ---------------------------------------------------------------------------------
     @property
     def decoder(self) -> nn.Module:
-        return self.model.get_decoder()
+        return decoder_of(self.model)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       ctx: AttentionContext) -> torch.Tensor:
@@ -106,8 +118,12 @@ class HFCausalLM(nn.Module):
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids and position_ids must be 1-D and alike, got {tuple(input_ids.shape)} and "
                              f"{tuple(position_ids.shape)}")
-        if self.window is not None:   # checked before any collective; the same on every rank of the group
-            check_call(self.model, ctx.max_seqlen, sliding_window=self.window)
+        if self.temperature_floor is not None and max(input_ids.numel(), ctx.max_seqlen) >= self.temperature_floor:
+            raise UnsupportedModelError(
+                f"{self.name}: attention temperature tuning (NoPE layers) scales queries by their index in the "
+                f"packed row, not their position in the sequence; FlexSP is exact only while shards and sequences "
+                f"stay below floor_scale={self.temperature_floor} tokens (got a shard of {input_ids.numel()} and a "
+                f"sequence of {ctx.max_seqlen})")
         heads, kv_heads = self.sp_heads()
         check_heads(heads, kv_heads, ctx.degree)
         key = self.model.config._attn_implementation
@@ -135,5 +151,11 @@ class HFCausalLM(nn.Module):
         hidden = self.hidden_states(input_ids, position_ids, ctx)
         head = self.model.get_output_embeddings()
         if labels is None:
-            return head(hidden)
-        return lm_head_loss(hidden, head.weight, head.bias, labels, self.chunk_tokens, self.loss_kernel)
+            logits = head(hidden)
+            if self.logit_scale != 1.0:
+                logits = logits * self.logit_scale
+            if self.logit_softcap is not None:
+                logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+            return logits
+        return lm_head_loss(hidden, head.weight, head.bias, labels, self.chunk_tokens, self.loss_kernel,
+                            logit_scale=self.logit_scale, softcap=self.logit_softcap)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from flexsp.hf.features import UnsupportedModelError, check_call
+from flexsp.hf.features import FEATURES_ATTR, UnsupportedModelError, check_call
+from flexsp.runtime.kernels.features import Features
 from flexsp.runtime.sp.attention import sp_attention
 from flexsp.runtime.sp.context import AttentionContext
 
@@ -102,9 +103,15 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     In: ``query [1, heads, tokens/d, dim]``, ``key``/``value`` ``[1, kv_heads, tokens/d, dim]`` (this
     rank's shard, rotary already applied from per-sequence position ids). Out: ``[1, tokens/d, heads,
     dim]`` and no attention weights. The mask is ignored: the packed layout is ``ctx.cu_seqlens``.
+    The layer's window, chunk and softcap are the ``Features`` the adapter read from the model once
+    (``module.flexsp_features``), checked against what the call asks for; ``s_aux`` (GPT-OSS's sinks
+    parameter, all heads) goes down as the layer's sink logits.
     """
+    features = getattr(module, FEATURES_ATTR, None)
     check_call(module, ctx.max_seqlen, dropout=dropout, sliding_window=sliding_window, softcap=softcap,
-               s_aux=s_aux, is_causal=is_causal)
+               s_aux=s_aux, is_causal=is_causal, features=features)
+    if features is None:   # a module the adapter did not prepare: what the call asks for
+        features = Features(window=sliding_window, softcap=softcap)
     if query.dim() != 4 or query.shape[0] != 1:
         raise UnsupportedModelError(f"{type(module).__name__}: FlexSP runs one packed row (batch 1), got query "
                                     f"{tuple(query.shape)}")
@@ -116,7 +123,7 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if scaling is not None and scaling != default:
         q = q * (scaling / default)   # the kernel scales by 1/sqrt(dim); fold the model's own scale into q
     if getattr(module, RECOMPUTE_ATTR, False) and torch.is_grad_enabled():   # selective recompute
-        out = checkpoint(sp_attention, q, k, v, ctx, use_reentrant=False)
+        out = checkpoint(sp_attention, q, k, v, ctx, features, s_aux, use_reentrant=False)
     else:
-        out = sp_attention(q, k, v, ctx)
+        out = sp_attention(q, k, v, ctx, features, s_aux)
     return out.unsqueeze(0).contiguous(), None   # as transformers' own functions return it (callers .view it)

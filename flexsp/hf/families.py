@@ -16,6 +16,7 @@ model run one sequence at a time (its own maths, no packing assumed). The outcom
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ RTOL = 1e-7          # relative error of the loss and of the update (max-norm), 
 LR = 0.5
 MAX_PARAMS = 5_000_000
 LENGTHS = (9, 17, 5, 12, 3, 7, 11, 6)
+WINDOW = 4           # tiny sliding window and attention chunk, where a family has them
 VOCAB = 128
 # The shrink: config attributes set when the family's config has them (names differ per family).
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -39,7 +41,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_l
             max_position_embeddings=512, attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, dropout=0.0, n_embd=32, n_layer=2, n_head=4, n_positions=512, d_model=32, n_inner=48,
             ffn_dim=48, num_layers=2, num_heads=4, first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8,
-            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+            sliding_window=WINDOW, attention_chunk_size=WINDOW)   # shorter than most LENGTHS: windows and chunks bind
 
 
 @dataclass(frozen=True)
@@ -122,12 +125,37 @@ def has_router_loss(model_type: str) -> bool:
                                                         or getattr(cfg, "router_z_loss_coef", 0))
 
 
+@contextlib.contextmanager
+def fp64_softmax():
+    """While open, ``F.softmax(x, dtype=torch.float32)`` of an fp64 ``x`` stays fp64: transformers' eager
+    attention functions force a float32 softmax, which would leave the fp64 reference float32-rounded
+    (~1e-7, the size of ``RTOL``). The maths is the model's; only the reference's rounding changes."""
+    original = F.softmax
+
+    def softmax(x, *args, dtype=None, **kwargs):
+        if dtype == torch.float32 and isinstance(x, torch.Tensor) and x.dtype == torch.float64:
+            dtype = torch.float64
+        return original(x, *args, dtype=dtype, **kwargs)
+
+    F.softmax = softmax
+    try:
+        yield
+    finally:
+        F.softmax = original
+
+
 def native_step(model: torch.nn.Module, sequences: Sequence[torch.Tensor]) -> tuple[float, torch.Tensor]:
     """The unmodified model on the whole batch: mean next-token loss and the SGD-updated parameters.
+    Run under ``fp64_softmax`` (the model's eager softmax in fp64, not float32).
 
     Sequences run one at a time (no packing assumed); a model with ``output_router_logits`` runs them
     as one padded batch instead, so that its router auxiliary loss covers the whole batch's tokens as
     it does in native training (HF's loss then averages over the batch's labelled tokens)."""
+    with fp64_softmax():
+        return _native_step(model, sequences)
+
+
+def _native_step(model: torch.nn.Module, sequences: Sequence[torch.Tensor]) -> tuple[float, torch.Tensor]:
     if getattr(model.config, "output_router_logits", False):
         width = max(len(s) for s in sequences)
         ids = torch.zeros(len(sequences), width, dtype=torch.long)
@@ -159,18 +187,20 @@ def native_step(model: torch.nn.Module, sequences: Sequence[torch.Tensor]) -> tu
 ROUTER = "+router-loss"   # suffix of a model type: the same family with output_router_logits=True
 
 
-def check_family(model_type: str, pool: Any, plan: Plan | None = None) -> FamilyResult:
+def check_family(model_type: str, pool: Any, plan: Plan | None = None,
+                 overrides: dict[str, Any] | None = None) -> FamilyResult:
     """One family on this rank of the pool's world (call on every rank, same order).
 
     ``"<type>+router-loss"``: the family with ``output_router_logits=True`` (MoE training with its
-    router auxiliary loss), checked against the native loss that includes it.
+    router auxiliary loss), checked against the native loss that includes it. ``overrides``: config
+    attributes set on the tiny config (a short window, a chunk size, a logit scale...).
     """
     from flexsp.hf.prepare import prepare_model
     from flexsp.runtime.step import StepExecutor
     plan = plan or heterogeneous_plan(pool.world_size)
     sequences = batch()
     base, router = model_type.removesuffix(ROUTER), model_type.endswith(ROUTER)
-    overrides = {"output_router_logits": True} if router else {}
+    overrides = {**(overrides or {}), **({"output_router_logits": True} if router else {})}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -1,11 +1,17 @@
-"""Which attention features a model uses that FlexSP's packed causal Ulysses attention cannot honour.
+"""What a model's attention and LM head compute beyond plain causal attention: read once, passed down
+per layer; and what FlexSP cannot honour, refused by name.
 
-FlexSP replaces the model's attention with plain causal attention inside each packed sequence. A
-model that needs more (a sliding window shorter than its sequences, logit soft-capping, attention
-sinks, dropout, bidirectional or cross-attention, scaled logits, 3-D mRoPE positions, a router
-auxiliary loss over the batch) would train on silently different maths, so
-it is refused up front with an error naming the model and the feature. The same checks run again
-per attention call (``attention.py``) on what the model actually passes, as a safety net.
+FlexSP replaces the model's attention with causal attention inside each packed sequence, plus the
+layer's own features, read here once from the model (``layer_features``): a left sliding window
+(``config.layer_types`` "sliding_attention", or every layer of a ``sliding_window`` config without
+layer types; the attention module's own ``sliding_window`` wins where it has one), chunked attention
+("chunked_attention" layers: ``config.attention_chunk_size``), the score softcap
+(``config.attn_logit_softcapping``) and attention sinks (the module's ``sinks`` parameter, GPT-OSS).
+The LM head's logit scaling and final softcap (``logit_transform``) go to the loss. A model that needs
+what cannot be computed (dropout, bidirectional or cross-attention, 3-D mRoPE positions, a router
+auxiliary loss over the batch) would train on silently different maths, so it is refused up front with
+an error naming the model and the feature. The per-call check (``check_call``) compares what each
+attention call asks for with what was read, as a safety net.
 """
 from __future__ import annotations
 
@@ -15,6 +21,13 @@ from typing import Any
 from torch import nn
 
 from flexsp.errors import FlexSPError
+from flexsp.runtime.kernels.features import Features
+
+SLIDING, CHUNKED = "sliding_attention", "chunked_attention"   # the ``config.layer_types`` entries read here
+FEATURES_ATTR = "flexsp_features"   # set on every attention module: its layer's ``Features``, read once
+# logit transforms of LM heads: config attribute -> True when the model divides its logits by it
+LOGIT_SCALES = {"logits_scaling": True, "logit_scale": False}
+MULTIPLYING_LOGITS_SCALING = frozenset({"hyperclovax"})   # families whose ``logits_scaling`` multiplies
 
 
 class UnsupportedModelError(FlexSPError):
@@ -40,23 +53,81 @@ def text_config(model: nn.Module) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def sliding_window(model: nn.Module) -> int | None:
-    """The smallest attention window any layer uses, or None when every layer attends fully."""
+def decoder_of(model: nn.Module) -> nn.Module | None:
+    """The decoder stack under an LM head: ``get_decoder()``, or the ``model`` attribute where that returns
+    the LM itself (Llama 4's text LM names its base ``language_model`` but stores it as ``model``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is model:
+        inner = getattr(model, "model", None)
+        return inner if isinstance(inner, nn.Module) else decoder
+    return decoder
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """The attention module of each decoder layer, by ``layer_idx``."""
+    return {int(m.layer_idx): m for m in model.modules()
+            if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)}
+
+
+def layer_features(model: nn.Module) -> dict[int, Features]:
+    """Each decoder layer's attention features (``Features``), read once from the config and the modules.
+
+    Window: ``config.layer_types[i] == "sliding_attention"`` (or, where no layer type is a sliding one,
+    every attention layer of a config with ``sliding_window`` and ``use_sliding_window`` not False: the
+    mask builders of Mistral-style models apply it everywhere), the attention module's own
+    ``sliding_window`` attribute overriding; chunk: "chunked_attention" layers' ``attention_chunk_size``;
+    softcap: ``attn_logit_softcapping``."""
     cfg = text_config(model)
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    types = list(getattr(cfg, "layer_types", None) or [])
     window = getattr(cfg, "sliding_window", None)
-    if window is None or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None and not any("sliding" in str(t) or "local" in str(t) for t in layer_types):
-        return None
-    return int(window)
+    if getattr(cfg, "use_sliding_window", True) is False:
+        window = None
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    modules = attention_modules(model)
+    out = {}
+    for i in range(layers):
+        kind = types[i] if i < len(types) else None
+        # a config whose layer types name no sliding layer (none, or attention vs linear: MiniMax) builds its
+        # mask with the window on every attention layer, as Mistral's does
+        w = window if (kind == SLIDING or (SLIDING not in types and kind != CHUNKED)) else None
+        module = modules.get(i)
+        if module is not None and hasattr(module, "sliding_window"):
+            w = module.sliding_window
+        out[i] = Features(window=None if w is None else int(w),
+                          chunk=int(chunk) if kind == CHUNKED and chunk is not None else None,
+                          softcap=None if softcap is None else float(softcap))
+    return out
+
+
+def has_sinks(module: nn.Module) -> bool:
+    """The attention module carries per-head sink logits (GPT-OSS's ``sinks`` parameter)."""
+    return isinstance(getattr(module, "sinks", None), nn.Parameter)
+
+
+def logit_transform(model: nn.Module) -> tuple[float, float | None]:
+    """``(scale, softcap)`` the model applies to its LM head's logits: ``logits * scale``, then
+    ``softcap * tanh(logits / softcap)`` (Granite's ``logits_scaling`` divides, Cohere's ``logit_scale``
+    multiplies; Gemma's ``final_logit_softcapping``). The probe checks the result against the model."""
+    cfg = text_config(model)
+    scale = 1.0
+    for attr, divides in LOGIT_SCALES.items():
+        value = getattr(cfg, attr, None)
+        if value in (None, 1, 1.0):
+            continue
+        if getattr(cfg, "model_type", None) in MULTIPLYING_LOGITS_SCALING:
+            divides = False
+        scale *= 1.0 / float(value) if divides else float(value)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return scale, None if cap is None else float(cap)
 
 
 def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
     """Raise ``UnsupportedModelError`` naming ``model`` and the first feature FlexSP cannot honour.
 
-    A sliding window is fine when no sequence is longer than it (the window then masks nothing):
-    pass the longest sequence you will train as ``max_seqlen``.
+    ``max_seqlen`` (the longest sequence you will train) is no longer needed for sliding windows, which
+    are computed; it is kept for callers and for checks that depend on lengths.
     """
     cfg, name = text_config(model), model_name(model)
 
@@ -90,45 +161,46 @@ def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
             f"{name} adds a router auxiliary loss ({detail}, output_router_logits=True) over the whole batch's "
             f"tokens, which FlexSP does not compute across its SP groups yet; it would be dropped silently, so it "
             f"is refused: set config.output_router_logits=False to train on the language-model loss alone")
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = decoder_of(model)
     if decoder is not None and not takes_kwargs(type(decoder).forward):
         refuse("a decoder forward without **kwargs", f"{type(decoder).__name__}.forward cannot carry the context "
                                                      f"to the attention layers")
-    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(cfg, attr, None) is not None:
-            refuse("logit softcap", f"config.{attr}={getattr(cfg, attr)}")
-    for attr in ("logit_scale", "logits_scaling"):
-        if getattr(cfg, attr, None) not in (None, 1, 1.0):
-            refuse("logit scaling", f"config.{attr}={getattr(cfg, attr)}")
     dropout = float(getattr(cfg, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:
         refuse("attention dropout > 0", f"config.attention_dropout={dropout}; set it to 0.0")
-    sinks = [n for n, p in model.named_parameters() if n.endswith(".sinks")]
-    if sinks:
-        refuse("attention sinks", f"parameter {sinks[0]}")
-    window = sliding_window(model)
-    if window is not None and (max_seqlen is None or max_seqlen > window):
-        got = "max_seqlen not given" if max_seqlen is None else f"max_seqlen={max_seqlen}"
-        refuse("sliding-window attention", f"window {window} tokens, {got}; FlexSP is exact only when every sequence "
-                                           f"fits the window: pass max_seqlen <= {window}")
+    modules = attention_modules(model)
+    owned = {id(m.sinks) for m in modules.values() if has_sinks(m)}
+    stray = [n for n, p in model.named_parameters() if n.endswith(".sinks") and id(p) not in owned]
+    if stray:
+        refuse("attention sinks outside an attention layer's module", f"parameter {stray[0]}")
+    try:
+        layer_features(model)
+    except FlexSPError as exc:
+        refuse("attention features FlexSP cannot read", str(exc))
 
 
 def check_call(module: nn.Module, ctx_max_seqlen: int, *, dropout: float = 0.0, sliding_window: int | None = None,
-               softcap: float | None = None, s_aux: Any = None, is_causal: bool | None = None) -> None:
-    """The per-call check: what this attention layer asked for, against what FlexSP computes."""
+               softcap: float | None = None, s_aux: Any = None, is_causal: bool | None = None,
+               features: Features | None = None) -> None:
+    """The per-call check: what this attention layer asked for, against what FlexSP computes for it
+    (``features``: the layer's, read once; None: a module FlexSP did not prepare, which gets plain
+    causal attention plus what the call asks for)."""
     name = type(module).__name__
+    layer = getattr(module, "layer_idx", None)
 
     def refuse(feature: str, detail: str) -> None:
-        raise UnsupportedModelError(f"{name} asked for {feature} ({detail}), which FlexSP's packed causal "
-                                    f"Ulysses attention cannot honour")
+        raise UnsupportedModelError(f"{name} (layer {layer}) asked for {feature} ({detail}), which FlexSP's packed "
+                                    f"causal attention cannot honour")
 
     if dropout and float(dropout) > 0:
         refuse("attention dropout > 0", f"dropout={dropout}")
-    if softcap is not None:
-        refuse("logit softcap", f"softcap={softcap}")
-    if s_aux is not None:
-        refuse("attention sinks", "s_aux is set")
     if is_causal is False or getattr(module, "is_causal", True) is False:
         refuse("non-causal attention", "is_causal=False")
-    if sliding_window is not None and ctx_max_seqlen > int(sliding_window):
-        refuse("sliding-window attention", f"window {sliding_window} tokens but a packed sequence has {ctx_max_seqlen}")
+    if features is None:
+        return
+    if sliding_window is not None and features.window != int(sliding_window):
+        refuse("a sliding window its config does not give this layer",
+               f"sliding_window={sliding_window}, read from the model: {features.window}")
+    if softcap is not None and (features.softcap is None or float(softcap) != features.softcap):
+        refuse("a score softcap its config does not give this layer",
+               f"softcap={softcap}, read from the model: {features.softcap}")

@@ -13,8 +13,10 @@ With ``flexsp=False`` it is the plain ``Trainer``. With ``flexsp=True`` FlexSP s
   ``flexsp_cost``), and each rank gets its packed per-rank ``Step`` (no collator, no padding);
 - **attention**: ``prepare_model`` registers FlexSP's attention under the model's own key;
 - **loss and gradients**: ``training_step`` runs the step's micro-batches through the runtime's
-  ``StepExecutor`` (summed loss / the global batch's label count, gradients summed over the world),
-  so one Trainer step equals the mean next-token loss over the global batch on one device. The
+  ``StepExecutor`` (summed loss / the global batch's count of supervised targets: a ``labels`` column or
+  TRL's ``completion_mask`` / ``assistant_masks`` say which, ``flexsp.runtime.labels``; gradients summed
+  over the world), so one Trainer step equals HF's loss (``num_items_in_batch``) over the global batch on
+  one device. TRL's ``SFTTrainer``: ``flexsp.hf.trl``. The
   Trainer keeps its optimizer, scheduler, clipping, logging and callbacks; the model is not wrapped
   in DDP (FlexSP reduces the gradients itself).
 - **checkpoints**: the Trainer's own (``save_steps``, ``resume_from_checkpoint``), plus the loader's
@@ -54,7 +56,10 @@ class TrainerSetupError(FlexSPError):
 
 
 @dataclass
-class FlexSPTrainingArguments(TrainingArguments):
+class FlexSPArguments:
+    """The FlexSP settings, defined once: mixed into ``TrainingArguments`` here and into TRL's ``SFTConfig``
+    (``flexsp.hf.trl``). Put it first among the bases so its ``__post_init__`` runs before theirs."""
+
     flexsp: bool = field(default=False, metadata={"help": "plan each global batch into FlexSP SP groups"})
     flexsp_tokens_per_rank: int | None = field(default=None, metadata={
         "help": "tokens one rank can hold (activation budget); the largest group holds world x this"})
@@ -73,6 +78,11 @@ class FlexSPTrainingArguments(TrainingArguments):
         if self.flexsp and not self.use_cpu and not torch.cuda.is_available():
             self.use_cpu = True
         super().__post_init__()
+
+
+@dataclass
+class FlexSPTrainingArguments(FlexSPArguments, TrainingArguments):
+    """``TrainingArguments`` with the FlexSP settings (``FlexSPArguments``)."""
 
 
 class _Deferred:
@@ -161,8 +171,10 @@ class FlexSPTrainer(Trainer):
         seed = args.data_seed if args.data_seed is not None else args.seed
         lengths = [len(row["input_ids"]) for row in self.train_dataset]
         check_supported(self.model, max(lengths))   # a sliding window is fine only if every sequence fits it
+        text = self.model.config.get_text_config()
         loader = FlexSPLoader(
             self.train_dataset, cost, cluster, pool=pool, device=self.args.device, lengths=lengths,
+            vocab_size=getattr(text, "vocab_size", None),
             config=LoaderConfig(batch_size=args.per_device_train_batch_size * world, seed=seed,
                                 plan=PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit,
                                                 max_degree=heads & -heads)))

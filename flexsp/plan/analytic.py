@@ -2,23 +2,34 @@
 
 Formulas (bf16 training, fwd + bwd = 3x the forward FLOPs, FlashAttention so no s^2 memory):
 
-* ``alpha1 = 3 * layers * 2 * hidden / (peak_flops * efficiency)`` seconds per token^2: causal
-  attention does ``2 * s^2 * hidden`` FLOPs per layer forward (QK^T and AV, half the square each).
-* ``alpha2 = 3 * 2 * P_linear / (peak_flops * efficiency)`` with ``P_linear`` the weights every
-  token multiplies: per layer ``hidden * (hidden + 2 * kv_dim)`` (QKV) ``+ hidden^2`` (output)
-  ``+ 3 * hidden * ffn`` (SwiGLU), plus ``hidden * vocab`` for the LM head.
+Per layer kind (``ModelSpec.kinds``, ``flexsp.plan.layers``):
+
+* ``alpha1 = 3 * full_layers * 2 * q_dim / (peak_flops * efficiency)`` seconds per token^2: causal
+  attention does ``2 * s^2 * q_dim`` FLOPs per layer forward (QK^T and AV, half the square each;
+  ``q_dim = heads x head size``). Windowed and chunked layers get the same rate per attention pair
+  (``flexsp.plan.layers.pairs``: ``s^2`` below the window, ``~2 w s`` above it) in ``window_alpha[w]`` /
+  ``chunk_alpha[c]``; linear-attention layers have no pair term.
+* ``alpha2 = 3 * (2 * P_active + F_linear) / (peak_flops * efficiency)`` with ``P_active`` the weights
+  every token multiplies (``ModelSpec.linear_params``: attention projections, the dense FFN or the router,
+  active and shared experts of a MoE layer, the LM head) and ``F_linear`` the linear-attention
+  recurrences' forward FLOPs per token (an estimate, ``LinearShape.mixing_flops_per_token``).
+  Model states count every parameter (all experts): ``ModelSpec.params``.
 * ``beta1``: a fixed per-group overhead (kernel launches, optimizer-free step bookkeeping), given.
-* ``comm_bytes_per_token = 2 (fwd+bwd) * layers * (2 * hidden + 2 * kv_dim) * 2 bytes``: Ulysses
-  moves Q, K, V in and the output back, K and V at their (GQA) width.
-* Activation memory per token ``= 34 * hidden * layers`` bytes (Korthikanti et al. 2022 without
-  the s^2 term; it gives 4.46 MB for GPT-7B, the paper measured 4.48 MB), or ``2 * hidden * layers``
-  with full recomputation. Model states per GPU: ``flexsp.plan.memory.model_state_bytes`` (mixed-precision
+* ``comm_bytes_per_token``: ``2 (fwd+bwd) * 2 bytes`` times, per softmax layer, ``2 q_dim + 2 kv_dim``
+  (Ulysses moves Q, K, V in and the output back, K and V at their GQA width) and per linear-attention
+  layer its q, k, v and b/a gates in and its output back (``comm_bytes_per_token``).
+* Activation memory per token: ``flexsp.plan.memory.activation_bytes_per_token`` (what the layers save
+  for backward, by precision path and recompute, measured against the real layers' saved tensors), on
+  the precision path the runtime takes (``precision_for``: FSDP2 bf16 parameters when it wraps, autocast
+  otherwise). Model states per GPU: ``flexsp.plan.memory.model_state_bytes`` (mixed-precision
   Adam as the runtime keeps it: ``"full"`` 16P/N, ``"grad_optim"`` 2P + 16P/N, ``"none"`` 18P).
   ``token_capacity = (memory * usable_fraction - model states) / activation bytes per token``.
+* The Ulysses limit is the heads every mixer splits by (``ModelSpec.ulysses_heads``: the attention's and
+  the linear layers' key and value heads).
 * Beyond the Ulysses limit (``heads``), groups are Ulysses x ring hybrids (``flexsp.plan.cost``): the
   ring passes K and V (``2 * kv_dim * 2`` bytes per token per layer) three times per step (forward,
   and K/V plus their gradients backward) at the inter-node point-to-point bandwidth; each hop also
-  costs ``inter_node_latency`` per layer and pass (``ring_hop_latency = 3 * layers * latency``; 5 us
+  costs ``inter_node_latency`` per softmax layer and pass (``ring_hop_latency = 3 * layers * latency``; 5 us
   assumed, ``GPUSpec.inter_node_latency``).
 * All-to-all bandwidth for every degree with a tile (``flexsp.plan.cluster.tileable_degrees``: inside
   a node, or whole nodes; non-powers of two included) and for the Ulysses part of each (``gcd(d, heads)``:
@@ -31,6 +42,7 @@ Formulas (bf16 training, fwd + bwd = 3x the forward FLOPs, FlashAttention so no 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -39,7 +51,8 @@ from flexsp.inputs import integer, number
 from flexsp.plan.cluster import tileable_degrees, ulysses_split
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import check as check_sharding
-from flexsp.plan.memory import activation_bytes_per_token, check_recompute, model_state_bytes, recompute_work, token_capacity
+from flexsp.plan.memory import (activation_bytes_per_token, check_recompute, model_state_bytes, precision_for,
+                                recompute_work, token_capacity)
 from flexsp.plan.specs import GPUSpec, ModelSpec, get_gpu, get_model, model_names
 
 
@@ -52,9 +65,30 @@ def alltoall_bandwidth(degree: int, gpus_per_node: int, intra: float, inter: flo
 
 
 def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
-    """All-to-all bytes per token over a step: fwd + bwd, every layer, Q and the output at ``hidden``
-    width, K and V at ``kv_dim`` width (the formula in the module docstring)."""
-    return 2 * spec.layers * (2 * spec.hidden + 2 * spec.kv_dim) * bytes_per_element
+    """All-to-all bytes per token over a step: fwd + bwd, every layer. A softmax-attention layer (full,
+    window or chunk alike) moves Q and the output at ``q_dim`` width and K and V at ``kv_dim`` width; a
+    linear-attention layer moves its convolution's input (q, k at the key width, v at the value width) and
+    its gates b and a (one value per value head) to the head-split layout, and the recurrence's output (the
+    value width) back; its z gate is applied after the output returns, so it stays put."""
+    per_token = spec.softmax_layers * (2 * spec.q_dim + 2 * spec.kv_dim)
+    linear = spec.mixer_layers("linear")
+    if linear:
+        shape = spec.linear_shape
+        per_token += linear * (2 * shape.key_width + shape.value_width + 2 * shape.v_heads + shape.value_width)
+    return 2 * per_token * bytes_per_element
+
+
+def attention_alphas(spec: ModelSpec, flops: float) -> tuple[float, dict[int, float], dict[int, float]]:
+    """(alpha1, window_alpha, chunk_alpha): seconds per attention pair (``flexsp.plan.layers.pairs``) of the
+    full, each window's and each chunk's layers: ``3 (fwd + bwd) x 2 q_dim`` FLOPs per pair and layer."""
+    per_pair = 3 * 2 * spec.q_dim / flops
+    windows: dict[int, float] = {}
+    chunks: dict[int, float] = {}
+    for kind, n in spec.kind_counts().items():
+        table = {"window": windows, "chunk": chunks}.get(kind.mixer)
+        if table is not None:
+            table[kind.size] = table.get(kind.size, 0.0) + n * per_pair
+    return spec.mixer_layers("full") * per_pair, windows, chunks
 
 
 def alltoall_degrees(num_gpus: int, gpus_per_node: int, heads: int | None) -> list[int]:
@@ -80,28 +114,33 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
             raise CostModelError(f"GPU {name} must be > 0, got {getattr(gpu, name)}")
     flops = gpu.peak_flops * gpu.efficiency
     kv_dim = model.kv_dim
-    act_per_token = activation_bytes_per_token(model.hidden, model.layers, recompute)
+    precision = precision_for(num_gpus, sharding)
+    act_per_token = activation_bytes_per_token(model, recompute, precision)
     attention_work, linear_work = recompute_work(recompute)
     capacity = token_capacity(gpu.memory_bytes, model_state_bytes(model.params, num_gpus, sharding), act_per_token,
                               usable_fraction=gpu.usable_memory,
                               what=f"{model.name} on {num_gpus} x {gpu.name} with sharding {sharding!r}:")
-    degrees = alltoall_degrees(num_gpus, gpus_per_node, model.heads)
+    heads = model.ulysses_heads
+    degrees = alltoall_degrees(num_gpus, gpus_per_node, heads)
+    alpha1, windows, chunks = attention_alphas(model, flops)
     return CostModel(
-        alpha1=attention_work * 3 * model.layers * 2 * model.hidden / flops,
-        alpha2=linear_work * 3 * 2 * model.linear_params / flops,
+        alpha1=attention_work * alpha1,
+        alpha2=linear_work * 3 * (2 * model.linear_params + model.mixing_flops_per_token()) / flops,
         beta1=beta1,
         comm_bytes_per_token=comm_bytes_per_token(model),
         alltoall_bandwidth={d: alltoall_bandwidth(d, gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
                             for d in degrees},
         token_capacity=capacity,
-        heads=model.heads,
-        kv_heads=model.kv_heads,
-        ring_bytes_per_token=3 * model.layers * 2 * kv_dim * 2,
+        heads=heads,
+        kv_heads=math.gcd(model.kv_heads, heads),
+        ring_bytes_per_token=3 * model.softmax_layers * 2 * kv_dim * 2,
         ring_bandwidth=gpu.inter_node_bandwidth,
-        ring_hop_latency=3 * model.layers * gpu.inter_node_latency,
+        ring_hop_latency=3 * model.softmax_layers * gpu.inter_node_latency,
+        window_alpha={w: attention_work * a for w, a in windows.items()},
+        chunk_alpha={c: attention_work * a for c, a in chunks.items()},
         meta={"source": "analytic", "model": model.shape(), "gpu": asdict(gpu), "num_gpus": num_gpus,
               "gpus_per_node": gpus_per_node, "sharding": sharding, "recompute": recompute,
-              "activation_bytes_per_token": act_per_token},
+              "precision": precision, "activation_bytes_per_token": act_per_token},
     )
 
 

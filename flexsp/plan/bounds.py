@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from flexsp.plan.cluster import Cluster
-from flexsp.plan.cost import CostModel
+from flexsp.plan.cost import CostModel, TermCosts
 from solver.bucketing import dp_buckets
 from solver.types import DegreeCosts
 
@@ -91,7 +91,7 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     shortest, tokens = _buckets(lengths)
     # per-token rates without the ring's per-sequence hop latency: with it, time / tokens would fall
     # with length and the shortest sequence's rate would overstate a bucket's longer ones
-    bare = dataclasses.replace(costs, hops=()) if any(costs.hops) else costs
+    bare = _rate_floor(costs)
     per_token = bare.times(shortest) * np.asarray(costs.degrees)[None, :] / shortest[:, None]   # [B, D]
     seq_time = costs.times(shortest)                                 # [B, D]
     last = min(fewest + EXTRA_COUNTS, len(lengths))
@@ -108,6 +108,22 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
         span = _least_span(count, per_token, seq_time, tokens, n * cost.token_capacity, n, floor)
         best = min(best, count * costs.beta1 + max(span, split[count - fewest]))
     return float(best) * (1 - SAFETY)
+
+
+def _rate_floor(costs: DegreeCosts) -> DegreeCosts:
+    """Costs whose seconds per token at a length never exceed the true ones at any longer length, so a bucket
+    costed at its shortest member stays a bound: without the ring's per-sequence hop latency (with it, time /
+    tokens would fall with length), and with chunked layers' pair terms scaled by ``CHUNK_RATE_FLOOR`` (their
+    pairs per token, ``min(s, c)`` below a chunk, dip to ``2 (sqrt 2 - 1) c`` just past one)."""
+    bare = dataclasses.replace(costs, hops=()) if any(costs.hops) else costs
+    if isinstance(bare, TermCosts) and any(mixer == "chunk" for mixer, _ in bare.terms):
+        weights = tuple(tuple(w * (CHUNK_RATE_FLOOR if mixer == "chunk" else 1.0) for w in row)
+                        for (mixer, _), row in zip(bare.terms, bare.weights))
+        bare = dataclasses.replace(bare, weights=weights)
+    return bare
+
+
+CHUNK_RATE_FLOOR = 2 * (math.sqrt(2) - 1)   # least (q c^2 + r^2) / (q c + r) over s >= c, as a share of c
 
 
 def _split_spans(lengths: np.ndarray, costs: DegreeCosts, area: np.ndarray, capacity: float, n: int,
@@ -133,7 +149,7 @@ def _split_spans(lengths: np.ndarray, costs: DegreeCosts, area: np.ndarray, capa
     out = np.zeros(last - first + 2)
     if len(lengths) < 2:
         return out
-    bare = dataclasses.replace(costs, hops=()) if any(costs.hops) else costs
+    bare = _rate_floor(costs)
     total = float(lengths.sum())
     order = np.argsort(lengths)[::-1]
     rate = np.divide(area, lengths, out=np.zeros_like(area), where=lengths > 0)   # cheapest GPU-s per token

@@ -24,6 +24,13 @@ ring, summed over a step's layers and its three passes; a ring of ``r`` ranks ma
 ``flexsp profile`` under torchrun measures both ring figures (``flexsp.profile.ring``: ``3 * layers``
 times the fitted per-message latency); analytic models and the interconnect presets assume them.
 
+Layer kinds (``flexsp.plan.layers``): a model with sliding-window or chunked layers adds, for each window
+``w`` and chunk ``c``, ``window_alpha[w] * pairs_w(s)`` and ``chunk_alpha[c] * pairs_c(s)`` to the attention
+term ``alpha1 * s^2`` (``alpha1`` then covers the full layers only; ``pairs`` is ``s^2`` below the window and
+``w^2 + (s - w)(2w - 1)`` above it), divided by ``d`` and overlapped with the ring like it. Both tables are
+empty by default, so every model and JSON file without them means what it did. The solver sees them through
+``TermCosts``, a ``DegreeCosts`` whose ``seconds`` adds the terms (vectorised over lengths).
+
 Constructors for the paper's presets and for a model + hardware description live in
 ``flexsp.plan.presets.cost_from_preset`` and ``flexsp.plan.analytic.cost_from_hardware``; they all build
 this one object.
@@ -46,6 +53,7 @@ import numpy as np
 from flexsp.errors import CostModelError
 from flexsp.inputs import exact_sum, integer, load_json, number, write_text
 from flexsp.plan.cluster import ulysses_split
+from flexsp.plan.layers import pairs
 from flexsp.plan.lengths import as_lengths
 from solver.types import DegreeCosts, seconds
 
@@ -59,6 +67,7 @@ def _as_array(lengths: Iterable[int]) -> np.ndarray:
 
 
 _COEFFICIENTS = ("alpha1", "alpha2", "beta1", "comm_bytes_per_token", "token_capacity")
+_TERMS = ("window_alpha", "chunk_alpha")    # per-size attention terms of windowed / chunked layers
 
 
 MAX_BANDWIDTH_DEGREES = 2**16  # entries an alltoall_bandwidth table may have (every degree of 16,384 GPUs: 2,055)
@@ -78,7 +87,7 @@ def _degree_key(key: Any) -> int:
 
 @dataclass(frozen=True)
 class CostModel:
-    alpha1: float                       # s per token^2: attention, all layers, fwd+bwd, one GPU
+    alpha1: float                       # s per token^2: attention of the full layers (all, without kinds), fwd+bwd, one GPU
     alpha2: float                       # s per token: everything linear in tokens
     beta1: float                        # s per group per micro-batch: fixed overhead
     comm_bytes_per_token: float         # all-to-all bytes per token over a whole step
@@ -90,6 +99,8 @@ class CostModel:
     ring_bytes_per_token: float = 0.0   # K+V bytes per token, all layers, fwd+bwd (ring axis)
     ring_bandwidth: float | None = None  # point-to-point bytes/s per GPU for the ring axis
     ring_hop_latency: float = 0.0       # s of latency per ring hop, summed over a step's layers and passes
+    window_alpha: Mapping[int, float] = field(default_factory=dict)  # window w -> s per pair of its layers
+    chunk_alpha: Mapping[int, float] = field(default_factory=dict)   # chunk c -> s per pair of its layers
 
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
@@ -102,8 +113,6 @@ class CostModel:
         if self.token_capacity > MAX_GROUP_TOKENS:
             raise CostModelError(f"token_capacity {self.token_capacity:.6g} is above 2**52 tokens per GPU, more than "
                                  f"the planner counts exactly; give the activation tokens one GPU holds")
-        if self.alpha1 == 0 and self.alpha2 == 0:
-            raise CostModelError("alpha1 and alpha2 are both 0: every sequence would take no time")
         table = self.alltoall_bandwidth if self.alltoall_bandwidth is not None else {}
         if not isinstance(table, Mapping):
             raise CostModelError(f"alltoall_bandwidth must map SP degree -> bytes/s, got {type(table).__name__}")
@@ -132,6 +141,26 @@ class CostModel:
         if self.ring_bandwidth is not None:
             object.__setattr__(self, "ring_bandwidth", number(self.ring_bandwidth, "ring_bandwidth (bytes/s, or None)",
                                                               CostModelError, positive=True))
+        for name in _TERMS:
+            table = getattr(self, name)
+            if table is None:
+                table = {}
+            if not isinstance(table, Mapping):
+                raise CostModelError(f"{name} must map a size in tokens -> seconds per attention pair, got "
+                                     f"{type(table).__name__}")
+            checked = {}
+            for key, value in table.items():
+                size = None
+                if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 20:
+                    size = int(key)
+                elif isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+                    size = int(key)
+                if size is None or size < 1:
+                    raise CostModelError(f"{name} has size {key!r}; sizes are whole numbers of tokens >= 1")
+                checked[size] = number(value, f"{name}[{size}]", CostModelError)
+            object.__setattr__(self, name, dict(sorted(checked.items())))
+        if self.alpha1 == 0 and self.alpha2 == 0 and not any(self.terms_alpha()):
+            raise CostModelError("alpha1 and alpha2 are both 0: every sequence would take no time")
         self.check_range(d for d in (1, *self.alltoall_bandwidth) if self.split(d)[1] == 1 or self.ring_bandwidth)
 
     def check_range(self, degrees: Iterable[int]) -> None:
@@ -150,13 +179,13 @@ class CostModel:
                     f"more than the planner counts exactly; lower token_capacity or the largest SP degree")
             quad, lin, ring = self.coefficients(degree)
             full = float(math.floor(tokens))
-            longest = lin * full + max(quad * full * full, ring * full + self.ring_hops(degree)) + self.beta1
+            longest = float(self.seq_time(full, degree)) + self.beta1
             if not longest <= MAX_SECONDS:
                 raise CostModelError(
                     f"a group of {degree} GPUs at its capacity of {full:.0f} tokens would take {longest:.3g} s, above "
                     f"{MAX_SECONDS:.0e} s: alpha1/alpha2 are seconds per token^2 / per token, comm_bytes_per_token "
                     f"bytes and bandwidths bytes/s; check their units")
-            shortest = lin + max(quad, ring)
+            shortest = lin + max(quad + sum(self.terms_alpha()) / degree, ring)
             if not (shortest >= MIN_SECONDS and shortest >= self.beta1 * MIN_SHARE_OF_BETA1):
                 raise CostModelError(
                     f"one token in a group of {degree} GPUs takes {shortest:.3g} s, which vanishes beside "
@@ -217,9 +246,33 @@ class CostModel:
         ring = self.split(degree)[1]
         return (ring - 1) * self.ring_hop_latency if ring > 1 else 0.0
 
+    # --- layer kinds (flexsp.plan.layers) -------------------------------------------------------
+    @property
+    def terms(self) -> tuple[tuple[str, int], ...]:
+        """The attention terms beyond ``alpha1 * s^2``: ``("window", w)`` and ``("chunk", c)``, in a fixed order."""
+        return tuple(("window", w) for w in self.window_alpha) + tuple(("chunk", c) for c in self.chunk_alpha)
+
+    def terms_alpha(self) -> tuple[float, ...]:
+        """Seconds per attention pair (one GPU) of each of ``terms``."""
+        return (*self.window_alpha.values(), *self.chunk_alpha.values())
+
+    def attention_seconds(self, length, degree: int = 1):
+        """Seconds of attention compute of sequence(s) of ``length`` tokens at ``degree`` (vectorised):
+        ``(alpha1 s^2 + sum over windows and chunks of alpha x pairs(s)) / degree``."""
+        s = np.asarray(length, dtype=np.float64)
+        out = self.alpha1 * s * s
+        for (mixer, size), alpha in zip(self.terms, self.terms_alpha()):
+            out = out + alpha * pairs(s, mixer, size)
+        return out / degree
+
     def seq_time(self, length, degree: int):
         """Seconds for sequence(s) of ``length`` tokens in a group of ``degree`` GPUs (no beta1)."""
-        out = seconds(length, *self.coefficients(degree), self.ring_hops(degree))
+        if not self.terms:
+            out = seconds(length, *self.coefficients(degree), self.ring_hops(degree))
+        else:
+            _, lin, ring = self.coefficients(degree)
+            s = np.asarray(length, dtype=np.float64)
+            out = lin * s + np.maximum(self.attention_seconds(s, degree), ring * s + self.ring_hops(degree))
         return float(out) if out.ndim == 0 else out
 
     def group_time(self, lengths: Iterable[int], degree: int) -> float:
@@ -257,9 +310,12 @@ class CostModel:
         degrees = tuple(sorted(set(int(d) for d in degrees)))
         self.check_range(degrees)
         quad, lin, ring = zip(*(self.coefficients(d) for d in degrees))
-        return DegreeCosts(degrees=degrees, quad=quad, lin=lin,
-                           capacity=tuple(float(self.group_capacity(d)) for d in degrees),
-                           beta1=self.beta1, ring=ring, hops=tuple(self.ring_hops(d) for d in degrees))
+        common = dict(degrees=degrees, quad=quad, lin=lin, capacity=tuple(float(self.group_capacity(d)) for d in degrees),
+                      beta1=self.beta1, ring=ring, hops=tuple(self.ring_hops(d) for d in degrees))
+        if not self.terms:
+            return DegreeCosts(**common)
+        return TermCosts(**common, terms=self.terms,
+                         weights=tuple(tuple(a / d for d in degrees) for a in self.terms_alpha()))
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -270,6 +326,9 @@ class CostModel:
                               ("ring_bandwidth", None), ("ring_hop_latency", 0.0)):
             if getattr(self, name) != default:      # written when set, so every model round-trips exactly
                 out[name] = getattr(self, name)
+        for name in _TERMS:                         # written when a model has windowed or chunked layers
+            if getattr(self, name):
+                out[name] = {str(size): alpha for size, alpha in getattr(self, name).items()}
         return out
 
     @classmethod
@@ -300,6 +359,31 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
         return load_json(path, "cost model", CostModelError, cls.from_dict)
+
+
+@dataclass(frozen=True)
+class TermCosts(DegreeCosts):
+    """``DegreeCosts`` of a model with windowed or chunked layers: the solver's one view of the cost, its
+    ``seconds`` adding each term's ``weights[j][k] * pairs(s)`` (``flexsp.plan.layers.pairs``) to the
+    ``quad * s^2`` attention. Every solver step evaluates time through ``seconds`` (``times``, ``seq_time``,
+    ``group_time``, ``group_loads``), so the solver plans on plain numbers as before, vectorised over lengths."""
+
+    terms: tuple[tuple[str, int], ...] = ()
+    weights: tuple[tuple[float, ...], ...] = ()   # per term, per degree: seconds per attention pair
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.weights) != len(self.terms) or any(len(w) != len(self.degrees) for w in self.weights):
+            raise ValueError("TermCosts needs one weight per term and degree")
+        object.__setattr__(self, "_weights", np.asarray(self.weights, dtype=np.float64).reshape(
+            len(self.terms), len(self.degrees)))
+
+    def seconds(self, lengths, k) -> np.ndarray:
+        s = np.asarray(lengths, dtype=np.float64)
+        attention = self._quad[k] * s * s
+        for (mixer, size), weight in zip(self.terms, self._weights):
+            attention = attention + weight[k] * pairs(s, mixer, size)
+        return self._lin[k] * s + np.maximum(attention, self._ring[k] * s + self._hops[k])
 
 
 def describe_sources(cost: CostModel) -> str:
@@ -335,7 +419,15 @@ def describe_sources(cost: CostModel) -> str:
                 line += f" ({meta['context_note']})"
         return line
     if source == "analytic":
-        return "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"
+        line = "cost model parts: assumed throughout (analytic: datasheet FLOP/s and bandwidths, 5 us per ring hop)"
+        model = meta.get("model") if isinstance(meta.get("model"), Mapping) else {}
+        kinds = model.get("layer_kinds")
+        if isinstance(kinds, Mapping) and kinds:        # flexsp.plan.specs.ModelSpec.shape of a model with kinds
+            line += "\nlayers: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
+            if model.get("active_params") and model.get("params"):
+                line += (f"; {model['active_params'] / 1e9:.1f} B of {model['params'] / 1e9:.1f} B parameters "
+                         f"active per token")
+        return line
     if meta.get("preset"):
         return (f"cost model parts: the published constants of preset {meta['preset']} (measured by the FlexSP paper on "
                 "its A100 cluster, not on this hardware)")

@@ -102,11 +102,37 @@ def check_runtime(assumed_sharding: str, runtime_sharding: str) -> None:
 
 # --- activation recompute ------------------------------------------------------------------------
 RECOMPUTE = ("none", "selective", "full")
-# Activation bytes one token keeps per layer per unit of hidden size (bf16; Megatron's count with a
-# flash attention kernel, so no s^2 term): everything saved (34); the attention core recomputed in
-# backward (its output and softmax statistics dropped: 34 - 2 - 2 = 30, q/k/v are kept as its inputs);
-# every layer recomputed from its input (only the layer input kept: 2).
-_ACTIVATION = {"none": 34, "selective": 30, "full": 2}
+# Compute precision paths (flexsp.runtime.fsdp): "autocast" is the unwrapped model (world 1, or sharding
+# "none") with fp32 parameters under torch.autocast(bf16): the residual stream and norms stay fp32;
+# "bf16" is FSDP2's MixedPrecisionPolicy(param_dtype=bf16): every parameter cast, the residual stream bf16.
+PRECISIONS = ("autocast", "bf16")
+# Bytes one token keeps for backward in one softmax-attention layer, per unit of width
+# (hidden, q_dim = heads x head size, kv_dim = kv heads x head size, ffn, heads), by what builds the layer,
+# the precision path and the recompute setting. What each is (flexsp.profile.activations measures them from
+# the saved tensors; tests/profile/test_activations.py holds the model to within 10% of that):
+# * hidden: each RMSNorm saves its input and its normalised output, fp32 under autocast (2 norms x 8 = 16),
+#   plus one bf16 cast of the norm output per projection reading it (TinyLM: q, kv | gate_up = 3 casts, 6;
+#   transformers' Llama-style layers: q, k, v | gate, up = 5 casts, 10); under bf16 each norm keeps its fp32
+#   upcast (4), the bf16 result (2) and its product with the weight (2): 16, no casts.
+# * q_dim: the rotated q, the attention output and the out-projection's input (2 bytes each).
+# * kv_dim: TinyLM's fused kv projection output (k and v, 4) and the rotated k (2); transformers' layers the
+#   rotated k and v (2 + 2).
+# * ffn: the gate-up projection output (4), silu(gate) (2) and their product, the down-projection's input (2).
+# * heads: the attention's log-sum-exp, fp32.
+# "selective" recomputes the attention core: its output and log-sum-exp are not kept; "full" keeps only
+# the layer's input (fp32 under autocast: 4, bf16: 2). This replaces Korthikanti et al.'s 34 x hidden (an
+# all-bf16 count with fused kernels), which was ~half what TinyLM keeps under autocast.
+_SAVED = {
+    ("flexsp", "autocast"): {"none": (22, 6, 6, 8, 4), "selective": (22, 4, 6, 8, 0), "full": (4, 0, 0, 0, 0)},
+    ("flexsp", "bf16"): {"none": (16, 6, 6, 8, 4), "selective": (16, 4, 6, 8, 0), "full": (2, 0, 0, 0, 0)},
+    ("transformers", "autocast"): {"none": (26, 6, 4, 8, 4), "selective": (26, 6, 6, 8, 0),
+                                   "full": (4, 0, 0, 0, 0)},
+    ("transformers", "bf16"): {"none": (16, 6, 4, 8, 4), "selective": (16, 4, 4, 8, 0), "full": (2, 0, 0, 0, 0)},
+}
+# Outside the layers, per token: the final norm's input and output and the loss's bf16 input (autocast 12 x
+# hidden, bf16 8 x hidden), the labels (int64) and the loss's log-sum-exp (fp32): 12 bytes.
+_HEAD = {"autocast": 12, "bf16": 8}
+_HEAD_BYTES = 12
 # Extra forward work recomputing costs, as multipliers on (attention, token-linear) compute: a step is
 # forward + backward = 3 forward units, recompute adds one forward of what it recomputes.
 _RECOMPUTE_WORK = {"none": (1.0, 1.0), "selective": (4 / 3, 1.0), "full": (4 / 3, 4 / 3)}
@@ -121,9 +147,56 @@ def check_recompute(recompute: str | bool) -> str:
     return recompute
 
 
-def activation_bytes_per_token(hidden: int, layers: int, recompute: str | bool = "none") -> float:
-    """Analytic activation bytes one token keeps for backward over all layers, for this recompute setting."""
-    return _ACTIVATION[check_recompute(recompute)] * hidden * layers
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise CostModelError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def precision_for(num_gpus: int, sharding: str = DEFAULT) -> str:
+    """The precision path the runtime takes (``flexsp.runtime.shard_model``): FSDP2's bf16 parameters when it
+    wraps (more than one GPU, sharding other than "none"), else autocast."""
+    return "bf16" if num_gpus > 1 and check(sharding) != "none" else "autocast"
+
+
+def layer_activation_bytes(spec: Any, kind: Any, recompute: str | bool = "none", precision: str = "autocast") -> float:
+    """Activation bytes one token keeps for backward in one layer of ``kind`` (a ``LayerKind``) of ``spec``.
+
+    Softmax layers (full, window, chunk alike: the flash kernels save the same) follow ``_SAVED``. A MoE
+    layer's FFN keeps, instead of the dense FFN's 8 bytes x ffn, 8 x (active experts x expert FFN + shared
+    FFN), each active expert's copy of the token (2 x hidden) and the router's fp32 logits (4 x experts). A
+    linear-attention layer keeps, instead of q/k/v, its projection outputs (q, k, v, z, b, a: 2 bytes each),
+    the convolution outputs (q, k, v), the recurrence's output (fp32 before its gated norm, and bf16 after)
+    and the chunked form's fp32 state per 64-token chunk. The MoE and linear figures are counts of what
+    those layers are built to save, not yet measured (the runtime's layers are in progress)."""
+    recompute, precision = check_recompute(recompute), check_precision(precision)
+    h, q, kv, f, heads = _SAVED[(spec.implementation, precision)][recompute]
+    if recompute == "full":
+        return float(h * spec.hidden)
+    total = h * spec.hidden
+    if kind.moe:
+        total += 8 * (spec.active_experts * spec.moe_ffn + spec.shared_ffn) + 2 * spec.active_experts * spec.hidden \
+            + 4 * spec.experts
+    else:
+        total += f * spec.ffn
+    if kind.softmax:
+        total += q * spec.q_dim + kv * spec.kv_dim + heads * spec.heads
+        if spec.qk_norm:   # each per-head norm keeps its input and normalised output, and its rsqrt (fp32)
+            total += 6 * (spec.q_dim + spec.kv_dim) + 4 * (spec.heads + spec.kv_heads)
+    else:
+        shape = spec.linear_shape
+        k, v = shape.key_width, shape.value_width
+        chunk_state = 4 * shape.v_heads * shape.k_dim * shape.v_dim / shape.CHUNK
+        total += 2 * (2 * k + 2 * v + 2 * shape.v_heads) + 2 * (2 * k + v) + (4 + 2) * v + chunk_state
+    return float(total)
+
+
+def activation_bytes_per_token(spec: Any, recompute: str | bool = "none", precision: str = "autocast") -> float:
+    """Activation bytes one token keeps for backward over the whole model (``spec`` a ``ModelSpec``): the sum
+    of ``layer_activation_bytes`` over its layers, and the final norm and loss's share."""
+    precision = check_precision(precision)
+    layers = sum(n * layer_activation_bytes(spec, kind, recompute, precision) for kind, n in spec.kind_counts().items())
+    return layers + _HEAD[precision] * spec.hidden + _HEAD_BYTES
 
 
 def recompute_work(recompute: str | bool = "none") -> tuple[float, float]:

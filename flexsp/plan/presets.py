@@ -17,7 +17,10 @@ lists the interpolated degrees.
 
 ``cost_from_preset`` also serves the measured presets (``flexsp.plan.measured_presets``): cost models
 ``flexsp profile`` fitted on a real GPU, shipped as JSON in ``flexsp/plan/measured/`` with their
-provenance, e.g. ``h200-llama3-8b``. ``preset_names()`` lists both kinds.
+provenance, e.g. ``h200-llama3-8b``; and the analytic presets (``ANALYTIC_PRESETS``): models with layer
+kinds and experts (GPT-OSS-20B, Gemma-3-27B, Qwen3.5-27B; ``flexsp.plan.specs``) costed by
+``flexsp.plan.analytic`` on an assumed GPU, labelled ``meta["source"] == "analytic"``: nobody measured them.
+``preset_names()`` lists every kind.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ PAPER_BANDWIDTH_MB_PER_MS = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94,
 
 
 PAPER_GPUS_PER_NODE = 8
+# Analytic presets: registered model -> the GPU its analytic cost model assumes (datasheet figures).
+ANALYTIC_PRESETS = {"gpt-oss-20b": "h100-80gb", "gemma-3-27b": "h100-80gb", "qwen3.5-27b": "h100-80gb"}
 
 
 def paper_bandwidth(num_gpus: int = 64, gpus_per_node: int = PAPER_GPUS_PER_NODE) -> dict[int, float]:
@@ -74,7 +79,7 @@ def interpolate_bandwidth(measured: dict[int, float], degree: int, gpus_per_node
 def preset_names() -> tuple[str, ...]:
     """Every preset ``cost_from_preset`` takes: the paper's, then the measured ones."""
     from flexsp.plan.measured_presets import measured_names   # here, so python -m flexsp.plan.measured_presets runs clean
-    return (*model_names(paper=True), *measured_names())
+    return (*model_names(paper=True), *measured_names(), *ANALYTIC_PRESETS)
 
 
 def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *, sharding: str = "full",
@@ -88,6 +93,8 @@ def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *
     papers = model_names(paper=True)
     if isinstance(name, str) and name.lower() in measured_names():
         return measured_cost_model(name.lower(), context, num_gpus, sharding=sharding, gpus_per_node=gpus_per_node)
+    if isinstance(name, str) and name.lower() in ANALYTIC_PRESETS:
+        return _analytic_preset(name.lower(), context, num_gpus, sharding, gpus_per_node)
     if not isinstance(name, str) or name.lower() not in papers:
         raise CostModelError(f"unknown preset {name!r}; choose one of {sorted(preset_names())}")
     context = integer(context, "context (tokens, e.g. 393216; the CLI also reads 384K)", CostModelError)
@@ -115,6 +122,19 @@ def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *
               "bandwidth": ("published" if num_gpus <= 64 else "published to 64 GPUs, 64-GPU value above")
               + _interpolated(bandwidth)},
     )
+
+
+def _analytic_preset(name: str, context: int, num_gpus: int, sharding: str, gpus_per_node: int) -> CostModel:
+    """An analytic preset: ``flexsp.plan.analytic`` on ``ANALYTIC_PRESETS[name]``'s GPU (``context`` is
+    recorded, not used: the analytic model has no context-dependent part)."""
+    import dataclasses
+
+    from flexsp.plan.analytic import cost_from_hardware
+    context = integer(context, "context (tokens, e.g. 393216; the CLI also reads 384K)", CostModelError)
+    cost = cost_from_hardware(name, ANALYTIC_PRESETS[name], num_gpus, gpus_per_node, sharding=sharding)
+    return dataclasses.replace(cost, meta={**cost.meta, "preset": name, "context": context,
+                                           "label": f"analytic: {name} on {ANALYTIC_PRESETS[name]} (datasheet "
+                                                    f"FLOP/s and bandwidths, not measured)"})
 
 
 def _interpolated(bandwidth: dict[int, float]) -> str:

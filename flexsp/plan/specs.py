@@ -12,10 +12,15 @@ constants (``paper``) that ``flexsp.plan.presets`` turns into a ``CostModel``. E
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+import numpy as np
+
 from flexsp.errors import CostModelError
+from flexsp.plan.layers import FULL, LayerKind, LinearShape, check_runs, pairs, runs
 
 SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 
@@ -40,7 +45,14 @@ class PaperConstants:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer's shape, and the settings the runtime and ``flexsp.hf`` build it with."""
+    """A decoder-only transformer's shape, and the settings the runtime and ``flexsp.hf`` build it with.
+
+    Layers (``flexsp.plan.layers``): ``kinds`` holds runs ``((LayerKind, count), ...)`` in layer order, ``()``
+    for every layer full causal attention with a dense FFN; ``layer_kinds`` is the per-layer view the runtime
+    reads. MoE layers (``LayerKind(moe=True)``) route each token to ``active_experts`` of ``experts`` FFNs of
+    width ``expert_ffn`` (0: ``ffn``) plus always-active shared experts of total width ``shared_ffn``; dense
+    layers use ``ffn``. Giving ``experts`` without ``kinds`` makes every layer MoE. Linear-attention layers
+    have the heads of ``linear`` (None: the attention's heads and head size)."""
 
     layers: int
     hidden: int
@@ -56,6 +68,15 @@ class ModelSpec:
     norm_eps: float = 1e-6
     paper: PaperConstants | None = None   # the paper's published constants (gpt-7b/13b/30b)
     hf_extra: tuple[tuple[str, Any], ...] = ()   # further transformers config keys of a tiny ``hf-*`` config
+    kinds: tuple[tuple[LayerKind, int], ...] = ()   # runs of layer kinds in layer order; () all full + dense
+    experts: int = 0                      # routed experts of a MoE layer (0: no MoE)
+    active_experts: int = 0               # routed experts each token runs
+    expert_ffn: int = 0                   # one expert's FFN width (0: ffn)
+    shared_ffn: int = 0                   # total FFN width of the shared (always active) experts
+    linear: LinearShape | None = None     # linear-attention heads (None: heads x head size)
+    implementation: str = "flexsp"        # what builds the layers: "flexsp" (TinyLM) or "transformers"
+    attn_gate: bool = False               # attention output gated per head (Qwen3-Next / Qwen3.5: q_proj x 2)
+    qk_norm: bool = False                 # RMSNorm on q and k per head (Qwen3, Gemma 3): more activations
 
     def __post_init__(self) -> None:
         for field in SHAPE_FIELDS:   # layers may be 0: the embedding and head alone (profiling extrapolates blocks)
@@ -68,42 +89,173 @@ class ModelSpec:
         if self.head_dim is None and self.hidden % self.heads:
             raise CostModelError(f"model {self.name!r}: hidden ({self.hidden}) is not divisible by heads "
                                  f"({self.heads}); give head_dim")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise CostModelError(f"model {self.name!r}: implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
+                                 f"got {self.implementation!r}")
+        for field in ("experts", "active_experts", "expert_ffn", "shared_ffn"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CostModelError(f"model {self.name!r}: {field} must be a whole number >= 0, got {value!r}")
+        kinds = check_runs(self.kinds, self.layers, self.name)
+        if self.experts and not any(kind.moe for kind, _ in kinds):
+            if kinds:
+                raise CostModelError(f"model {self.name!r}: {self.experts} experts but no layer kind is MoE "
+                                     f"(LayerKind(moe=True))")
+            kinds = ((LayerKind(moe=True), self.layers),) if self.layers else ()
+        object.__setattr__(self, "kinds", kinds)
+        if any(kind.moe for kind, _ in kinds):
+            if not self.experts:
+                raise CostModelError(f"model {self.name!r}: MoE layers need experts >= 1, got {self.experts}")
+            if not 1 <= self.active_experts <= self.experts:
+                raise CostModelError(f"model {self.name!r}: active_experts must be 1 to experts ({self.experts}), "
+                                     f"got {self.active_experts}")
+        elif self.active_experts or self.shared_ffn or self.expert_ffn:
+            raise CostModelError(f"model {self.name!r}: active_experts/expert_ffn/shared_ffn given but no layer is "
+                                 f"MoE; give experts (and MoE layer kinds)")
+        if self.linear is not None and not isinstance(self.linear, LinearShape):
+            raise CostModelError(f"model {self.name!r}: linear must be a LinearShape, got {self.linear!r}")
 
+    # --- widths -------------------------------------------------------------------------------
     @property
     def head_size(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
     @property
+    def q_dim(self) -> int:
+        """Width of Q (and of the attention output) per token: heads x head size."""
+        return self.heads * self.head_size
+
+    @property
     def kv_dim(self) -> int:
-        """Width of K (or V) per token: the kv heads' share of ``hidden``."""
-        return self.hidden * self.kv_heads // self.heads
+        """Width of K (or V) per token: kv heads x head size (``hidden * kv_heads / heads`` without head_dim)."""
+        return self.kv_heads * self.head_size
+
+    @property
+    def linear_shape(self) -> LinearShape:
+        """The linear-attention heads (``linear``, else the attention's heads and head size)."""
+        return self.linear or LinearShape(self.heads, self.heads, self.head_size, self.head_size)
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.expert_ffn or self.ffn
+
+    # --- layers -------------------------------------------------------------------------------
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """One ``LayerKind`` per layer, in order (the runs expanded; the records are shared, not copied)."""
+        if not self.kinds:
+            return (FULL,) * self.layers
+        return tuple(kind for kind, count in self.kinds for _ in range(count))
+
+    def with_layers(self, layers: int) -> "ModelSpec":
+        """The same model with ``layers`` layers (profiling and tests run a few): its first ``layers`` layer
+        kinds, the pattern repeated where it asks for more; experts kept while a layer is still MoE."""
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise CostModelError(f"model {self.name!r}: layers must be an integer >= 0, got {layers!r}")
+        per_layer = self.layer_kinds
+        kinds = runs(per_layer[i % len(per_layer)] for i in range(layers)) if per_layer else ()
+        moe = any(kind.moe for kind, _ in kinds)
+        experts = {} if moe else dict(experts=0, active_experts=0, expert_ffn=0, shared_ffn=0)
+        return dataclasses.replace(self, layers=layers, kinds=kinds, **experts)
+
+    def kind_counts(self) -> dict[LayerKind, int]:
+        """Layers of each distinct kind (what the cost and memory models sum over)."""
+        out: dict[LayerKind, int] = {}
+        for kind, count in self.kinds or ((FULL, self.layers),):
+            if count:
+                out[kind] = out.get(kind, 0) + count
+        return out
+
+    def mixer_layers(self, mixer: str, size: int | None = None) -> int:
+        """Layers whose mixer is ``mixer`` (and whose size is ``size``, where given)."""
+        return sum(n for k, n in self.kind_counts().items() if k.mixer == mixer and (size is None or k.size == size))
+
+    @property
+    def softmax_layers(self) -> int:
+        """Layers with softmax attention (full, window, chunk): those that move K/V and keep flash activations."""
+        return sum(n for k, n in self.kind_counts().items() if k.softmax)
+
+    @property
+    def is_dense_full(self) -> bool:
+        """Every layer full attention with a dense FFN: the model every spec was before layer kinds."""
+        return all(k.mixer == "full" and not k.moe for k in self.kind_counts())
+
+    @property
+    def ulysses_heads(self) -> int:
+        """Heads every mixer can split by: the attention's, and the linear layers' key and value heads."""
+        heads = self.heads
+        if self.mixer_layers("linear"):
+            shape = self.linear_shape
+            heads = math.gcd(heads, shape.k_heads, shape.v_heads)
+        return heads
+
+    # --- parameters ---------------------------------------------------------------------------
+    def _mixer_params(self, kind: LayerKind) -> float:
+        if kind.softmax:
+            gate = self.hidden * self.q_dim if self.attn_gate else 0
+            return self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden + gate
+        shape = self.linear_shape
+        k, v = shape.key_width, shape.value_width   # in-projections q, k, v, z, b, a; conv over q, k, v; out
+        return self.hidden * (2 * k + 2 * v + 2 * shape.v_heads) + shape.conv * (2 * k + v) + v * self.hidden
+
+    def _ffn_params(self, kind: LayerKind, active: bool) -> float:
+        if not kind.moe:
+            return 3 * self.hidden * self.ffn
+        experts = self.active_experts if active else self.experts
+        return self.hidden * self.experts + 3 * self.hidden * (experts * self.moe_ffn + self.shared_ffn)
+
+    def _params(self, active: bool) -> float:
+        blocks = sum(n * (self._mixer_params(k) + self._ffn_params(k, active)) for k, n in self.kind_counts().items())
+        heads = 1 if self.tie_embeddings else 2
+        return blocks + heads * self.hidden * self.vocab
 
     @property
     def params(self) -> float:
-        per_layer = self.hidden * (self.hidden + 2 * self.kv_dim) + self.hidden * self.hidden + 3 * self.hidden * self.ffn
-        heads = 1 if self.tie_embeddings else 2
-        return self.layers * per_layer + heads * self.hidden * self.vocab
+        """Every parameter (all experts): what model states (master, gradients, optimizer) hold. Norms excluded."""
+        return self._params(active=False)
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token uses (its ``active_experts`` of each MoE layer); ``params`` for dense models."""
+        return self._params(active=True)
 
     @property
     def linear_params(self) -> float:
-        """Weights each token multiplies (embedding lookup excluded, LM head included)."""
-        return self.params - (0 if self.tie_embeddings else self.hidden * self.vocab)
+        """Weights each token multiplies (active experts only; embedding lookup excluded, LM head included)."""
+        return self.active_params - (0 if self.tie_embeddings else self.hidden * self.vocab)
+
+    def mixing_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the linear-attention recurrences, all layers (0 without linear layers)."""
+        return self.mixer_layers("linear") * self.linear_shape.mixing_flops_per_token()
+
+    def attention_pairs(self, lengths) -> float:
+        """Sum over layers and sequences of ``flexsp.plan.layers.pairs``: ``layers x s^2`` for a dense model."""
+        s = np.asarray(lengths if isinstance(lengths, np.ndarray) else list(lengths), dtype=np.float64)
+        return float(sum(n * pairs(s, k.mixer, k.size).sum() for k, n in self.kind_counts().items() if k.softmax))
 
     def training_flops(self, lengths: Iterable[int]) -> float:
         """Forward + backward FLOPs of a step over sequences of ``lengths`` tokens: ``6 x linear_params`` per
-        token, and per sequence of ``s`` tokens causal attention's ``6 x layers x (heads x head_size) x s^2``
-        (QK^T and PV, 2 FLOPs a multiply-add, half the square, three passes). The one count behind MFU
-        (``flexsp.telemetry``), the selftest's TFLOP/s and the profile's sweep estimate."""
-        tokens = squares = 0
-        for n in lengths:
-            n = int(n)
-            tokens += n
-            squares += n * n
-        return 6.0 * self.linear_params * tokens + 6.0 * self.layers * self.heads * self.head_size * squares
+        token, and per sequence of ``s`` tokens causal attention's ``6 x (heads x head_size) x pairs``
+        (``s^2`` per full layer, less for windows and chunks: ``flexsp.plan.layers.pairs``; QK^T and PV, 2 FLOPs
+        a multiply-add, half the square, three passes), plus 3x the linear-attention recurrences' forward
+        FLOPs. The one count behind MFU (``flexsp.telemetry``), the selftest's TFLOP/s and the profile's sweep
+        estimate."""
+        s = np.asarray(lengths if isinstance(lengths, np.ndarray) else list(lengths), dtype=np.float64)
+        tokens = float(s.sum())
+        return (6.0 * self.linear_params * tokens + 6.0 * self.q_dim * self.attention_pairs(s)
+                + 3.0 * self.mixing_flops_per_token() * tokens)
 
     def shape(self) -> dict[str, Any]:
-        """The six shape fields and the name: what a cost model records as ``meta["model"]``."""
-        return {**{f: getattr(self, f) for f in SHAPE_FIELDS}, "name": self.name}
+        """The six shape fields and the name: what a cost model records as ``meta["model"]``; a model with
+        layer kinds or experts adds ``layer_kinds`` (counts by kind) and ``active_params``."""
+        out = {**{f: getattr(self, f) for f in SHAPE_FIELDS}, "name": self.name}
+        if not self.is_dense_full:
+            out["layer_kinds"] = {k.describe(): n for k, n in self.kind_counts().items()}
+            out["params"], out["active_params"] = self.params, self.active_params
+        return out
+
+
+IMPLEMENTATIONS = ("flexsp", "transformers")
 
 
 @dataclass(frozen=True)
@@ -147,20 +299,107 @@ def model_names(*, paper: bool | None = None, family: str | None = None, prefix:
 
 
 def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
-    """The shape of a transformers config (its text part for multimodal ones): the one HF -> spec conversion."""
+    """The shape of a transformers config (its text part for multimodal ones): the one HF -> spec conversion.
+
+    Layer kinds come from ``layer_types`` (``full_attention``, ``sliding_attention`` with ``sliding_window``,
+    ``chunked_attention`` with ``attention_chunk_size``, ``linear_attention`` with the ``linear_*`` head
+    fields), else from ``sliding_window`` (every layer windowed: Mistral, Mixtral); NoPE layers from
+    ``no_rope_layers``; sinks for GPT-OSS. Experts from ``num_local_experts`` / ``num_experts`` /
+    ``n_routed_experts`` and ``num_experts_per_tok``; which layers are MoE from ``moe_layers`` (Llama 4),
+    ``first_k_dense_replace`` (DeepSeek-V3) or ``mlp_only_layers`` and ``decoder_sparse_step`` (Qwen MoE)."""
     getter = getattr(config, "get_text_config", None)
     text = getter() if callable(getter) else config
     heads = int(text.num_attention_heads)
+    family = str(getattr(text, "model_type", "llama"))
+    name = name or f"hf:{family}:{getattr(config, 'name_or_path', '') or 'config'}"
     head_dim = getattr(text, "head_dim", None)
-    hidden = int(text.hidden_size)
-    return ModelSpec(layers=int(text.num_hidden_layers), hidden=hidden, heads=heads,
+    if getattr(text, "qk_nope_head_dim", None) is not None:      # DeepSeek MLA: q/k heads of nope + rope dims
+        head_dim = int(text.qk_nope_head_dim) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
+    hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
+    experts = int(_first(text, "num_local_experts", "num_experts", "n_routed_experts") or 0)
+    moe_layers = _moe_layers(text, layers) if experts else set()
+    ffn = int(_first(text, "intermediate_size_mlp", "intermediate_size") or 4 * hidden)
+    expert_ffn = int(_first(text, "moe_intermediate_size", "intermediate_size") or 0) if experts else 0
+    shared_ffn = 0
+    if experts:
+        shared_ffn = int(_first(text, "shared_expert_intermediate_size") or 0)
+        shared_ffn = shared_ffn or int(getattr(text, "n_shared_experts", 0) or 0) * expert_ffn
+        if family.startswith("llama4"):                            # one shared expert as wide as a routed one
+            shared_ffn = expert_ffn
+    kinds = [_hf_kind(text, i, name, family, i in moe_layers) for i in range(layers)]
+    linear = None
+    if any(k.mixer == "linear" for k in kinds):
+        linear = LinearShape(int(text.linear_num_key_heads), int(text.linear_num_value_heads),
+                             int(text.linear_key_head_dim), int(text.linear_value_head_dim),
+                             int(getattr(text, "linear_conv_kernel_dim", 4) or 4))
+    return ModelSpec(layers=layers, hidden=hidden, heads=heads,
                      kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-                     ffn=int(getattr(text, "intermediate_size", 0) or 4 * hidden), vocab=int(text.vocab_size),
-                     name=name or f"hf:{getattr(text, 'model_type', 'model')}:"
-                                  f"{getattr(config, 'name_or_path', '') or 'config'}",
-                     family=str(getattr(text, "model_type", "llama")),
+                     ffn=ffn, vocab=int(text.vocab_size), name=name, family=family,
                      head_dim=None if head_dim is None or int(head_dim) * heads == hidden else int(head_dim),
-                     tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+                     tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                     kinds=runs(kinds), experts=experts if moe_layers else 0,
+                     active_experts=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe_layers else 0,
+                     expert_ffn=expert_ffn if moe_layers and expert_ffn != ffn else 0,
+                     shared_ffn=shared_ffn if moe_layers else 0, linear=linear, implementation="transformers",
+                     attn_gate=family.startswith(("qwen3_next", "qwen3_5")),
+                     qk_norm=family.startswith(_QK_NORM_FAMILIES) or bool(getattr(text, "use_qk_norm", False)))
+
+
+# transformers families whose attention normalises q and k per head (their modeling files' q_norm / k_norm)
+_QK_NORM_FAMILIES = ("qwen3", "gemma3", "olmo2", "olmo3")
+
+
+_HF_MIXERS = {"full_attention": "full", "sliding_attention": "window", "chunked_attention": "chunk",
+              "linear_attention": "linear"}
+
+
+def _first(config: Any, *names: str) -> Any:
+    """The first of ``names`` the config sets (not None)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _moe_layers(text: Any, layers: int) -> set[int]:
+    if getattr(text, "moe_layers", None) is not None:                      # Llama 4
+        return {int(i) for i in text.moe_layers}
+    if getattr(text, "first_k_dense_replace", None) is not None:           # DeepSeek-V3
+        return set(range(int(text.first_k_dense_replace), layers))
+    dense = {int(i) for i in (getattr(text, "mlp_only_layers", None) or ())}
+    step = int(getattr(text, "decoder_sparse_step", 1) or 1)                # Qwen MoE
+    return {i for i in range(layers) if i not in dense and (i + 1) % step == 0}
+
+
+def _hf_kind(text: Any, i: int, name: str, family: str, moe: bool) -> LayerKind:
+    types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if types is not None:
+        if len(types) != int(text.num_hidden_layers):
+            raise CostModelError(f"model {name!r}: layer_types lists {len(types)} layers but the config has "
+                                 f"{text.num_hidden_layers}")
+        mixer = _HF_MIXERS.get(types[i])
+        if mixer is None:
+            raise CostModelError(f"model {name!r}: layer {i} is {types[i]!r}, which FlexSP's cost model does not "
+                                 f"know; known: {', '.join(_HF_MIXERS)}")
+    else:
+        mixer = "window" if window is not None else "full"
+    size = 0
+    if mixer == "window":
+        size = window
+        if size is None:
+            raise CostModelError(f"model {name!r}: layer {i} is sliding_attention but sliding_window is not set")
+    elif mixer == "chunk":
+        size = getattr(text, "attention_chunk_size", None)
+        if size is None:
+            raise CostModelError(f"model {name!r}: layer {i} is chunked_attention but attention_chunk_size is not set")
+    if isinstance(size, bool) or not isinstance(size, int) or (mixer in ("window", "chunk") and size <= 0):
+        raise CostModelError(f"model {name!r}: layer {i} ({types[i] if types else mixer}) needs a window or "
+                             f"chunk >= 1 token, got {size!r}")
+    nope = getattr(text, "no_rope_layers", None)
+    rope = bool(nope[i]) if nope is not None and i < len(nope) else True   # Llama 4: 1 = uses rope
+    return LayerKind(mixer, int(size), sinks=family == "gpt_oss" and mixer != "linear", moe=moe, rope=rope)
 
 
 def hf_extra(**keys: Any) -> tuple[tuple[str, Any], ...]:
@@ -193,7 +432,22 @@ for _family, _overrides in (
         ("mistral", {}),                                          # sliding_window 4096 by default: exact below it
         ("gemma", {"head_dim": 32, "kv_heads": 1, "tie_embeddings": True}),   # MQA, tied, scaled embedding
         ("phi3", {"hf_extra": hf_extra(pad_token_id=0, bos_token_id=1, eos_token_id=2)})):   # fused projections
-    register_model(ModelSpec(**{**_HF_TINY, **_overrides}, name=f"hf-{_family}", family=_family))
+    register_model(ModelSpec(**{**_HF_TINY, **_overrides}, name=f"hf-{_family}", family=_family,
+                             implementation="transformers"))
+# Models with layer kinds and experts (``flexsp.plan.layers``), shapes from their published configs; they
+# have no measured constants: ``cost_from_preset`` serves them as analytic presets (``ANALYTIC_PRESETS``).
+_WINDOW_128 = LayerKind("window", 128, sinks=True, moe=True)
+register_model(ModelSpec(24, 2880, 64, 8, 2880, 201088, "gpt-oss-20b", family="gpt_oss", head_dim=64, norm_eps=1e-5,
+                         kinds=runs([_WINDOW_128, LayerKind("full", sinks=True, moe=True)] * 12),
+                         experts=32, active_experts=4, implementation="transformers"))
+register_model(ModelSpec(62, 5376, 32, 16, 21504, 262208, "gemma-3-27b", family="gemma3_text", head_dim=128,
+                         tie_embeddings=True, implementation="transformers",
+                         kinds=runs(LayerKind("window", 1024) if (i + 1) % 6 else FULL for i in range(62))))
+# Qwen3.5-27B's text decoder: 64 layers, 3 Gated DeltaNet layers (16 key, 48 value heads of 128) to 1 gated
+# full-attention layer (24 heads, 4 KV heads of 256)
+register_model(ModelSpec(64, 5120, 24, 4, 17408, 248320, "qwen3.5-27b", family="qwen3_5_text", head_dim=256,
+                         implementation="transformers", linear=LinearShape(16, 48, 128, 128, 4), attn_gate=True,
+                         kinds=runs(([LayerKind("linear")] * 3 + [FULL]) * 16)))
 
 GPUS: Mapping[str, GPUSpec] = {
     # Achieved, not nominal, bandwidths: the A100 entries reproduce the paper's cluster (all-to-all at

@@ -19,7 +19,6 @@ from flexsp.errors import PlanError
 from flexsp.inputs import INT64_MAX, exact_sum, integer, limit, load_json, number, parse_json, too_large, write_text
 from flexsp.plan.cluster import is_tile_start
 from flexsp.plan.lengths import as_lengths
-from solver.types import seconds
 
 if TYPE_CHECKING:
     from flexsp.plan.cluster import Cluster
@@ -77,16 +76,19 @@ class Plan:
         return dict(sorted(hist.items()))
 
     def group_times(self, lengths: Sequence[int], cost: "CostModel") -> list[list[float]]:
-        """Seconds of every group (beta1 included), per micro-batch; vectorised over sequences."""
+        """Seconds of every group (beta1 included), per micro-batch; vectorised over sequences (one
+        ``cost.seq_time`` call per distinct degree of a micro-batch, windowed and chunked layers included)."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        coefficients = {d: (*cost.coefficients(d), cost.ring_hops(d)) for d in self.degree_histogram()}
         out = []
         for mb in self.micro_batches:
             sizes = [len(g.seq_ids) for g in mb.groups]
             owner = np.repeat(np.arange(len(mb.groups)), sizes)
             s = lengths[np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64, count=sum(sizes))]
-            coeffs = np.array([coefficients[g.degree] for g in mb.groups]).reshape(-1, 4)[owner]
-            per_seq = seconds(s, coeffs[:, 0], coeffs[:, 1], coeffs[:, 2], coeffs[:, 3])
+            degree = np.repeat(np.fromiter((g.degree for g in mb.groups), dtype=np.int64, count=len(mb.groups)), sizes)
+            per_seq = np.zeros(len(s))
+            for d in np.unique(degree):
+                mask = degree == d
+                per_seq[mask] = cost.seq_time(s[mask], int(d))
             out.append((np.bincount(owner, weights=per_seq, minlength=len(mb.groups)) + cost.beta1).tolist())
         return out
 

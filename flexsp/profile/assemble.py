@@ -28,6 +28,12 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
     """A cost model from the profiles; ``estimates`` names the parts that were not measured. ``ring``
     (a ``fit_bandwidth(..., what="ring")`` of one hop, ``ring_layout`` which ranks and link it ran on)
     adds the measured ring axis and the model's heads, so degrees beyond the Ulysses limit are costed."""
+    estimates = list(estimates)
+    if not spec.is_dense_full:
+        # flexsp profile times the stack as built and fits one alpha1 s^2 + alpha2 s model: a model with
+        # windowed, chunked or linear-attention layers gets no per-kind terms from it (yet)
+        estimates.append("layer kinds: the compute fit treats every layer's attention as s^2 (per-kind terms, "
+                         "window_alpha / chunk_alpha, are not fitted apart)")
     links = {}
     if gpus_per_node is not None:
         links = {str(b.degree): "intra-node" if b.degree <= gpus_per_node else "inter-node" for b in bandwidths}
@@ -44,18 +50,19 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
         "sharding": dict(memory or {}).get("sharding", "full"),   # flexsp.plan.memory: what the capacity assumed
         "comm": {"gpus_per_node": gpus_per_node, "links": links,
                  "fits": {str(b.degree): b.to_dict() for b in bandwidths},
-                 "comm_bytes_per_token": "2 * layers * (2 * hidden + 2 * kv_dim) * bytes_per_element"},
+                 "comm_bytes_per_token": "2 * layers * (2 * q_dim + 2 * kv_dim) * bytes_per_element "
+                                         "(flexsp.plan.analytic.comm_bytes_per_token, per layer kind)"},
     }
     axis: dict[str, Any] = {}
     if ring is not None:
         meta["ring"] = {"measured": True, **dict(ring_layout or {}), "fit": ring.to_dict(),
                         "ring_hop_latency": "3 * layers * fitted latency",
-                        "ring_bytes_per_token": "3 * layers * 2 * kv_dim * bytes_per_element"}
+                        "ring_bytes_per_token": "3 * softmax layers * 2 * kv_dim * bytes_per_element"}
         axis = {"heads": spec.heads, "kv_heads": spec.kv_heads,
                 # K and V cross the ring three times a step, per layer: forward, and backward passes K/V
                 # again and dK/dV back (flexsp.plan.analytic); each hop of each pass pays the latency once.
-                "ring_bytes_per_token": 3 * spec.layers * 2 * spec.kv_dim * bytes_per_element,
-                "ring_bandwidth": ring.bandwidth, "ring_hop_latency": 3 * spec.layers * ring.latency}
+                "ring_bytes_per_token": 3 * spec.softmax_layers * 2 * spec.kv_dim * bytes_per_element,
+                "ring_bandwidth": ring.bandwidth, "ring_hop_latency": 3 * spec.softmax_layers * ring.latency}
     return CostModel(alpha1=compute.alpha1, alpha2=compute.alpha2, beta1=compute.beta1,
                      comm_bytes_per_token=comm_bytes_per_token(spec, bytes_per_element),
                      alltoall_bandwidth={b.degree: b.bandwidth for b in bandwidths},

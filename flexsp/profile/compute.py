@@ -12,7 +12,6 @@ device is synchronised before and after every timed region, so the timer sees fi
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -128,7 +127,7 @@ class GroupRunner:
             raise ValueError(f"run_layers must be >= 1, got {run_layers}")
         self.spec, self.setup = spec, setup
         self.run_layers = min(run_layers, spec.layers)
-        build = build or (lambda layers: TinyLM(dataclasses.replace(spec, layers=layers)))
+        build = build or (lambda layers: TinyLM(spec.with_layers(layers)))
         torch.manual_seed(seed)
         self.model = build(self.run_layers).to(setup.device, setup.dtype)
         # Blocks are identical, so the rest of the model is measured once without any.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from flexsp.errors import CostModelError
-from flexsp.plan.memory import activation_bytes_per_token, model_state_bytes
+from flexsp.plan.memory import activation_bytes_per_token, model_state_bytes, precision_for
 from flexsp.plan.specs import ModelSpec
 
 MAX_GPUS = 1 << 16
@@ -30,8 +30,8 @@ FIT_ERROR_LIMIT = 0.10
 
 def _fits(spec: ModelSpec, num_gpus: int, sharding: str, usable_bytes: float) -> bool:
     # the capacity's own test: states plus one token's activations (analytic: the sweep has not measured it yet)
-    return model_state_bytes(spec.params, num_gpus, sharding) + activation_bytes_per_token(spec.hidden, spec.layers) \
-        <= usable_bytes
+    return model_state_bytes(spec.params, num_gpus, sharding) + activation_bytes_per_token(
+        spec, "none", precision_for(num_gpus, sharding)) <= usable_bytes
 
 
 def fitting_gpus(spec: ModelSpec, sharding: str, usable_bytes: float) -> int | None:

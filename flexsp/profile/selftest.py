@@ -11,10 +11,12 @@ Checks, each printed as a table row and written to a JSON report (exit code 1 wh
    (``flexsp.runtime.models.plain``, or the transformers model itself with ``--hf-config``) under the same
    autocast, from the same weights: losses and SGD updates agree within the compute dtype's tolerance;
    the time ratio (plain / flexsp, medians of interleaved repeats) and both TFLOP/s are printed.
-3. **memory** (CUDA): the step's peak allocated bytes during forward and backward (AdamW, so both sides
-   count the same states) against what the capacity model sets aside for the configuration
-   (``selftest_model.budget``: states + activation bytes per token x tokens); within 15% passes, and
-   never above it by more than the workspace the capacity formula leaves (``1 - usable_memory``).
+3. **memory** (CUDA): activations against activations, states apart: what each micro-batch's forward
+   leaves allocated, less the states a forward makes (``Budget.forward_states``), against the capacity
+   model's ``activation_bytes_per_token`` x its tokens, within 15% (an activation regression fails it);
+   and the step's peak allocated bytes during forward and backward (AdamW, so both sides count the same
+   states) never above the capacity model's whole budget (``selftest_model.budget``: states +
+   activations) by more than the workspace the capacity formula leaves (``1 - usable_memory``).
 4. **host syncs** (CUDA): ``torch.cuda.set_sync_debug_mode("error")`` from the step's packing to the
    end of its last backward; a synchronising call is reported with its innermost flexsp call site.
 5. **all-to-all** on the ranks available: under ``torchrun`` a round trip over the world equals its
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flexsp.errors import FlexSPError
+from flexsp.plan.specs import GPUSpec
 from flexsp.profile import selftest_model as sm
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
@@ -200,10 +203,17 @@ def _window(on_open: Callable[[], None], on_close: Callable[[], None]):
     class Window(StepProbe):
         def __init__(self) -> None:
             self.on_open, self.on_close, self.last = on_open, on_close, -1
+            self.on_forward_begin = self.on_forward_end = lambda index, tokens=0: None
 
         def step_begin(self, plan, source) -> None:
             self.last = len(plan.micro_batches) - 1
             self.on_open()
+
+        def micro_batch_begin(self, index: int, group, real_tokens: int) -> None:
+            self.on_forward_begin(index, real_tokens)
+
+        def forward_end(self, index: int) -> None:
+            self.on_forward_end(index)
 
         def micro_batch_end(self, index: int) -> None:
             if index == self.last:
@@ -224,6 +234,31 @@ def call_site(exc: BaseException) -> str:
     return f"{path}:{f.lineno} in {f.name}" + (f" ({f.line.strip()})" if f.line else "")
 
 
+def memory_row(spec, tokens: int, marks: dict, forwards: dict, workspace: float) -> dict:
+    """The memory check's row (module docstring, check 3) from the allocator figures: ``marks`` (``other``:
+    allocations at the step's start that are not model states; ``peak``), ``forwards`` (micro-batch ->
+    [real tokens, allocated before its forward, after it]) and the workspace the capacity formula leaves."""
+    need = sm.budget(spec, tokens, half=True)
+    peak = marks["peak"] - marks["other"]
+    # the micro-batch with the most tokens: its forward's growth less the states a forward makes
+    mb_tokens, before, after = max(forwards.values(), key=lambda f: f[0]) if forwards else (0, 0, 0)
+    measured = after - before - need.forward_states
+    predicted = need.activation_per_token * mb_tokens
+    rel = (measured - predicted) / predicted if predicted else float("inf")
+    ok = abs(rel) <= MEMORY_TOLERANCE and peak <= need.total + workspace
+    return _row("memory", PASS if ok else FAIL,
+                f"activations {measured / 2**20:.0f} MiB after the forward vs capacity model {predicted / 2**20:.0f} "
+                f"MiB ({need.activation_per_token:.0f} B/token x {mb_tokens}; {rel:+.1%}, tolerance "
+                f"{MEMORY_TOLERANCE:.0%}; the forward's own states, {need.forward_states / 2**20:.0f} MiB of bf16 "
+                f"layer weights and the head's fp32 gradient, apart); peak {peak / 2**20:.0f} MiB in "
+                f"forward+backward vs the whole budget {need.total / 2**20:.0f} MiB, above it by at most the "
+                f"{1 - GPUSpec.usable_memory:.0%} workspace ({workspace / 2**20:.0f} MiB): {need.describe()}; "
+                f"measured, other allocations ({marks['other'] / 2**20:.0f} MiB) excluded",
+                peak_bytes=peak, predicted_bytes=need.total, relative_error=rel, workspace_bytes=workspace,
+                activation_bytes=measured, predicted_activation_bytes=predicted,
+                forward_state_bytes=need.forward_states, predicted_state_bytes=need.states.total)
+
+
 def _resident_bytes(model, optimizer) -> int:
     """Bytes of the states the capacity model counts that exist now: parameters, gradients, optimizer states."""
     params = list(model.parameters())
@@ -235,7 +270,6 @@ def _resident_bytes(model, optimizer) -> int:
 
 
 def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int) -> list[dict]:
-    from flexsp.plan.specs import GPUSpec
     from flexsp.runtime.config import TrainConfig
     from flexsp.runtime.pool import GroupPool
     from flexsp.runtime.step import StepExecutor
@@ -251,6 +285,14 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
     def close_memory() -> None:
         marks["peak"] = torch.cuda.max_memory_allocated(device)
 
+    forwards: dict[int, list] = {}    # micro-batch -> [tokens, allocated before its forward, after it]
+
+    def forward_begin(index: int, real_tokens: int = 0) -> None:
+        forwards[index] = [real_tokens, torch.cuda.memory_allocated(device), None]
+
+    def forward_end(index: int, tokens: int = 0) -> None:
+        forwards[index][2] = torch.cuda.memory_allocated(device)
+
     probe = _window(lambda: None, lambda: None)
     executor = StepExecutor(model, optimizer, GroupPool(), config=TrainConfig(param_dtype=torch.bfloat16),
                             probe=probe, failure_name="selftest-memory")
@@ -259,21 +301,12 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     probe.on_open, probe.on_close = open_memory, close_memory
+    probe.on_forward_begin, probe.on_forward_end = forward_begin, forward_end
     executor.run_plan(plan, batch)
     torch.cuda.synchronize(device)
-    need = sm.budget(built.spec, tokens, half=True)
-    peak = marks["peak"] - marks["other"]
-    rel = (peak - need.total) / need.total
-    # the capacity formula leaves (1 - usable) of the device as workspace: a peak past it eats planned room
-    workspace = (1 - GPUSpec.usable_memory) * torch.cuda.get_device_properties(device).total_memory
-    ok = abs(rel) <= MEMORY_TOLERANCE and peak <= need.total + workspace
-    memory = _row("memory", PASS if ok else FAIL,
-                  f"peak {peak / 2**20:.0f} MiB in forward+backward vs capacity model {need.total / 2**20:.0f} MiB "
-                  f"({rel:+.1%}, tolerance {MEMORY_TOLERANCE:.0%}; above it by at most the "
-                  f"{1 - GPUSpec.usable_memory:.0%} workspace, {workspace / 2**20:.0f} MiB): {need.describe()}; measured, "
-                  f"other allocations ({marks['other'] / 2**20:.0f} MiB) excluded",
-                  peak_bytes=peak, predicted_bytes=need.total, relative_error=rel, workspace_bytes=workspace,
-                  predicted_state_bytes=need.states.total, predicted_activation_bytes=need.activations)
+    probe.on_forward_begin = probe.on_forward_end = lambda index, tokens=0: None
+    memory = memory_row(built.spec, tokens, marks, forwards,
+                        (1 - GPUSpec.usable_memory) * torch.cuda.get_device_properties(device).total_memory)
 
     def arm() -> None:
         torch.cuda.set_sync_debug_mode("error")

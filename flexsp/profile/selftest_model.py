@@ -14,8 +14,12 @@
   the HF adapter.
 * **Memory budget**: what the capacity model (``flexsp.plan.memory``) sets aside for this configuration at
   world 1: ``state_bytes(params, 1, sharding)`` (fp32 master 4 B, gradients 4 B, Adam's two moments 8 B,
-  the bf16 compute copy 2 B per parameter) plus ``activation_bytes_per_token x tokens``. The selftest's
-  memory step runs AdamW so both sides count the same states.
+  the bf16 compute copy 2 B per parameter) plus ``activation_bytes_per_token x tokens`` (autocast: the
+  world-1 precision path). The selftest's memory step runs AdamW so both sides count the same states.
+  Its activation check compares activations with activations: what a forward leaves allocated, less the
+  states a forward makes (``Budget.forward_states``: autocast's bf16 copies of the layers' weights, not of
+  the embedding or the head, which are never cast; and the LM head's fp32 weight gradient, which the fused
+  loss computes during the forward), against ``activation_bytes_per_token x`` the micro-batch's tokens.
 """
 from __future__ import annotations
 
@@ -83,6 +87,8 @@ class Budget:
     tokens: int
     sharding: str = "full"
 
+    forward_states: float = 0.0   # states a forward makes (module docstring): weight copies, the head's gradient
+
     @property
     def activations(self) -> float:
         return self.activation_per_token * self.tokens
@@ -102,7 +108,11 @@ def budget(spec: ModelSpec, tokens: int, *, half: bool, sharding: str = "full", 
     """The capacity model's accounting of a world-1 step of ``spec`` on ``tokens`` tokens; ``half``: bf16
     compute (a 2-byte compute copy), else the parameters compute in fp32 (no copy)."""
     states = state_bytes(spec.params, 1, sharding, compute_bytes=2 if half else 0)
-    return Budget(states, activation_bytes_per_token(spec.hidden, spec.layers, recompute), tokens, sharding)
+    embedding = spec.hidden * spec.vocab
+    head = embedding                                   # the LM head's weight (the embedding's when tied)
+    blocks = spec.params - embedding - (0 if spec.tie_embeddings else head)
+    made = (2 * blocks if half else 0) + 4 * head
+    return Budget(states, activation_bytes_per_token(spec, recompute, "autocast"), tokens, sharding, made)
 
 
 def selftest_bytes(spec: ModelSpec, tokens: int, longest: int, half: bool) -> float:

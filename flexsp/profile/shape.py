@@ -38,11 +38,14 @@ def model_spec(name: str | None = None, **overrides: int | None) -> ModelSpec:
                                  f"the shape")
         spec = get_model(name)
         if given:
-            spec = replace(spec, **{k: int(v) for k, v in given.items()}, name=f"{name} (modified)")
+            given = {k: int(v) for k, v in given.items()}
+            if "layers" in given:            # the first layers of its kinds (flexsp.plan.layers), experts kept
+                spec = spec.with_layers(given.pop("layers"))
+            spec = replace(spec, **given, name=f"{name} (modified)")
     for f in SHAPE_FIELDS:
         if getattr(spec, f) < 1:
             raise CostModelError(f"model {f} must be >= 1, got {getattr(spec, f)}")
-    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+    if (spec.head_dim is None and spec.hidden % spec.heads) or spec.heads % spec.kv_heads:
         raise CostModelError(f"hidden ({spec.hidden}) must be a multiple of heads ({spec.heads}) and heads a "
                              f"multiple of kv_heads ({spec.kv_heads})")
     return spec

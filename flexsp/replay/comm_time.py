@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from flexsp.errors import CostModelError
 from flexsp.inputs import _short_repr, read_json
 from flexsp.plan.cost import CostModel
@@ -66,6 +68,7 @@ def exposed_ring_time(cost: CostModel, lengths, degree: int) -> float:
     where positive (the same overlap ``CostModel.seq_time`` models). 0 without a ring axis."""
     if cost.split(degree)[1] == 1:
         return 0.0
-    quad, _, ring = cost.coefficients(degree)
-    hops = cost.ring_hops(degree)
-    return float(sum(max(0.0, ring * s + hops - quad * s * s) for s in (float(n) for n in lengths)))
+    _, _, ring = cost.coefficients(degree)
+    s = np.asarray([float(n) for n in lengths], dtype=np.float64)
+    exposed = ring * s + cost.ring_hops(degree) - cost.attention_seconds(s, degree)   # windows/chunks included
+    return float(np.maximum(exposed, 0.0).sum())

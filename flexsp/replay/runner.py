@@ -58,11 +58,11 @@ class ReplayModel:
             raise ReplayError(f"run_layers must be >= 1, got {k}")
         k = min(k, spec.layers)
         torch.manual_seed(seed)
-        model = TinyLM(dataclasses.replace(spec, layers=k)).to(setup.device, setup.dtype)
+        model = TinyLM(spec.with_layers(k)).to(setup.device, setup.dtype)
         if k == spec.layers:
             parts = ((model, 1.0),)
         else:
-            base = TinyLM(dataclasses.replace(spec, layers=0)).to(setup.device, setup.dtype)
+            base = TinyLM(spec.with_layers(0)).to(setup.device, setup.dtype)
             parts = ((model, spec.layers / k), (base, 1.0 - spec.layers / k))
         return cls(parts, spec.heads, spec.kv_heads, spec.vocab, spec, k)
 

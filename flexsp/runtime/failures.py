@@ -150,13 +150,20 @@ class ControlGroup:
         return out
 
     def check(self, failure: str | None, *, what: str,
-              error: Callable[[str], Exception] = FlexSPError) -> None:
-        """Raise ``error`` with one message on every rank if any rank passed a ``failure`` ("Type: msg").
+              error: Callable[[str], Exception] = FlexSPError, count: int = 0) -> int:
+        """Raise ``error`` with one message on every rank if any rank passed a ``failure`` ("Type: msg");
+        otherwise return ``count`` summed over the ranks (a per-step total riding on the same collective).
 
-        One int all-reduce when all went well; the messages are gathered only after a failure.
+        One all-reduce of two ints when all went well; the messages are gathered only after a failure.
         """
-        if not self.any(failure is not None, what=what, error=error):
-            return
+        if self.distributed:
+            t = torch.tensor([0 if failure is None else 1, int(count)], dtype=torch.int64)
+            self.call(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group), what, error)
+            failed, total = bool(t[0].item()), int(t[1].item())
+        else:
+            failed, total = failure is not None, int(count)
+        if not failed:
+            return total
         failures = [(r, f) for r, f in enumerate(self.gather(failure, what=what, error=error)) if f is not None]
         rank, message = failures[0]
         also = f" (also failed on ranks {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""

@@ -35,7 +35,7 @@ gradients on them, the loss's softmax in fp32):
 
 Mixed precision under FSDP2: parameters are kept in fp32 (the master weights the optimizer updates), cast
 to ``param_dtype`` (bf16 by default) for compute, gradients reduced in ``reduce_dtype`` (fp32). Gradients are SUMMED over
-ranks (divide factor 1): the executor already divides each shard's loss by the global label count.
+ranks (divide factor 1): the executor already divides each shard's loss by the global count of supervised targets.
 """
 from __future__ import annotations
 

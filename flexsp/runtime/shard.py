@@ -20,6 +20,7 @@ import torch.distributed as dist
 from flexsp.plan.types import Group
 from flexsp.runtime.sp.context import IGNORE_INDEX, PAD_TOKEN, AttentionContext, Shard
 from flexsp.runtime.sp.ring import ring_context
+from flexsp.runtime.sp.tokens import next_token_labels
 from flexsp.runtime.sp.zigzag import zigzag_pack
 from flexsp.runtime.transfer import host_tensor
 
@@ -35,7 +36,7 @@ class PackedGroup:
     cu_seqlens: tuple[int, ...]       # sequence bounds in the stream; the last is the real token count
     input_ids: torch.Tensor
     position_ids: torch.Tensor        # restart at 0 per sequence: each is positioned as if alone
-    labels: torch.Tensor              # next token inside the same sequence, else IGNORE_INDEX
+    labels: torch.Tensor              # the next token's target inside the same sequence, else IGNORE_INDEX
 
     @property
     def real_tokens(self) -> int:
@@ -67,8 +68,12 @@ class PackedGroup:
         return AttentionContext.packed(self.cu_seqlens, device, group=group, backend=backend)
 
 
-def pack(sequences: Sequence[torch.Tensor], degree: int) -> PackedGroup:
-    """Concatenate 1-D token tensors for a group of ``degree`` ranks, padding the tail."""
+def pack(sequences: Sequence[torch.Tensor], degree: int,
+         targets: Sequence[torch.Tensor | None] | None = None) -> PackedGroup:
+    """Concatenate 1-D token tensors for a group of ``degree`` ranks, padding the tail.
+
+    ``targets`` (one per sequence, ``None`` = its own tokens): what each token's predecessor is trained to
+    predict, as ``flexsp.runtime.sp.tokens.next_token_labels`` reads them (HF ``labels``, -100 = no loss)."""
     if degree < 1:
         raise ValueError(f"degree must be >= 1, got {degree}")
     if not sequences:
@@ -92,35 +97,36 @@ def pack(sequences: Sequence[torch.Tensor], degree: int) -> PackedGroup:
     counts = host_tensor(lengths, torch.long, device)
     restart = torch.repeat_interleave(starts, counts, output_size=real)   # output_size: no device read
     positions = torch.cat([torch.arange(real, device=device) - restart, tail(0)])
-    labels = torch.cat([ids.narrow(0, 1, real - 1), tail(IGNORE_INDEX),
-                        torch.full((1,), IGNORE_INDEX, dtype=torch.long, device=device)])
-    # a sequence's last token predicts nothing (out of place: no indexed write)
-    labels = labels.index_fill(0, host_tensor(cu[1:], torch.long, device) - 1, IGNORE_INDEX)
+    ends = host_tensor(cu[1:], torch.long, device) - 1
+    labels = torch.cat([next_token_labels(sequences, targets, ends), tail(IGNORE_INDEX)])
     return PackedGroup(degree=degree, cu_seqlens=tuple(cu), input_ids=ids, position_ids=positions, labels=labels)
 
 
 def loss_tokens(lengths: Sequence[int]) -> int:
-    """Tokens that carry a next-token label: every token but the last of each sequence."""
+    """Tokens that carry a next-token label when every target is supervised: all but each sequence's last.
+    With ``labels`` or a mask the count is the rows' (``flexsp.runtime.labels.read_targets``)."""
     return sum(max(0, int(n) - 1) for n in lengths)
 
 
 def group_inputs(group: Group, sequences: Sequence[torch.Tensor], rank: int, device: torch.device | str, *,
-                 pool: "GroupPool | None" = None, backend: str = "auto") -> tuple[Shard, AttentionContext]:
+                 pool: "GroupPool | None" = None, backend: str = "auto",
+                 targets: Sequence[torch.Tensor | None] | None = None) -> tuple[Shard, AttentionContext]:
     """This rank's tokens of plan ``group`` (on ``device``) and the attention context every layer uses.
 
     The one branch on the SP axis of a group's tokens: Ulysses packing, or the zigzag layout of a
     Ulysses x ring group with its ring communicators from ``pool``. Packing runs where the sequences
     are (the host); only the shard moves. Without a pool (one process standing in for a rank of a
-    bigger cluster) the context has no process group."""
+    bigger cluster) the context has no process group. ``targets``: as ``pack`` takes them (labels travel
+    with their tokens through either layout)."""
     local = tuple(group.ranks).index(rank)
     if group.ring > 1:
-        packed = zigzag_pack(sequences, group.ulysses, group.ring)
+        packed = zigzag_pack(sequences, group.ulysses, group.ring, targets)
         if pool is not None:
             ctx = ring_context(pool, group, packed.layout.lengths, rank, device, backend)
         else:
             ctx = AttentionContext.packed(packed.layout.cu_local(local // group.ulysses), device, backend=backend)
     else:
-        packed = pack(sequences, group.degree)
+        packed = pack(sequences, group.degree, targets)
         ctx = packed.context(device, group=None if pool is None else pool.get(group.ranks), backend=backend)
     return packed.shard(local).to(device), ctx
 
@@ -135,7 +141,7 @@ class MicroBatchShard:
 
     micro_batch: int                  # index of the micro-batch in the step's plan
     input_ids: torch.Tensor
-    labels: torch.Tensor              # IGNORE_INDEX (-100) at sequence ends and padding
+    labels: torch.Tensor              # IGNORE_INDEX (-100) at sequence ends, padding and unsupervised targets
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
@@ -145,6 +151,7 @@ class MicroBatchShard:
     group: dist.ProcessGroup | None   # from the GroupPool; None for degree 1 or without a pool
     indices: tuple[int, ...]          # dataset indices of the group's sequences
     ring: Any = None                  # a Ulysses x ring group's RingContext (then group = its Ulysses part)
+    supervised: int | None = None     # supervised targets of the group's sequences (every rank of it: the same)
 
     @property
     def degree(self) -> int:

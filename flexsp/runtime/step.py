@@ -12,13 +12,17 @@
 4. **One optimizer step.** A failure after step collectives began is recorded for every rank
    (``failures.FailureChannel``) and raised everywhere as the same ``RankFailure``.
 
-Each shard's loss is a sum divided by the global batch's label count, so the summed gradient equals
-that of the mean next-token loss over the global batch on one device, whatever the plan.
+Each shard's loss is a sum over its supervised targets divided by the global batch's count of them
+(``step_loss``: Hugging Face's ``num_items_in_batch``), so the summed gradient equals that of the mean
+next-token loss over the global batch's supervised targets on one device, whatever the plan. A batch with
+no supervised target at all runs as a zero-loss step (zero gradients, logged), never 0/0.
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
@@ -35,6 +39,7 @@ from flexsp.plan.types import Group, Plan
 from flexsp.runtime.config import TrainConfig
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
 from flexsp.runtime.fsdp import is_sharded, runtime_sharding, step_autocast
+from flexsp.runtime.labels import read_targets
 from flexsp.runtime.pool import GroupPool
 from flexsp.runtime.probe import NO_PROBE, StepProbe
 from flexsp.runtime.shard import MicroBatchShard, group_inputs, loss_tokens
@@ -53,7 +58,7 @@ class Step:
     indices: tuple[int, ...]
     lengths: tuple[int, ...]
     num_tokens: int                             # real tokens in the global batch
-    loss_tokens: int                            # tokens with a next-token label: divide summed losses by it
+    loss_tokens: int                            # supervised targets in the global batch: divide summed losses by it
     micro_batches: tuple[MicroBatchShard, ...]  # only those this rank takes part in, in plan order
     last: bool                                  # the epoch's final batch
     plan_wait: float                            # seconds the loop blocked for its plan (incl. broadcast)
@@ -64,8 +69,8 @@ class Step:
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float                       # mean next-token loss over the global batch (same on every rank)
-    loss_tokens: int                  # labelled tokens in the global batch: the loss's denominator
+    loss: float                       # mean next-token loss over the global batch's supervised targets (every rank)
+    loss_tokens: int                  # supervised targets in the global batch: the loss's denominator
     tokens_processed: int             # real (unpadded) tokens in this rank's shards, all micro-batches
     seq_ids: tuple[int, ...]          # sequences run by this rank's groups, in plan order
     degrees: tuple[int | None, ...]   # this rank's group degree per micro-batch; None where it idled
@@ -82,6 +87,18 @@ class _Work:
     ctx: AttentionContext
     real_tokens: int
     group: Group
+
+
+log = logging.getLogger("flexsp.step")
+
+
+def step_loss(token_loss_sum: torch.Tensor, supervised: int) -> torch.Tensor:
+    """A shard's part of the step's loss: its summed next-token loss over the global batch's supervised
+    targets (HF's ``num_items_in_batch``). Summed over shards, micro-batches and ranks this is the mean over
+    the global batch on one device. The one place the loss is normalised (a second term, e.g. a router
+    auxiliary loss, is added here). With no supervised target in the whole batch every shard's sum is an
+    exact zero and so is the result (divided by 1, not 0: no NaN)."""
+    return token_loss_sum / max(int(supervised), 1)
 
 
 def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *, num_heads: int | None = None,
@@ -111,8 +128,6 @@ def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *, num_he
                     raise PlanError(f"micro-batch {m} group {j} holds {tokens} tokens on {g.degree} GPUs, more than "
                                     f"the cost model's capacity {cost.group_capacity(g.degree):.0f} "
                                     f"({cost.token_capacity:.0f} per GPU): it would run out of memory")
-    if loss_tokens(lengths) == 0:
-        raise PlanError("the batch has no token with a next-token label (every sequence has length 1)")
 
 
 class StepExecutor:
@@ -180,19 +195,21 @@ class StepExecutor:
         self._agree(error)
         return self._run(work, step.loss_tokens)
 
-    def run_plan(self, plan: Plan, batch: Sequence[torch.Tensor]) -> StepResult:
-        """One optimizer step on the global ``batch`` (1-D token tensors, indexed by the plan's seq ids).
+    def run_plan(self, plan: Plan, batch: Sequence[Any]) -> StepResult:
+        """One optimizer step on the global ``batch``, indexed by the plan's seq ids: 1-D token tensors, or
+        mappings with ``input_ids`` and a ``labels`` / ``completion_mask`` / ``assistant_masks`` column
+        (``flexsp.runtime.labels``: which targets carry loss).
 
         Every rank passes the same plan and batch; each packs and runs only its groups' sequences.
         """
         error, work, denominator = None, [], 0
         self.probe.step_begin(plan, batch)
         try:
-            lengths = _lengths(batch)
+            tokens, targets, denominator = _rows(batch, _vocab_size(self.model))
+            lengths = [int(t.numel()) for t in tokens]
             validate_step(plan, lengths, self.pool, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                           cost=self.cost)
-            denominator = loss_tokens(lengths)
-            work = [self._pack(batch, mb.group_of_rank(self.pool.rank)) for mb in plan.micro_batches]
+            work = [self._pack(tokens, targets, mb.group_of_rank(self.pool.rank)) for mb in plan.micro_batches]
         except Exception as exc:
             error = exc
         self._agree(error)
@@ -206,8 +223,9 @@ class StepExecutor:
         assumed = getattr(step, "sharding", None)
         if assumed is not None:
             sharding_mod.check_runtime(assumed, self.sharding)
-        if step.loss_tokens != loss_tokens(lengths):
-            raise PlanError(f"step says {step.loss_tokens} labelled tokens but its lengths have {loss_tokens(lengths)}")
+        if not 0 <= step.loss_tokens <= loss_tokens(lengths):
+            raise PlanError(f"step says {step.loss_tokens} supervised targets but its lengths have room for "
+                            f"0..{loss_tokens(lengths)}")
         shards = list(step.micro_batches)
         work: list[_Work | None] = []
         for m, mb in enumerate(plan.micro_batches):
@@ -258,11 +276,13 @@ class StepExecutor:
                                ring=shard.ring if ring else None, bounds=host)   # host bounds: sdpa reads no device
         return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, int(shard.real_tokens), group)
 
-    def _pack(self, batch: Sequence[torch.Tensor], group: Group | None) -> _Work | None:
+    def _pack(self, tokens: Sequence[torch.Tensor], targets: Sequence[torch.Tensor | None] | None,
+              group: Group | None) -> _Work | None:
         if group is None:
             return None
-        shard, ctx = group_inputs(group, [batch[s] for s in group.seq_ids], self.pool.rank, self.device,
-                                  pool=self.pool, backend=self.backend)
+        shard, ctx = group_inputs(group, [tokens[s] for s in group.seq_ids], self.pool.rank, self.device,
+                                  pool=self.pool, backend=self.backend,
+                                  targets=None if targets is None else [targets[s] for s in group.seq_ids])
         return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, shard.real_tokens, group)
 
     def _agree(self, error: BaseException | None) -> None:
@@ -282,6 +302,9 @@ class StepExecutor:
     def _run(self, work: list[_Work | None], denominator: int) -> StepResult:
         start = time.perf_counter()
         self.probe.checked()
+        if denominator == 0:   # every rank knows it (the same batch, or the loader's agreed count)
+            log.warning("step %d: the global batch has no supervised target (every label -100 or masked): "
+                        "a zero-loss step, zero gradients", self.steps)
         try:
             loss, processed, seq_ids, degrees = self._forward_backward(work, denominator)
             self.optimizer.step()
@@ -310,7 +333,8 @@ class StepExecutor:
                 degrees.append(None)
             else:
                 with autocast:   # forward only (autocast's rule); backward runs in the dtypes forward chose
-                    loss = self.model.shard_loss(w.input_ids, w.position_ids, w.labels, w.ctx) / denominator
+                    loss = step_loss(self.model.shard_loss(w.input_ids, w.position_ids, w.labels, w.ctx),
+                                     denominator)
                 local += loss.detach().to(torch.float64)
                 processed += w.real_tokens
                 seq_ids.extend(w.group.seq_ids)
@@ -325,16 +349,35 @@ class StepExecutor:
         return float(local), processed, seq_ids, degrees
 
 
-def _lengths(batch: Sequence[torch.Tensor]) -> list[int]:
-    lengths = []
-    for i, seq in enumerate(batch):
+def _rows(batch: Sequence[Any], vocab_size: int | None
+          ) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None, int]:
+    """The batch's token tensors, their targets (None: plain next-token) and its supervised-target count."""
+    tokens, targets, supervised = [], [], 0
+    for i, item in enumerate(batch):
+        seq = item.get("input_ids") if isinstance(item, Mapping) else item
         if not isinstance(seq, torch.Tensor) or seq.dim() != 1 or seq.numel() == 0:
             shape = tuple(seq.shape) if isinstance(seq, torch.Tensor) else type(seq).__name__
-            raise PlanError(f"batch[{i}] must be a non-empty 1-D tensor of token ids, got {shape}")
-        lengths.append(int(seq.numel()))
-    if not lengths:
+            raise PlanError(f"batch[{i}] must be a non-empty 1-D tensor of token ids (or a mapping with one as "
+                            f"input_ids), got {shape}")
+        target, count = read_targets(item if isinstance(item, Mapping) else {}, seq, f"batch[{i}]", vocab_size)
+        tokens.append(seq)
+        targets.append(target)
+        supervised += count
+    if not tokens:
         raise PlanError("the batch is empty")
-    return lengths
+    return tokens, (None if all(t is None for t in targets) else targets), supervised
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The model's vocabulary where it says (TinyLM's spec, a Hugging Face config): labels are checked against it."""
+    spec = getattr(model, "cfg", None)
+    if getattr(spec, "vocab", None) is not None:
+        return int(spec.vocab)
+    config = getattr(getattr(model, "model", None), "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    vocab = getattr(config, "vocab_size", None)
+    return int(vocab) if vocab is not None else None
 
 
 BUCKET_BYTES = 25 * 2**20   # gradients summed per all-reduce: a few collectives per step, a bounded flat copy

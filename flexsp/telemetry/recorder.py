@@ -19,6 +19,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import torch
@@ -170,8 +171,9 @@ class StepRecorder(StepProbe):
         source, plan = self._source, self._plan
         self._plan = None
         loader_step = hasattr(source, "plan_wait")   # the loader's Step, or run_plan's list of tensors
-        lengths = source.lengths if loader_step else [t.numel() for t in source]
+        lengths = source.lengths if loader_step else [_row_length(t) for t in source]
         meta = {k: getattr(source, k) if loader_step else None for k in ("step", "epoch", "index")}
+        meta["supervised_tokens"] = getattr(result, "loss_tokens", None)   # the loss's denominator
         meta["fallback"] = bool(source.fallback) if loader_step else False
         if self.cuda:
             memory, meta["memory_kind"] = peak_allocated(self._device), "cuda_max_allocated"
@@ -190,6 +192,11 @@ class StepRecorder(StepProbe):
         events = [self._checked_event, self._marks, self._events.take()] if self.cuda else None
         rank["probe_seconds"] = self._probe + time.thread_time() - cpu
         self.sink(PendingStep(plan, lengths, meta, rank, events, self._events))
+
+
+def _row_length(item: Any) -> int:
+    """Tokens of one ``run_plan`` batch item: a token tensor, or a mapping with ``input_ids``."""
+    return int((item["input_ids"] if isinstance(item, Mapping) else item).numel())
 
 
 def peak_allocated(device: torch.device) -> int:

@@ -15,6 +15,9 @@ line of ``RECORDS`` in the run directory. Definitions, so that a reader knows wh
 * ``idle_seconds`` per rank: wall time of micro-batches it sat out (a dummy shard) plus, where busy
   time is known, the wall time of its own micro-batches it spent waiting in collectives (on a shared,
   oversubscribed CPU, time the process waited for a core counts here too).
+* ``tokens``: every real token of the global batch (what is computed: ``tokens_per_s`` counts these);
+  ``supervised_tokens``: the targets that carry loss (a ``labels`` column or TRL's masks; without them every
+  token but each sequence's last), the denominator of the step's loss (``StepResult.loss_tokens``).
 * ``model_flops``: ``6 P_linear s + 6 layers (heads x head_dim) s^2`` per sequence of ``s`` tokens
   (forward + backward = 3x forward; causal attention 2 s^2 width per layer forward), the
   convention of ``flexsp.plan.analytic``. ``mfu = model_flops / (loop_seconds x world x peak_flops)``.
@@ -42,12 +45,14 @@ REFITS = "refits.jsonl"      # one line per cost model the refit handed to the p
 
 # every key of a step record (values may be None only where STEP_OPTIONAL says so)
 STEP_FIELDS = ("step", "epoch", "index", "time", "world", "strategy", "fallback", "sequences", "tokens",
+               "supervised_tokens",
                "seconds", "check_seconds", "tail_seconds", "plan_wait", "load_seconds", "loop_seconds",
                "loader_fraction", "idle_seconds", "idle_fraction", "tokens_per_s", "model_flops", "mfu",
                "peak_flops", "planned_seconds", "plan_predicted", "planned_error", "peak_memory_bytes",
                "memory_kind", "max_tokens_per_gpu", "token_capacity", "cost_version", "probe_seconds",
                "micro_batches", "ranks")
-STEP_OPTIONAL = ("epoch", "index", "mfu", "peak_flops", "model_flops", "peak_memory_bytes")
+STEP_OPTIONAL = ("epoch", "index", "mfu", "peak_flops", "model_flops", "peak_memory_bytes", "supervised_tokens")
+LATER_FIELDS = ("supervised_tokens",)   # added since records were first written: None in an older record
 GROUP_FIELDS = ("ranks", "degree", "lengths", "tokens", "planned", "measured", "wall", "busy")
 RANK_FIELDS = ("rank", "seconds", "check_seconds", "tail_seconds", "plan_wait", "load_seconds", "idle_seconds",
                "peak_memory_bytes", "probe_seconds", "micro_batches")
@@ -117,7 +122,8 @@ def build_record(plan: Plan, lengths: Sequence[int], ranks: Sequence[Mapping[str
     record = {
         "step": meta.get("step"), "epoch": meta.get("epoch"), "index": meta.get("index"), "time": now,
         "world": world, "strategy": plan.strategy, "fallback": bool(meta.get("fallback", False)),
-        "sequences": len(lengths), "tokens": tokens, "seconds": seconds,
+        "sequences": len(lengths), "tokens": tokens, "supervised_tokens": meta.get("supervised_tokens"),
+        "seconds": seconds,
         "check_seconds": max(r["check_seconds"] for r in ranks), "tail_seconds": max(r["tail_seconds"] for r in ranks),
         "plan_wait": wait, "load_seconds": load, "loop_seconds": loop, "loader_fraction": (wait + load) / loop,
         "idle_seconds": float(fmean(idle)), "idle_fraction": float(fmean(idle)) / seconds,
@@ -156,6 +162,8 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
                 if n > 1 and not line.endswith("\n"):
                     break   # the last line of a run killed mid-write
                 raise TelemetryError(f"{path} line {n} is not JSON: {exc.msg}") from None
+            for key in LATER_FIELDS:
+                record.setdefault(key, None)
             missing = [k for k in STEP_FIELDS if k not in record]
             if missing:
                 raise TelemetryError(f"{path} line {n} lacks {', '.join(missing)}: not a FlexSP step record")

@@ -4,7 +4,10 @@ A group of degree ``d`` holding sequences ``S`` is modelled (``flexsp.plan.cost`
 
     t = alpha1 * sum(s^2)/d + (alpha2 + c_d) * sum(s)/d + beta1,    c_d = comm_bytes_per_token / bandwidth[d]
 
-which is linear in ``(alpha1, alpha2, beta1, c_2, c_4, ...)``. ``Refitter`` keeps a sliding window of
+which is linear in ``(alpha1, alpha2, beta1, c_2, c_4, ...)``. A model with windowed or chunked layers
+(``CostModel.window_alpha`` / ``chunk_alpha``) adds ``sum_j alpha_j * pairs_j(S) / d``; its attention is refitted
+as one ratio on ``alpha1`` and every ``alpha_j`` together (the same kernels at another rate), so each
+observation also keeps its pair sums per term. ``Refitter`` keeps a sliding window of
 observations *per degree* (so a frequent degree cannot crowd out a rare one), and solves a
 non-negative least squares on relative residuals, made robust by iteratively reweighting with
 Huber weights (an outlier step, e.g. a checkpoint write, gets a small weight). Each unknown is
@@ -29,6 +32,7 @@ from scipy.optimize import lsq_linear
 
 from flexsp.errors import CostModelError
 from flexsp.plan.cost import CostModel
+from flexsp.plan.layers import pairs
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Observation:
     sum_sq: float      # sum of s^2 over the group's sequences
     sum_len: float     # sum of s
     seconds: float     # measured
+    terms: tuple[float, ...] = ()   # per window/chunk term of the cost model: sum of pairs(s) (flexsp.plan.layers)
 
 
 def predict(cost: CostModel, obs: Iterable[Observation]) -> np.ndarray:
@@ -62,8 +67,13 @@ def predict(cost: CostModel, obs: Iterable[Observation]) -> np.ndarray:
     out = []
     for o in obs:
         quad, lin, _ = cost.coefficients(o.degree)
-        out.append(quad * o.sum_sq + lin * o.sum_len + cost.beta1)
+        out.append(quad * o.sum_sq + lin * o.sum_len + cost.beta1 + _term_seconds(cost, o))
     return np.asarray(out, dtype=np.float64)
+
+
+def _term_seconds(cost: CostModel, o: Observation) -> float:
+    """Seconds of the window/chunk terms of one observation at its degree (0 for a model without them)."""
+    return sum(a * t for a, t in zip(cost.terms_alpha(), o.terms)) / o.degree
 
 
 def relative_error(cost: CostModel, obs: list[Observation]) -> float:
@@ -89,7 +99,8 @@ class Refitter:
             return
         s = np.asarray(list(lengths), dtype=np.float64)
         window = self.windows.setdefault(int(degree), collections.deque(maxlen=self.config.window))
-        window.append(Observation(int(degree), float(np.square(s).sum()), float(s.sum()), float(seconds)))
+        terms = tuple(float(pairs(s, mixer, size).sum()) for mixer, size in self.cost.terms)
+        window.append(Observation(int(degree), float(np.square(s).sum()), float(s.sum()), float(seconds), terms))
 
     def observe_record(self, record: Mapping[str, Any]) -> None:
         """Every group of a step record (``flexsp.telemetry.records``)."""
@@ -119,7 +130,11 @@ class Refitter:
         # current values (a zero one gets a scale from the data so its ratio can still move)
         prior = [cost.alpha1, cost.alpha2, cost.beta1] + [cost.comm_bytes_per_token / cost.bandwidth(d)
                                                            for d in comm_degrees]
-        columns = [np.asarray([o.sum_sq / o.degree for o in obs]), np.asarray([o.sum_len / o.degree for o in obs]),
+        attention = np.asarray([o.sum_sq / o.degree for o in obs])
+        if cost.terms:   # alpha1 and the window/chunk alphas as one ratio: the column is their seconds now
+            attention = attention * cost.alpha1 + np.asarray([_term_seconds(cost, o) for o in obs])
+            prior[0] = 1.0
+        columns = [attention, np.asarray([o.sum_len / o.degree for o in obs]),
                    np.ones(len(obs))] + [np.asarray([o.sum_len / o.degree if o.degree == d else 0.0 for o in obs])
                                          for d in comm_degrees]
         scale = np.asarray([p if p > 0 else typical / max(float(np.max(c)), 1e-300) for p, c in zip(prior, columns)])
@@ -136,6 +151,11 @@ class Refitter:
             weights = np.sqrt(np.minimum(1.0, cfg.huber / np.maximum(residual, 1e-12)))
         values = ratios * scale
         alpha1, alpha2, beta1 = (float(v) for v in values[:3])
+        terms = {}
+        if cost.terms:
+            alpha1, ratio = cost.alpha1 * float(values[0]), float(values[0])
+            terms = {"window_alpha": {w: a * ratio for w, a in cost.window_alpha.items()},
+                     "chunk_alpha": {c: a * ratio for c, a in cost.chunk_alpha.items()}}
         bandwidth = dict(cost.alltoall_bandwidth)
         for d, c in zip(comm_degrees, values[3:]):
             if c > 0:
@@ -143,7 +163,7 @@ class Refitter:
         before = relative_error(cost, obs)
         try:
             candidate = dataclasses.replace(cost, alpha1=alpha1, alpha2=alpha2, beta1=beta1,
-                                            alltoall_bandwidth=bandwidth,
+                                            alltoall_bandwidth=bandwidth, **terms,
                                             meta={**cost.meta, "refit": {"version": self.version + 1,
                                                                          "points": len(obs)}})
         except CostModelError:

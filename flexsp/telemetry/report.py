@@ -39,6 +39,7 @@ def summarize(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, Any]
         ("micro-batches: planned / measured (median per step; what differs: the split below)",
          f"{np.median(planned / measured):.3f}"),
         ("tokens/s (loader wait included)", f"{col('tokens_per_s').mean():,.0f}"),
+        ("supervised tokens (loss targets) / tokens", supervised(records)),
         ("MFU", "n/a (no peak FLOP/s: give peak_flops)" if not len(mfu) else
          f"{mfu.mean():.2%} of {records[0]['peak_flops']:.3g} FLOP/s per device"),
         ("idle in collectives / sat out (mean fraction of step)", f"{col('idle_fraction').mean():.1%}"),
@@ -60,6 +61,16 @@ def summarize(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, Any]
              ("telemetry time on the training thread (max rank, mean per step)",
               f"{col('probe_seconds').mean() * 1e3:.3f} ms ({(col('probe_seconds') / col('seconds')).mean():.3%})")]
     return rows
+
+
+def supervised(records: Sequence[dict[str, Any]]) -> str:
+    """The run's loss targets beside its tokens: a step's loss is per supervised token, tokens/s counts all."""
+    known = [r for r in records if r.get("supervised_tokens") is not None]
+    if not known:
+        return "n/a (records without supervised_tokens)"
+    sup, tokens = sum(r["supervised_tokens"] for r in known), sum(r["tokens"] for r in known)
+    return f"{sup:,} / {tokens:,} ({sup / tokens:.1%}" + (f"; {len(known)} of {len(records)} steps)"
+                                                          if len(known) < len(records) else ")")
 
 
 def split(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:

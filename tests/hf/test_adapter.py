@@ -22,7 +22,9 @@ from flexsp.hf import (
     prepare_model,
     uninstall,
 )
+from flexsp.hf.features import FEATURES_ATTR, attention_modules, layer_features  # noqa: E402
 from flexsp.runtime import AttentionContext, ShardingError, pack  # noqa: E402
+from flexsp.runtime.kernels import Features  # noqa: E402
 from flexsp.runtime.models.protocol import SPModel  # noqa: E402
 
 from .models import ARCHS, LENGTHS, SMALL, batch, build, config, reference  # noqa: E402
@@ -170,14 +172,8 @@ def _tiny(arch, **kw):
 
 
 @pytest.mark.parametrize("arch,kw,pattern", [
-    ("mistral", {"sliding_window": 8}, r"MistralForCausalLM .*sliding-window attention \(window 8 tokens, max_seqlen=17"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
-     r"Qwen2ForCausalLM .*sliding-window attention \(window 16"),
-    ("gemma2", {"head_dim": 8}, r"Gemma2ForCausalLM .*logit softcap \(config.attn_logit_softcapping=50.0"),
-    ("gpt_oss", {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8}, r"GptOssForCausalLM .*attention sinks"),
     ("llama", {"attention_dropout": 0.1}, r"LlamaForCausalLM .*attention dropout > 0"),
     ("llama", {"is_causal": False}, r"LlamaForCausalLM .*non-causal attention"),
-    ("cohere", {"logit_scale": 0.5}, r"CohereForCausalLM .*logit scaling"),
 ])
 def test_unsupported_features_are_named(arch, kw, pattern):
     with pytest.raises(UnsupportedModelError, match=pattern) as info:
@@ -185,13 +181,49 @@ def test_unsupported_features_are_named(arch, kw, pattern):
     assert isinstance(info.value, FlexSPError)
 
 
-def test_sliding_window_longer_than_every_sequence_is_exact_and_checked_per_step():
-    model = _tiny("mistral", sliding_window=12).double()
-    with pytest.raises(UnsupportedModelError, match="pass max_seqlen <= 12"):
-        prepare_model(model)
-    sp = prepare_model(model, max_seqlen=12)
-    packed = pack(batch(0), 1)   # holds a 17-token sequence: the window would mask something
-    with pytest.raises(UnsupportedModelError, match=r"window 12 tokens but a packed sequence has 17"):
+@pytest.mark.parametrize("arch,kw,want", [
+    ("mistral", {"sliding_window": 5}, {0: Features(window=5), 1: Features(window=5)}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0},
+     {0: Features(window=6), 1: Features(window=6)}),
+    ("qwen2", {"sliding_window": 6}, {0: Features(), 1: Features()}),          # use_sliding_window False
+    ("gemma2", {"head_dim": 8, "sliding_window": 5}, {0: Features(window=5, softcap=50.0), 1: Features(softcap=50.0)}),
+    ("gpt_oss", {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8, "sliding_window": 5},
+     {0: Features(window=5), 1: Features()}),
+    ("llama4_text", {"attention_chunk_size": 3, "layer_types": ["chunked_attention", "full_attention"]},
+     {0: Features(chunk=3), 1: Features()}),
+])
+def test_layer_features_are_read_once_per_layer_and_set_on_the_modules(arch, kw, want):
+    model = _tiny(arch, **kw).double()
+    assert layer_features(model) == want
+    prepare_model(model, probe=False)
+    assert {i: getattr(m, FEATURES_ATTR) for i, m in attention_modules(model).items()} == want
+
+
+@pytest.mark.parametrize("arch,kw", [("mistral", {"sliding_window": 5}),
+                                     ("gemma2", {"head_dim": 8, "sliding_window": 5, "attn_logit_softcapping": 1.0,
+                                                 "final_logit_softcapping": 2.0}),
+                                     ("cohere", {"logit_scale": 0.5})])
+def test_windows_softcaps_and_logit_scales_are_computed_and_the_probe_sees_them_dropped(arch, kw, monkeypatch):
+    """A window shorter than the sequences, softcaps and a logit scale are computed exactly (the probe compares
+    with the native model); with the layer features or the logit transform dropped, the per-call check (what
+    the layer asks for against what was read) or the probe refuses."""
+    import flexsp.hf.adapter as adapter_module
+    model = _tiny(arch, **kw).double()
+    prepare_model(copy.deepcopy(model))                      # exact: the probe passes
+    monkeypatch.setattr(adapter_module, "layer_features", lambda m: {i: Features() for i in range(2)})
+    monkeypatch.setattr(adapter_module, "logit_transform", lambda m: (1.0, None))
+    with pytest.raises(UnsupportedModelError, match="differ from the native model|asked for a (sliding window|score "
+                                                    "softcap) its config does not give"):
+        prepare_model(copy.deepcopy(model))
+
+
+def test_a_call_asking_for_another_window_than_the_config_is_refused():
+    model = _tiny("mistral", sliding_window=5).double()
+    sp = prepare_model(model)
+    for module in attention_modules(model).values():
+        setattr(module, FEATURES_ATTR, Features(window=7))   # as if the config said 7 but the layer passes 5
+    packed = pack(batch(0), 1)
+    with pytest.raises(UnsupportedModelError, match=r"layer 0\) asked for a sliding window"):
         sp.shard_loss(packed.input_ids, packed.position_ids, packed.labels, _ctx(packed))
 
 

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from flexsp.cli import main  # noqa: E402
-from flexsp.plan.memory import state_bytes  # noqa: E402
+from flexsp.plan.memory import activation_bytes_per_token, state_bytes  # noqa: E402
 from flexsp.plan.specs import get_model  # noqa: E402
 from flexsp.profile import selftest as st  # noqa: E402
 from flexsp.profile import selftest_model as sm  # noqa: E402
@@ -40,7 +40,35 @@ def test_the_default_cuda_shape_is_a_two_layer_llama3_8b_with_its_full_vocabular
     # the capacity model's accounting at world 1: 18 bytes per parameter (fp32 master, grads, Adam, bf16 copy)
     need = setup["budget"]
     assert need.states.total == state_bytes(spec.params, 1, "full").total == 18 * spec.params
-    assert need.activations == 34 * 4096 * 2 * sum(setup["lengths"])
+    assert need.activations == activation_bytes_per_token(spec, "none", "autocast") * sum(setup["lengths"])
+    # the forward's own states: bf16 copies of the layers' weights (not the embedding or the head) and the
+    # head's fp32 gradient the fused loss makes during the forward
+    head = 4096 * 128256
+    assert need.forward_states == 2 * (spec.params - 2 * head) + 4 * head
+
+
+def _forwards(spec, tokens, scale):
+    """Allocator figures of one micro-batch whose forward keeps ``scale`` x the modelled activations."""
+    need = sm.budget(spec, tokens, half=True)
+    before = 5 * GIB
+    return need, {0: [tokens, before, before + need.forward_states + scale * need.activation_per_token * tokens]}
+
+
+@pytest.mark.parametrize("scale,status", [(1.0, st.PASS), (1.1, st.PASS), (0.9, st.PASS), (1.3, st.FAIL),
+                                          (0.7, st.FAIL)])
+def test_the_memory_check_compares_activations_with_activations(scale, status):
+    """An activation regression (30% more saved than the capacity model counts) fails, states apart."""
+    need, forwards = _forwards(LLAMA, 8192, scale)
+    marks = {"other": GIB, "peak": GIB + need.states.total}
+    row = st.memory_row(LLAMA, 8192, marks, forwards, 8 * GIB)
+    assert row["status"] == status, row["detail"] if "detail" in row else row
+    assert row["relative_error"] == pytest.approx(scale - 1)
+
+
+def test_the_memory_check_still_bounds_the_peak():
+    need, forwards = _forwards(LLAMA, 8192, 1.0)
+    marks = {"other": 0, "peak": need.total + 9 * GIB}
+    assert st.memory_row(LLAMA, 8192, marks, forwards, 8 * GIB)["status"] == st.FAIL
 
 
 def test_a_smaller_gpu_cuts_the_vocabulary_and_says_so():

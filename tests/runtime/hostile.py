@@ -44,13 +44,22 @@ def _bounds(cu) -> list[int]:
     return [int(b) for b in cu.tolist()]
 
 
-def _scores(q, k, qa, qb, ka, kb, causal, scale):
+def _scores(q, k, qa, qb, ka, kb, causal, scale, left=-1, softcap=None):
+    """Scores of one sequence, bottom-right causal, flash-attn's ``window_size=(left, 0)`` and ``softcap``;
+    with ``d capped / d raw`` (1 without a softcap)."""
     s = torch.einsum("qhd,khd->hqk", q[qa:qb], k[ka:kb]) * scale
+    dcap = 1.0
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s, dcap = t * softcap, 1 - t * t
     if causal:
         lq, lk = qb - qa, kb - ka
-        seen = (lk - torch.arange(lk))[None, :] >= (lq - torch.arange(lq))[:, None]
+        ahead = (lq - torch.arange(lq))[:, None] - (lk - torch.arange(lk))[None, :]   # query pos - key pos, <= 0 seen
+        seen = ahead <= 0
+        if left >= 0:
+            seen = seen & (-ahead <= left)
         s = s.masked_fill(~seen, -math.inf)
-    return s
+    return s, dcap
 
 
 def _repeat(q, k, v):
@@ -58,7 +67,7 @@ def _repeat(q, k, v):
     return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), group
 
 
-def _forward(q, k, v, cu_q, cu_k, causal, scale, poison):
+def _forward(q, k, v, cu_q, cu_k, causal, scale, poison, left=-1, softcap=None):
     """Exact ``(out, lse [heads, tq] float32)`` on real rows (FA2: a row without keys is ``(0, +inf)``); poison after."""
     q64 = q.double()
     k64, v64, _ = _repeat(q64, k.double(), v.double())
@@ -66,7 +75,7 @@ def _forward(q, k, v, cu_q, cu_k, causal, scale, poison):
     out = torch.full(q.shape, poison, dtype=torch.float64)
     lse = torch.full((q.shape[1], q.shape[0]), poison, dtype=torch.float64)
     for (qa, qb), (ka, kb) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
-        s = _scores(q64, k64, qa, qb, ka, kb, causal, scale)
+        s, _ = _scores(q64, k64, qa, qb, ka, kb, causal, scale, left, softcap)
         row = torch.logsumexp(s, -1) if kb > ka else torch.full((q.shape[1], qb - qa), -math.inf, dtype=torch.float64)
         p = torch.exp(s - torch.where(torch.isinf(row), 0.0, row)[..., None])
         out[qa:qb] = torch.einsum("hqk,khd->qhd", p, v64[ka:kb])
@@ -74,7 +83,7 @@ def _forward(q, k, v, cu_q, cu_k, causal, scale, poison):
     return out.to(q.dtype), lse.float()
 
 
-def _backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison):
+def _backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison, left=-1, softcap=None):
     """``(dq, dk, dv)`` from the given statistics (``P = exp(S - lse)``, ``D = rowsum(dO * O)``); poison after."""
     q64, do, o = q.double(), dout.double(), out.double()
     k64, v64, group = _repeat(q64, k.double(), v.double())
@@ -84,10 +93,10 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison):
     dv = torch.zeros(v64.shape, dtype=torch.float64)
     stat = lse.double()
     for (qa, qb), (ka, kb) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
-        s = _scores(q64, k64, qa, qb, ka, kb, causal, scale)
+        s, dcap = _scores(q64, k64, qa, qb, ka, kb, causal, scale, left, softcap)
         p = torch.exp(s - stat[:, qa:qb, None])                                   # lse +inf: 0
         delta = (do[qa:qb] * o[qa:qb]).sum(-1).t()                                 # [h, lq]
-        ds = p * (torch.einsum("qhd,khd->hqk", do[qa:qb], v64[ka:kb]) - delta[..., None])
+        ds = p * (torch.einsum("qhd,khd->hqk", do[qa:qb], v64[ka:kb]) - delta[..., None]) * dcap
         dq[qa:qb] = torch.einsum("hqk,khd->qhd", ds, k64[ka:kb]) * scale
         dk[ka:kb] = torch.einsum("hqk,qhd->khd", ds, q64[qa:qb]) * scale
         dv[ka:kb] = torch.einsum("hqk,qhd->khd", p, do[qa:qb])
@@ -106,17 +115,18 @@ class _Attention(torch.autograd.Function):
     """The stand-in's autograd: its own backward writes poison into rows it does not own, as FA2's may."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, poison):
-        out, lse = _forward(q, k, v, cu_q, cu_k, causal, scale, poison)
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, poison, left=-1, softcap=None):
+        out, lse = _forward(q, k, v, cu_q, cu_k, causal, scale, poison, left, softcap)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = causal, scale, poison
+        ctx.args = causal, scale, poison, left, softcap
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        causal, scale, poison = ctx.args
-        return (*_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison), None, None, None, None, None)
+        causal, scale, poison, left, softcap = ctx.args
+        return (*_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison, left, softcap),
+                None, None, None, None, None, None, None)
 
 
 POISON = {"value": float("nan")}   # per process; ``install`` sets it
@@ -125,40 +135,65 @@ POISON = {"value": float("nan")}   # per process; ``install`` sets it
 def hostile_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                         window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     """torch 2.12+'s ``varlen_attn`` signature; lse ``[heads, tokens]`` float32."""
-    assert tuple(window_size) in ((-1, 0), (-1, -1))
+    left, right = tuple(window_size)
+    assert right in (0, -1) and left >= -1 and (right == 0 or left == -1)
     assert enable_gqa or key.shape[1] == query.shape[1]
-    Trace.calls.append({"op": "forward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1]})
+    Trace.calls.append({"op": "forward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1], "window": left})
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    out, lse = _Attention.apply(query, key, value, cu_seq_q, cu_seq_k, tuple(window_size) == (-1, 0), scale,
-                                POISON["value"])
+    out, lse = _Attention.apply(query, key, value, cu_seq_q, cu_seq_k, right == 0, scale, POISON["value"], left)
     return (out, lse) if return_aux is not None and return_aux.lse else out
 
 
 def hostile_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
                             rng_state, scale=None, window_size=None):
     """The backward op's schema (``torch_attn::_varlen_attn_backward``)."""
-    Trace.calls.append({"op": "backward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1]})
+    left = -1 if window_size is None else int(window_size[0])
+    Trace.calls.append({"op": "backward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1], "window": left})
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return _backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, is_causal, scale, POISON["value"])
+    return _backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, is_causal, scale, POISON["value"],
+                     left)
 
 
 def hostile_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn 2's ``flash_attn_varlen_func`` (GQA native)."""
-    assert dropout_p == 0.0
-    Trace.calls.append({"op": "flash", "cudnn": _cudnn_only(), "kv_heads": k.shape[1]})
+    assert dropout_p == 0.0 and tuple(window_size)[1] in (0, -1)
+    Trace.calls.append({"op": "flash", "cudnn": _cudnn_only(), "kv_heads": k.shape[1], "window": window_size[0],
+                        "softcap": softcap})
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    out, lse = _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, POISON["value"])
+    out, lse = _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, POISON["value"],
+                                int(window_size[0]), softcap or None)
     return (out, lse, None) if return_attn_probs else out
 
 
-def install(setter=setattr, poison: float = float("nan"), facts: DeviceFacts = FACTS) -> VarlenAPI:
-    """The stand-ins in place of ``varlen_attn`` and flash-attn, the rule told the CPU runs them."""
+def hostile_flash_attn_varlen_sink_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale=None, causal=False, window_size=(None, None),
+                                        learnable_sink=None, softcap=0.0):
+    """A FlashAttention-4 style varlen call (``learnable_sink``, a ``(out, lse)`` tuple): computed in float64
+    with the sink as an extra zero-value key (autograd through it), poison in the rows it does not own."""
+    Trace.calls.append({"op": "flash_sink", "kv_heads": k.shape[1], "window": window_size[0], "softcap": softcap,
+                        "sink": learnable_sink is not None})
+    from flexsp.runtime.kernels import reference
+    left = -1 if window_size[0] is None else int(window_size[0])
+    k64, v64, _ = _repeat(q, k.double(), v.double())
+    bounds = _bounds(cu_seqlens_q)
+    out, lse = reference(q.double(), k64, v64, bounds, causal=causal, scale=softmax_scale, return_lse=True,
+                         window=None if left < 0 else left + 1, softcap=softcap or None,
+                         sinks=None if learnable_sink is None else learnable_sink.double())
+    owned = (torch.arange(q.shape[0]) < bounds[-1])[:, None, None]
+    out = torch.where(owned, out, POISON["value"])
+    return out.to(q.dtype), lse.float()
+
+
+def install(setter=setattr, poison: float = float("nan"), facts: DeviceFacts = FACTS, flash=None) -> VarlenAPI:
+    """The stand-ins in place of ``varlen_attn`` and flash-attn, the rule told the CPU runs them.
+    ``flash``: the flash-attn function to stand in (default: flash-attn 2's), its features read from its
+    signature as ``flash.installed`` reads the real one's."""
     api = VarlenAPI.detect(hostile_varlen_attn, Aux, hostile_varlen_backward)
     assert api is not None and api.backward_op is not None and api.gqa and api.scale
     setter(varlen_mod, "VARLEN", api)
-    setter(flash_mod, "FLASH", flash_mod.FlashAPI(hostile_flash_attn_varlen_func, 2))
+    setter(flash_mod, "FLASH", flash_mod.FlashAPI.of(flash or hostile_flash_attn_varlen_func, 2))
     setter(rule, "device_facts", lambda device=None: facts)
     POISON["value"] = poison
     Trace.calls.clear()

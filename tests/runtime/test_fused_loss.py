@@ -168,3 +168,30 @@ def test_kernel_names_are_checked(library):
         lm_head_loss(h, w, b, y, kernel="liger")
     with pytest.raises(ValueError, match="loss kernel 'triton' is not one of"):
         lm_head_loss(h, w, b, y, kernel="triton")
+
+
+@pytest.mark.parametrize("scale,softcap", [(0.25, None), (1.0, 2.0), (3.0, 1.5)])
+def test_logit_scale_and_final_softcap_are_exact_through_the_chunked_loss(scale, softcap):
+    """Granite's logits_scaling and Gemma 2's final_logit_softcapping: the own loss, chunk by chunk, equals
+    cross-entropy of the transformed full logits, gradients included; 'auto' does not hand them to the library."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(13, 8, generator=g, dtype=torch.float64), torch.randn(11, 8, generator=g, dtype=torch.float64)
+    bias = torch.randn(11, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 11, (13,), generator=g)
+    labels[[2, 7]] = IGNORE_INDEX
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    got = lm_head_loss(*leaves, labels, chunk_tokens=4, logit_scale=scale, softcap=softcap)
+    grads = torch.autograd.grad(got, leaves)
+    ref = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    z = F.linear(*ref) * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    want = F.cross_entropy(z, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    wgrads = torch.autograd.grad(want, ref)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, wgrads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    plain = lm_head_loss(hidden, weight, bias, labels, chunk_tokens=4)
+    assert not torch.isclose(plain, got)
+    with pytest.raises(ValueError, match="scales or soft-caps its logits"):
+        lm_head_loss(hidden, weight, bias, labels, kernel="liger", logit_scale=scale, softcap=softcap)

@@ -1,6 +1,7 @@
 """Per-step records on 4 gloo ranks: every field present, measured times positive and consistent with
 the step time, planned times those of the cost model, tokens those of the plan; one JSON line per step."""
 import json
+import re
 
 import pytest
 
@@ -31,6 +32,9 @@ PLANS = [_plan([((0, 1, 2, 3), (1, 3))],
                [((0, 1, 2, 3), (5, 6, 7, 8, 9))])]
 
 
+SUPERVISED = sum(n - n // 2 - (1 if n // 2 == 0 else 0) for n in LENGTHS)   # completion targets (never position 0)
+
+
 def _worker(rank, world, run_dir):
     from flexsp.runtime.fsdp import shard_model
     from flexsp.runtime.models.tiny import TinyLM
@@ -50,6 +54,9 @@ def _worker(rank, world, run_dir):
     for i in range(4):
         batch = [torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(10 * i + k))
                  for k, n in enumerate(LENGTHS)]
+        if i >= 2:   # SFT rows: the prompt half carries no loss
+            batch = [{"input_ids": t, "completion_mask": [0] * (n // 2) + [1] * (n - n // 2)}
+                     for t, n in zip(batch, LENGTHS)]
         seconds.append(executor.run_plan(PLANS[i % 2], batch).seconds)
     telemetry.close()
     executor.close()
@@ -118,6 +125,7 @@ def test_measured_times_positive_and_consistent_with_the_step(recorded):
         # every rank's real tokens add up to the batch
         tokens = sum(x["tokens"] for r in rec["ranks"] for x in r["micro_batches"])
         assert tokens == rec["tokens"] == sum(LENGTHS)
+        assert rec["supervised_tokens"] == (SUPERVISED if i >= 2 else sum(n - 1 for n in LENGTHS))
         assert rec["planned_seconds"] == pytest.approx(sum(mb["planned"] for mb in rec["micro_batches"]))
         assert rec["plan_predicted"] == 0.5 and rec["token_capacity"] == 64
 
@@ -137,5 +145,7 @@ def test_report_command_on_the_recorded_run(recorded, tmp_path, capsys):
         assert f"wrote {tmp_path / name}" in out
         image = imread(tmp_path / name)
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0   # a drawn picture, not blank
+    total = 2 * sum(n - 1 for n in LENGTHS) + 2 * SUPERVISED
+    assert re.search(rf"supervised tokens \(loss targets\) / tokens\s+{total:,} / {4 * sum(LENGTHS):,} \(", out)
     assert main(["report", str(run_dir), "--step", "99"]) == 2
     assert "--step 99 is not in" in capsys.readouterr().err

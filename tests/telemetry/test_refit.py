@@ -108,3 +108,21 @@ def test_no_refit_without_enough_points_or_gain():
     assert refitter.refit() is None                               # the current model is already exact
     with pytest.raises(CostModelError):
         RefitConfig(window=0)
+
+
+def test_a_windowed_model_refits_its_attention_as_one_ratio():
+    """Window terms are part of the prediction and move with alpha1: measured 1.5x slower attention on a
+    model with 512-token windows is recovered on both alpha1 and window_alpha."""
+    true = dataclasses.replace(TRUE, window_alpha={512: TRUE.alpha1 * 3})
+    wrong = dataclasses.replace(true, alpha1=true.alpha1 / 1.5, window_alpha={512: true.alpha1 * 3 / 1.5})
+    refitter = Refitter(wrong, RefitConfig(min_points=4))
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        d = int(rng.choice([1, 2]))
+        glen = list(rng.integers(500, 30000, 3))
+        refitter.observe(d, glen, true.group_time(glen, d))
+    assert relative_error(wrong, refitter.observations) > 0.02
+    new = refitter.refit()
+    assert new.alpha1 == pytest.approx(true.alpha1, rel=0.02)
+    assert new.window_alpha[512] == pytest.approx(true.window_alpha[512], rel=0.02)
+    assert relative_error(new, refitter.observations) < 0.005

@@ -2,7 +2,9 @@
 
 Two entry points share one set of kernels:
 
-* ``attend(q, k, v, cu_seqlens, *, max_seqlen, bounds)`` - causal within each packed sequence, never across.
+* ``attend(q, k, v, cu_seqlens, *, max_seqlen, bounds, features, sinks)`` - causal within each packed
+  sequence, never across; plus the layer's optional left window, chunking, score softcap (``Features``)
+  and per-head sink logits.
 * ``attend_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal)`` -
   queries and keys with their own bounds (sequence ``i`` of q attends to sequence ``i`` of k), returning
   ``(out, lse)`` so partial results over disjoint key sets combine exactly with ``merge_partials``.
@@ -21,6 +23,9 @@ One module per job:
 ``sdpa``           per-sequence SDPA (``sdpa``: equal adjacent lengths batched; ``sdpa_each``), lse forms
 ``reference``      explicit softmax per sequence and the ``T x T`` mask (tests only)
 ``layout``         shape and bounds checks (host metadata only), ``LseSpec``
+``features``       a layer's window, chunk and softcap (``Features``), and chunk-cut bounds
+``sinks``          per-head sink logits as an exact lse correction (``with_sinks``) and its backward pair
+``capability``     which kernel computes a layer's features (the rule's, or a documented fallback)
 =================  =================================================================================
 
 ``sdpa`` is exact and its work and memory scale with ``sum(s^2)``, never with the packed stream's ``T^2``.
@@ -42,14 +47,16 @@ The installed kernels are read once at import into ``varlen.VARLEN`` and ``flash
 is a copy for reading (tests replace the module attributes, and ``rule.device_facts``).
 """
 from flexsp.runtime.kernels.dispatch import attend
+from flexsp.runtime.kernels.features import PLAIN, Features
 from flexsp.runtime.kernels.layout import AttentionError, Bounds, LseSpec
 from flexsp.runtime.kernels.lse import attend_lse, lse_backward, lse_forward, merge_partials
 from flexsp.runtime.kernels.padding import Rows
 from flexsp.runtime.kernels.reference import block_mask, reference
+from flexsp.runtime.kernels.sinks import with_sinks
 from flexsp.runtime.kernels.rule import (BACKENDS, DeviceFacts, LengthMix, choose, device_facts, flash_available,
                                          resolve_backend, varlen_available)
 from flexsp.runtime.kernels.varlen import VARLEN, VarlenAPI
 
-__all__ = ["attend", "attend_lse", "lse_forward", "lse_backward", "merge_partials", "reference", "block_mask",
+__all__ = ["Features", "PLAIN", "with_sinks", "attend", "attend_lse", "lse_forward", "lse_backward", "merge_partials", "reference", "block_mask",
            "resolve_backend", "choose", "device_facts", "DeviceFacts", "LengthMix", "BACKENDS", "AttentionError",
            "Bounds", "LseSpec", "Rows", "flash_available", "varlen_available", "VARLEN", "VarlenAPI"]

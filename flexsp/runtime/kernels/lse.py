@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 
 from flexsp.runtime.kernels import sdpa, varlen
+from flexsp.runtime.kernels.capability import lse_kernel as feature_lse_kernel
+from flexsp.runtime.kernels.features import PLAIN, Features
 from flexsp.runtime.kernels.layout import (AttentionError, Bounds, LseSpec, bounds_tensor, check_shapes, host_bounds,
                                            known_bounds, max_len)
 from flexsp.runtime.kernels.padding import Rows
@@ -26,25 +28,30 @@ _VARLEN_KERNELS = ("varlen", "varlen_cudnn")
 def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Bounds, cu_seqlens_k: Bounds, *,
                max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: bool,
                backend: str = "auto", scale: float | None = None, bounds_q: Sequence[int] | None = None,
-               bounds_k: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [tokens_q, heads, dim], lse [heads, tokens_q])``; see the package docstring for the rules."""
+               bounds_k: Sequence[int] | None = None, features: Features | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [tokens_q, heads, dim], lse [heads, tokens_q])``; see the package docstring for the rules.
+    ``features``: the layer's window, chunk and softcap, on bottom-right aligned positions."""
     check_shapes(q, k, v, same_tokens=False)
-    kind = lse_kernel(backend, q, known_bounds(cu_seqlens_q, bounds_q))
+    features = PLAIN if features is None else features
+    kind = feature_lse_kernel(lse_kernel(backend, q, known_bounds(cu_seqlens_q, bounds_q)), features, False)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     if kind == "reference":
-        return reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, return_lse=True)
+        return reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, return_lse=True,
+                         window=features.window, chunk=features.chunk, softcap=features.softcap)
     cu_q = bounds_tensor(cu_seqlens_q, q.shape[0], q.device, "cu_seqlens_q")
     cu_k = bounds_tensor(cu_seqlens_k, k.shape[0], q.device, "cu_seqlens_k")
     if cu_q.numel() != cu_k.numel():
         raise AttentionError(f"cu_seqlens_q has {cu_q.numel() - 1} sequences but cu_seqlens_k has {cu_k.numel() - 1}")
     max_q = max_len(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
     max_k = max_len(cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
+    feats = None if features.plain else features
     if kind in _VARLEN_KERNELS:
-        spec = LseSpec(cu_q, cu_k, max_q, max_k, bool(causal), scale, kind)
+        spec = LseSpec(cu_q, cu_k, max_q, max_k, bool(causal), scale, kind, features=feats)
     else:
         host_q = tuple(host_bounds(cu_seqlens_q, bounds_q, q.shape[0], "cu_seqlens_q"))
         host_k = tuple(host_bounds(cu_seqlens_k, bounds_k, k.shape[0], "cu_seqlens_k"))
-        spec = LseSpec(cu_q, cu_k, max_q, max_k, bool(causal), scale, "sdpa", host_q, host_k)
+        spec = LseSpec(cu_q, cu_k, max_q, max_k, bool(causal), scale, "sdpa", host_q, host_k, features=feats)
     return _AttendLse.apply(q, k, v, spec)
 
 

@@ -42,24 +42,48 @@ def causal_seen(lq: int, lk: int, device: torch.device) -> torch.Tensor:
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Bounds,
               cu_seqlens_k: Bounds | None = None, *, causal: bool = True, scale: float | None = None,
-              return_lse: bool = False):
-    """Explicit softmax, one sequence at a time (tests only: a Python loop that reads the bounds)."""
+              return_lse: bool = False, window: int | None = None, chunk: int | None = None,
+              softcap: float | None = None, sinks: torch.Tensor | None = None):
+    """Explicit softmax, one sequence at a time (tests only: a Python loop that reads the bounds).
+
+    Positions are bottom-right aligned (query ``i`` of ``lq`` sits at ``lk - lq + i``). ``window``: keys
+    ``p - window < key <= p``; ``chunk``: keys of the query's ``chunk`` block; ``softcap``: scores
+    ``softcap * tanh(s / softcap)``; ``sinks [heads]``: an extra zero-value key per head with that logit,
+    included in the lse. Written from the definitions, apart from the kernels' own helpers."""
     host = lambda cu: [int(b) for b in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]  # noqa: E731
     bq = host(cu_seqlens_q)
     bk = bq if cu_seqlens_k is None else host(cu_seqlens_k)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    ct = torch.promote_types(q.dtype, torch.float32)
     out = q.new_zeros(q.shape)
-    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.promote_types(q.dtype, torch.float32),
-                     device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=ct, device=q.device)
     for i in range(len(bq) - 1):
         (qa, qb), (ka, kb) = (bq[i], bq[i + 1]), (bk[i], bk[i + 1])
-        scores = torch.einsum("qhd,khd->hqk", q[qa:qb], k[ka:kb]).to(lse.dtype) * scale
-        if causal:
-            scores = scores.masked_fill(~causal_seen(qb - qa, kb - ka, q.device), -math.inf)
+        lq, lk = qb - qa, kb - ka
+        if lq == 0:
+            continue
+        scores = torch.einsum("qhd,khd->hqk", q[qa:qb], k[ka:kb]).to(ct) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pq = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        pk = torch.arange(lk, device=q.device)[None, :]
+        seen = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+        if causal or window is not None or chunk is not None:
+            seen = seen & (pk <= pq)
+        if window is not None:
+            seen = seen & (pk > pq - window)
+        if chunk is not None:
+            seen = seen & (pk // chunk == pq // chunk)
+        scores = scores.masked_fill(~seen, -math.inf)
+        values = v[ka:kb].to(ct)
+        if sinks is not None:   # one more key per head: logit sinks[h], value 0
+            scores = torch.cat([scores, sinks.to(ct)[:, None, None].expand(-1, lq, 1)], dim=-1)
+            values = torch.cat([values, values.new_zeros(1, *values.shape[1:])])
         row_lse = torch.logsumexp(scores, dim=-1)                                   # [h, lq]
         probs = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
-        out[qa:qb] = torch.einsum("hqk,khd->qhd", probs, v[ka:kb].to(lse.dtype)).to(q.dtype)
-        lse[:, qa:qb] = row_lse
+        out = out.index_add(0, torch.arange(qa, qb, device=q.device),
+                            torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype))
+        lse = lse.index_copy(1, torch.arange(qa, qb, device=q.device), row_lse)
     return (out, lse) if return_lse else out

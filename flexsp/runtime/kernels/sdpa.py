@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from flexsp.runtime.kernels.features import PLAIN
 from flexsp.runtime.kernels.layout import LseSpec
 from flexsp.runtime.kernels.reference import causal_seen
 
@@ -102,8 +103,10 @@ def _pairs(spec: LseSpec):
 
 
 def _fused(q: torch.Tensor, spec: LseSpec, lq: int, lk: int) -> bool:
-    """CPU's flash op applies: CPU tensors, and a causal mask that is the same top-left or bottom-right."""
-    return _CPU_FLASH is not None and q.device.type == "cpu" and (not spec.causal or lq == lk)
+    """CPU's flash op applies: CPU tensors, plain causal attention (no window, chunk, softcap or explicit
+    positions), and a causal mask that is the same top-left or bottom-right."""
+    return (_CPU_FLASH is not None and q.device.type == "cpu" and (spec.features is None or spec.features.plain)
+            and spec.pos_q is None and (not spec.causal or lq == lk))
 
 
 def _four_d(x: torch.Tensor, a: int, b: int, heads: int) -> torch.Tensor:
@@ -114,13 +117,34 @@ def _four_d(x: torch.Tensor, a: int, b: int, heads: int) -> torch.Tensor:
     return part.transpose(0, 1).unsqueeze(0)
 
 
-def _explicit_scores(q, k, spec: LseSpec, lq: int, lk: int, ct):
-    """``[heads, lq, lk]`` scores of one sequence in ``ct``, bottom-right causal masked."""
+def _seen(spec: LseSpec, qa: int, qb: int, ka: int, kb: int, device: torch.device) -> torch.Tensor | None:
+    """``[lq, lk]`` bool mask of one sequence, or None (every key seen). Positions are the spec's (the ring's
+    zigzag blocks) or bottom-right aligned ones; a window or chunk needs them even where ``causal`` is off."""
+    feats = spec.features
+    positional = feats is not None and feats.positional
+    if not (spec.causal or positional):
+        return None
+    lq, lk = qb - qa, kb - ka
+    if spec.pos_q is None and not positional:
+        return causal_seen(lq, lk, device)
+    pos_q = spec.pos_q[qa:qb] if spec.pos_q is not None else torch.arange(lk - lq, lk, device=device)
+    pos_k = spec.pos_k[ka:kb] if spec.pos_k is not None else torch.arange(lk, device=device)
+    return (feats if feats is not None else PLAIN).seen(pos_q, pos_k)
+
+
+def _explicit_scores(q, k, spec: LseSpec, seq: tuple[int, int, int, int], ct):
+    """``([heads, lq, lk]`` scores of one sequence in ``ct``, soft-capped and masked; ``d capped / d raw`` or
+    None)."""
+    qa, qb, ka, kb = seq
     group = q.shape[1] // k.shape[1]
-    scores = torch.einsum("qhd,khd->hqk", q.to(ct), k.repeat_interleave(group, dim=1).to(ct)) * spec.scale
-    if spec.causal:
-        scores = scores.masked_fill(~causal_seen(lq, lk, q.device), -math.inf)
-    return scores
+    scores = torch.einsum("qhd,khd->hqk", q[qa:qb].to(ct), k[ka:kb].repeat_interleave(group, dim=1).to(ct)) * spec.scale
+    dcap = None
+    if spec.features is not None:
+        scores, dcap = spec.features.cap(scores)
+    seen = _seen(spec, qa, qb, ka, kb, q.device)
+    if seen is not None:
+        scores = scores.masked_fill(~seen, -math.inf)
+    return scores, dcap
 
 
 def each_forward(q, k, v, spec: LseSpec):
@@ -138,7 +162,7 @@ def each_forward(q, k, v, spec: LseSpec):
             out[qa:qb] = o[0].transpose(0, 1)
             lse[:, qa:qb] = l[0].to(ct)
             continue
-        scores = _explicit_scores(q[qa:qb], k[ka:kb], spec, lq, lk, ct)
+        scores, _ = _explicit_scores(q, k, spec, (qa, qb, ka, kb), ct)
         row = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - finite(row)[..., None])
         group = heads // k.shape[1]
@@ -169,7 +193,7 @@ def each_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):
             dk[ka:kb] += gk[0].transpose(0, 1).unflatten(1, (kv_heads, group)).sum(2).to(ct)
             dv[ka:kb] += gv[0].transpose(0, 1).unflatten(1, (kv_heads, group)).sum(2).to(ct)
             continue
-        scores = _explicit_scores(q[qa:qb], k[ka:kb], spec, lq, lk, ct)
+        scores, dcap = _explicit_scores(q, k, spec, (qa, qb, ka, kb), ct)
         probs = torch.exp(scores - finite(lse[:, qa:qb].to(ct))[..., None])          # masked keys: 0
         do = dout[qa:qb].to(ct)
         kr = k[ka:kb].repeat_interleave(group, dim=1).to(ct)
@@ -178,6 +202,8 @@ def each_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):
         if dlse is not None:
             delta = delta - dlse[:, qa:qb].to(ct)
         dscores = probs * (torch.einsum("qhd,khd->hqk", do, vr) - delta[..., None])
+        if dcap is not None:
+            dscores = dscores * dcap                                                    # through the softcap
         dq[qa:qb] = torch.einsum("hqk,khd->qhd", dscores, kr) * spec.scale
         dk[ka:kb] += (torch.einsum("hqk,qhd->khd", dscores, q[qa:qb].to(ct)) * spec.scale).unflatten(
             1, (kv_heads, group)).sum(2)

@@ -80,13 +80,18 @@ class VarlenAPI:
             q = q * factor
         return q, k, v, group, factor
 
+    def takes_window(self, backward: bool) -> bool:
+        """A left window can be passed (``window_size``), to the backward op too when ``backward``."""
+        return self.causal_arg == "window_size" and (not backward or "window_size" in self.backward_args)
+
     def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float,
-                lse: bool = False, repeat_kv: bool = False):
-        """``out`` (and ``lse [heads, tokens_q]`` float32 with ``lse=True``); differentiable through ``out``."""
+                lse: bool = False, repeat_kv: bool = False, window: int | None = None):
+        """``out`` (and ``lse [heads, tokens_q]`` float32 with ``lse=True``); differentiable through ``out``.
+        ``window``: keys ``p - window < key <= p`` (only where ``takes_window``)."""
         q, k, v, group, _ = self._prepare(q, k, v, scale, repeat_kv)
         kwargs: dict[str, Any] = {}
         if self.causal_arg == "window_size":
-            kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+            kwargs["window_size"] = _window(causal, window)
         else:
             kwargs["is_causal"] = causal
         if self.scale:
@@ -107,7 +112,7 @@ class VarlenAPI:
         return out, stat.float()
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float,
-                 repeat_kv: bool = False):
+                 repeat_kv: bool = False, window: int | None = None):
         """``(dq, dk, dv)`` from the softmax statistics ``out``/``lse`` (FA2's convention: empty rows +inf)."""
         if self.backward_op is None:
             raise RuntimeError("this torch's varlen_attn has no backward op we can call")
@@ -116,7 +121,7 @@ class VarlenAPI:
         values = {"grad_out": dout, "query": qp, "key": kp, "value": vp, "out": out, "lse": lse,
                   "cu_seq_q": cu_q, "cu_seq_k": cu_k, "max_q": max_q, "max_k": max_k, "is_causal": causal,
                   "rng_state": torch.zeros(2, dtype=torch.uint64, device=q.device), "scale": scale,
-                  "window_size": [-1, 0] if causal else [-1, -1]}
+                  "window_size": list(_window(causal, window))}
         args = [values[name] for name in self.backward_args if name in values]
         dq, dk, dv = self.backward_op(*args)
         if not self.scale and factor != 1.0:
@@ -125,6 +130,13 @@ class VarlenAPI:
             dk = dk.unflatten(1, (kv_heads, group)).sum(2)
             dv = dv.unflatten(1, (kv_heads, group)).sum(2)
         return dq, dk, dv
+
+
+def _window(causal: bool, window: int | None) -> tuple[int, int]:
+    """flash-attn's ``window_size=(left, right)``: -1 unbounded; a window of ``W`` keys is ``(W - 1, 0)``."""
+    if window is not None:
+        return (window - 1, 0)
+    return (-1, 0) if causal else (-1, -1)
 
 
 def installed() -> VarlenAPI | None:
@@ -152,11 +164,14 @@ def _cudnn_only(cudnn: bool):
 
 
 # --- attend -------------------------------------------------------------------------------------
-def forward(q, k, v, cu, max_seqlen: int, scale: float, *, cudnn: bool = False) -> torch.Tensor:
-    """Causal ``varlen_attn`` over the packed stream; differentiable (its own backward, or ours for cuDNN)."""
+def forward(q, k, v, cu, max_seqlen: int, scale: float, *, cudnn: bool = False, features=None) -> torch.Tensor:
+    """Causal ``varlen_attn`` over the packed stream; differentiable (its own backward, or ours for cuDNN).
+    ``features``: a window only (the caller checks ``takes_window``)."""
     if cudnn:
-        return _Cudnn.apply(q, k, v, LseSpec(cu, cu, max_seqlen, max_seqlen, True, scale, "varlen_cudnn"))
-    return VARLEN.forward(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, scale=scale)
+        return _Cudnn.apply(q, k, v, LseSpec(cu, cu, max_seqlen, max_seqlen, True, scale, "varlen_cudnn",
+                                             features=features))
+    return VARLEN.forward(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, scale=scale,
+                          window=_left(features))
 
 
 class _Cudnn(torch.autograd.Function):
@@ -176,13 +191,17 @@ class _Cudnn(torch.autograd.Function):
         return (*lse_backward(dout, q, k, v, out, lse, ctx.spec, None), None)
 
 
+def _left(features) -> int | None:
+    return None if features is None else features.window
+
+
 # --- lse forms ----------------------------------------------------------------------------------
 def lse_forward(q, k, v, spec: LseSpec):
     """Raw ``(out, lse)``: rows without keys carry FA2's ``+inf``, padding rows whatever the kernel left."""
     cudnn = spec.kernel == "varlen_cudnn"
     with _cudnn_only(cudnn):
         return VARLEN.forward(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, causal=spec.causal,
-                              scale=spec.scale, lse=True, repeat_kv=cudnn)
+                              scale=spec.scale, lse=True, repeat_kv=cudnn, window=_left(spec.features))
 
 
 def _kernel_backward(dout, q, k, v, out, lse, spec: LseSpec):
@@ -190,7 +209,8 @@ def _kernel_backward(dout, q, k, v, out, lse, spec: LseSpec):
     lse = torch.where(torch.isinf(lse), math.inf, lse).contiguous()              # back to FA2's convention
     with _cudnn_only(cudnn):
         return VARLEN.backward(dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse, spec.cu_q, spec.cu_k,
-                               spec.max_q, spec.max_k, causal=spec.causal, scale=spec.scale, repeat_kv=cudnn)
+                               spec.max_q, spec.max_k, causal=spec.causal, scale=spec.scale, repeat_kv=cudnn,
+                               window=_left(spec.features))
 
 
 def lse_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):

@@ -82,13 +82,21 @@ def choose_kernel(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                 chunk_tokens: int | None = None, kernel: str | None = None) -> torch.Tensor:
+                 chunk_tokens: int | None = None, kernel: str | None = None, *, logit_scale: float = 1.0,
+                 softcap: float | None = None) -> torch.Tensor:
     """The quantity ``linear_cross_entropy`` computes (summed next-token loss, fp32 or wider), by the kernel
-    ``choose_kernel`` picks. ``chunk_tokens`` sizes the own loss's chunks; the library chunks by itself."""
+    ``choose_kernel`` picks. ``chunk_tokens`` sizes the own loss's chunks; the library chunks by itself.
+    ``logit_scale``/``softcap`` (the model's logit scaling and final softcap) run on the own loss: the
+    library is not asked to reproduce them."""
     check_inputs(hidden, weight, labels)
-    name, _ = choose_kernel(hidden, weight, bias, kernel)
+    transformed = logit_scale != 1.0 or softcap is not None
+    if transformed and kernel == "liger":
+        raise ValueError("loss kernel 'liger' cannot serve this call: the model scales or soft-caps its logits; "
+                         "use 'auto' to fall back")
+    name, _ = ("flexsp", "logit transform") if transformed else choose_kernel(hidden, weight, bias, kernel)
     if name == "flexsp":
-        return linear_cross_entropy(hidden, weight, bias, labels, chunk_tokens)
+        return linear_cross_entropy(hidden, weight, bias, labels, chunk_tokens, logit_scale=logit_scale,
+                                    softcap=softcap)
     return _library_loss(hidden, weight, bias, labels)
 
 

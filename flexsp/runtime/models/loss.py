@@ -81,26 +81,32 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+                         labels: torch.Tensor, chunk_tokens: int | None = None, *, logit_scale: float = 1.0,
+                         softcap: float | None = None) -> torch.Tensor:
     """SUM over tokens with ``labels != IGNORE_INDEX`` of ``cross_entropy(hidden @ weight.T + bias, labels)``.
 
     ``hidden [tokens, h]``, ``weight [vocab, h]`` (an LM head's, or a tied embedding's), ``labels
     [tokens]``. The matmuls run in the compute dtype (autocast's where autocast is on, else the inputs'
     promoted dtype); the softmax and the sum in fp32 (fp64 when the inputs are fp64), which is the result's
     dtype. Gradients come back in each input's own dtype (fp32 master weights under autocast).
-    ``chunk_tokens`` None: ``default_chunk`` (a memory budget).
+    ``chunk_tokens`` None: ``default_chunk`` (a memory budget). ``logit_scale`` multiplies the logits, then
+    ``softcap`` caps them (``softcap * tanh(z / softcap)``) before the softmax: Granite's ``logits_scaling``
+    and Gemma 2's ``final_logit_softcapping``, computed chunk by chunk like the rest.
     """
     check_inputs(hidden, weight, labels)
     compute = compute_dtype(hidden, weight)
     chunk = int(chunk_tokens or default_chunk(weight.shape[0], hidden.device, compute))
     if chunk < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, compute, torch.is_grad_enabled())
+    if softcap is not None and not float(softcap) > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, compute, torch.is_grad_enabled(),
+                                     float(logit_scale), None if softcap is None else float(softcap))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk, compute, grad_enabled):
+    def forward(ctx, hidden, weight, bias, labels, chunk, compute, grad_enabled, scale=1.0, softcap=None):
         acc = torch.promote_types(compute, torch.float32)
         need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         need_b = grad_enabled and bias is not None and ctx.needs_input_grad[2]
@@ -116,6 +122,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 n = min(chunk, hidden.shape[0] - start)
                 h, y = hidden.narrow(0, start, n).to(compute), labels.narrow(0, start, n)
                 z = F.linear(h, w, b).to(acc)          # a copy for bf16 logits; the fp32 logits themselves otherwise
+                if scale != 1.0:
+                    z.mul_(scale)
+                capped = None
+                if softcap is not None:                # keep tanh for the gradient: d cap / d z = 1 - tanh^2
+                    capped = torch.tanh(z / softcap)
+                    z = capped * softcap
                 valid = y.ne(IGNORE_INDEX)             # function-form ops: fake CUDA also refuses ~ and [:, None]
                 keep = valid.unsqueeze(1)
                 target = torch.where(valid, y, 0).unsqueeze(1)
@@ -129,6 +141,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 z.div_(norm.unsqueeze(1))                # softmax
                 z.scatter_add_(1, target, keep.to(acc).neg())
                 z.mul_(keep)                             # ignored targets add no gradient
+                if capped is not None:
+                    z.mul_(1 - capped * capped)
+                if scale != 1.0:
+                    z.mul_(scale)
                 g = z.to(compute)
                 if need_h:
                     if grad_h is not None:
@@ -151,7 +167,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         grads = [(next(saved) * grad_out).to(dtype) if present else None
                  for present, dtype in zip(ctx.present, ctx.dtypes)]
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None, None
 
 
 def accumulate_outer(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import torch
 
+from flexsp.runtime.kernels.features import Features
 from flexsp.runtime.sp.context import AttentionContext
 from flexsp.runtime.sp.ring import ring_attention
 from flexsp.runtime.sp.ulysses import ulysses_attention
 
 
-def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+                 features: Features | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's token shard over its SP group; returns ``q``'s shape.
 
-    ``q [tokens/d, heads, dim]``, ``k``/``v`` ``[tokens/d, kv_heads, dim]`` (this rank's shard)."""
+    ``q [tokens/d, heads, dim]``, ``k``/``v`` ``[tokens/d, kv_heads, dim]`` (this rank's shard).
+    ``features``: the layer's window, chunk and softcap (``flexsp.runtime.kernels.Features``, built once
+    per layer; None: plain causal); ``sinks [heads]``: its per-head sink logits (every head; each rank uses
+    its own)."""
     if ctx.ring is not None:
-        return ring_attention(q, k, v, ctx)
-    return ulysses_attention(q, k, v, ctx)
+        return ring_attention(q, k, v, ctx, features, sinks)
+    return ulysses_attention(q, k, v, ctx, features, sinks)

@@ -33,33 +33,49 @@ from typing import Sequence
 import torch
 
 from flexsp.runtime.kernels import AttentionError, LseSpec, lse_backward, lse_forward, merge_partials
+from flexsp.runtime.kernels.capability import lse_kernel as feature_lse_kernel
+from flexsp.runtime.kernels.features import Features
 from flexsp.runtime.kernels.rule import lse_kernel
+from flexsp.runtime.kernels.sinks import check_sinks, sink_grad, sink_stats
 from flexsp.runtime.sp.context import AttentionContext, RingContext, check_heads
 from flexsp.runtime.sp.ring_comm import RingComm, place
-from flexsp.runtime.sp.ulysses_comm import head_to_seq, seq_to_head
+from flexsp.runtime.sp.ulysses_comm import head_part, head_to_seq, seq_to_head
 from flexsp.runtime.sp.zigzag import RingTensors, zigzag_layout
 
 
-def _block(rt: RingTensors, j: int, kernel: str, scale: float):
+def _block(rt: RingTensors, j: int, kernel: str, scale: float, features: Features | None = None):
     """(query rows or None for all, K/V rows or None for all, spec) of this rank against ring rank
-    ``j``'s K/V, or None when the block holds no token."""
+    ``j``'s K/V, or None when the block holds no token - or, for a layer with a window or chunk, when
+    every query of the block is too far from every key of it (a sliding-window layer costs window-sized
+    work, not the whole sequence's). ``features`` None: plain causal."""
     i = rt.index
     host = lambda bounds, k: bounds[k] if bounds else None  # noqa: E731   (host bounds: none in old contexts)
+    positional = features is not None and features.positional
+    if positional and j != i and rt.reach and features.unreachable(*rt.reach[j]):
+        return None
+    pos = lambda q, k: dict(features=features, pos_q=q, pos_k=k) if positional else dict(features=features)  # noqa: E731
     if j == i:
         if not rt.local_tokens[i]:
             return None
         return None, None, LseSpec(rt.cu_local[i], rt.cu_local[i], rt.max_local[i], rt.max_local[i], True, scale, kernel,
-                                   host(rt.host_local, i), host(rt.host_local, i))
+                                   host(rt.host_local, i), host(rt.host_local, i),
+                                   **pos(_at(rt.pos_local, i), _at(rt.pos_local, i)))
     if j < i:   # j's early chunks precede both of ours: all our queries, j's first chunks, no mask
         if not (rt.local_tokens[i] and rt.first_tokens[j]):
             return None
         return None, rt.first_rows[j], LseSpec(rt.cu_local[i], rt.cu_first[j], rt.max_local[i], rt.max_first[j],
-                                                False, scale, kernel, host(rt.host_local, i), host(rt.host_first, j))
+                                                False, scale, kernel, host(rt.host_local, i), host(rt.host_first, j),
+                                                **pos(_at(rt.pos_local, i), _at(rt.pos_first, j)))
     # j > i: both of j's chunks precede our late chunk and follow our early one
     if not (rt.second_tokens and rt.local_tokens[j]):
         return None
     return rt.second_rows, None, LseSpec(rt.cu_second, rt.cu_local[j], rt.max_second, rt.max_local[j], False, scale,
-                                         kernel, rt.host_second or None, host(rt.host_local, j))
+                                         kernel, rt.host_second or None, host(rt.host_local, j),
+                                         **pos(rt.pos_second, _at(rt.pos_local, j)))
+
+
+def _at(parts: tuple, j: int):
+    return parts[j] if parts else None
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
@@ -69,14 +85,15 @@ def _rows(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Ten
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rt: RingTensors, comm: RingComm, kernel: str, scale: float):
+    def forward(ctx, q, k, v, rt: RingTensors, comm: RingComm, kernel: str, scale: float,
+                features: Features | None = None, sinks: torch.Tensor | None = None):
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for step in range(rt.ring):
             pending = comm.hop(kv) if step < rt.ring - 1 else None     # next block in flight ...
-            block = _block(rt, (rt.index - step) % rt.ring, kernel, scale)
+            block = _block(rt, (rt.index - step) % rt.ring, kernel, scale, features)
             if block is not None:                                      # ... while this one is computed
                 q_rows, kv_rows, spec = block
                 o, l = lse_forward(_rows(q, q_rows), _rows(kv.select(0, 0), kv_rows), _rows(kv.select(0, 1), kv_rows), spec)
@@ -88,15 +105,17 @@ class _RingAttention(torch.autograd.Function):
                     lse.index_copy_(1, q_rows, l)
             if pending is not None:
                 kv = pending.wait()
+        if sinks is not None:   # once, on the merged statistics of every block: exact (``sinks.py``)
+            out, lse = sink_stats(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.rt, ctx.comm, ctx.kernel, ctx.scale = rt, comm, kernel, scale
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
+        ctx.rt, ctx.comm, ctx.kernel, ctx.scale, ctx.features = rt, comm, kernel, scale, features
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        rt, comm, kernel, scale = ctx.rt, ctx.comm, ctx.kernel, ctx.scale
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
+        rt, comm, kernel, scale, features = ctx.rt, ctx.comm, ctx.kernel, ctx.scale, ctx.features
         acc = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -105,7 +124,7 @@ class _RingAttention(torch.autograd.Function):
         def block_grads(kv_block: torch.Tensor, j: int) -> torch.Tensor:
             """Add this block's dq; return its [2, tokens, kv_heads, dim] dK/dV share for ring rank j."""
             share = torch.zeros(kv_block.shape, dtype=acc, device=q.device)
-            block = _block(rt, j, kernel, scale)
+            block = _block(rt, j, kernel, scale, features)
             if block is None:
                 return share
             q_rows, kv_rows, spec = block
@@ -134,14 +153,21 @@ class _RingAttention(torch.autograd.Function):
             pending_share = comm.hop(share.to(kv.dtype), tag=1)        # on to the next holder (last hop: owner)
         if pending_share is not None:
             own += pending_share.wait().to(acc)
-        return dq.to(q.dtype), own.select(0, 0).to(k.dtype), own.select(0, 1).to(v.dtype), None, None, None, None
+        # with sinks, out/lse are the augmented statistics: the blocks' recurrence above is then exact for
+        # q/k/v, and the sink's own gradient is one reduction over the merged rows
+        dsinks = sink_grad(dout, out, lse, sinks[0]) if sinks else None
+        return (dq.to(q.dtype), own.select(0, 0).to(k.dtype), own.select(0, 1).to(v.dtype), None, None, None, None,
+                None, dsinks)   # trailing Nones past the inputs given are allowed
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+                   features: Features | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's token slice over its ``ulysses x ring`` group; returns q's shape.
 
     ``ctx`` is an ``AttentionContext`` whose ``group`` is the Ulysses sub-group and ``ring`` a
     ``RingContext``. ``q [tokens, heads, dim]``, ``k``/``v`` ``[tokens, kv_heads, dim]`` (this slice).
+    ``features``/``sinks``: the layer's (``flexsp.runtime.kernels``); sinks ``[heads]``, all heads: this
+    rank keeps its Ulysses part's.
     """
     ring: RingContext = ctx.ring
     u = ctx.degree
@@ -153,9 +179,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Atten
     replicate = u // math.gcd(kv_heads, u)
     if replicate > 1:
         k, v = k.repeat_interleave(replicate, dim=1), v.repeat_interleave(replicate, dim=1)
+    if sinks is not None:
+        check_sinks(sinks, heads)
+        sinks = head_part(sinks, ctx.group)
+    features = None if features is None or features.plain else features
     q, k, v = (seq_to_head(t, ctx.group) for t in (q, k, v))
     kernel = lse_kernel(ctx.backend, q, ctx.bounds)    # the rule's choice for this micro-batch, as an lse form
-    out = _RingAttention.apply(q, k, v, ring.tensors, ring.comm, kernel, 1.0 / math.sqrt(q.shape[2]))
+    if features is not None:                           # a kernel that computes the layer's features
+        kernel = feature_lse_kernel(kernel, features, features.positional)
+    out = _RingAttention.apply(q, k, v, ring.tensors, ring.comm, kernel, 1.0 / math.sqrt(q.shape[2]), features, sinks)
     return head_to_seq(out, ctx.group)
 
 

@@ -30,6 +30,20 @@ def head_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return all_to_all(x, group, scatter_dim=0, gather_dim=1)
 
 
+def head_part(x: torch.Tensor, group: dist.ProcessGroup | None, rank: int | None = None) -> torch.Tensor:
+    """The rows of a per-head tensor (attention sinks ``[heads]``) for the heads ``seq_to_head`` leaves on
+    this rank: its ``rank``-th of ``d`` equal parts (``rank`` None: this process's rank in ``group``).
+    Autograd carries the part's gradient back into its rows of ``x``; the other rows get zero here and
+    their gradient from the ranks that hold them (the gradient reduction sums them)."""
+    d = 1 if group is None else dist.get_world_size(group)
+    if d == 1:
+        return x
+    if rank is None:
+        rank = dist.get_rank(group)
+    n = x.shape[0] // d
+    return x.narrow(0, rank * n, n)
+
+
 def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     d = dist.get_world_size(group)
     if x.shape[scatter_dim] % d:
@@ -72,6 +86,10 @@ class AllToAllExchange:
     @property
     def degree(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
 
     def seq_to_head(self, x: torch.Tensor) -> torch.Tensor:
         return seq_to_head(x, self.group)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from flexsp.errors import PlanError
-from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard
+from flexsp.runtime.sp.tokens import IGNORE_INDEX, PAD_TOKEN, Shard, next_token_labels
 from flexsp.runtime.transfer import host_tensor, to_device
 
 
@@ -99,6 +99,34 @@ class ZigzagLayout:
         sizes = np.stack([self.first[j], self.second[j]], axis=1).ravel()
         return _ranges(begin, sizes)
 
+    def positions(self, j: int, part: str = "local") -> np.ndarray:
+        """Each token's position within its sequence, for ring shard ``j``'s tokens (``local``), its first
+        chunks or its second chunks only: what a window or chunk mask reads."""
+        bounds = chunk_bounds(np.asarray(self.lengths, dtype=np.int64), self.ring)
+        late = 2 * self.ring - 1 - j
+        if part == "first":
+            return _ranges(bounds[:, j], self.first[j])
+        if part == "second":
+            return _ranges(bounds[:, late], self.second[j])
+        begin = np.stack([bounds[:, j], bounds[:, late]], axis=1).ravel()
+        return _ranges(begin, np.stack([self.first[j], self.second[j]], axis=1).ravel())
+
+    def reach(self, i: int, j: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per sequence present on both sides of ring rank ``i``'s block against ring rank ``j``'s K/V: the
+        lowest query position and the highest key position (a bound on each: enough to prove a window or
+        chunk excludes the whole block). None for the diagonal block (never excluded)."""
+        if i == j:
+            return None
+        bounds = chunk_bounds(np.asarray(self.lengths, dtype=np.int64), self.ring)
+        late_i, late_j = 2 * self.ring - 1 - i, 2 * self.ring - 1 - j
+        if j < i:   # all of i's queries against j's first chunks
+            valid = (self.first[i] + self.second[i] > 0) & (self.first[j] > 0)
+            min_q, max_k = bounds[:, i], bounds[:, j + 1] - 1
+        else:       # i's second chunks against all of j's tokens
+            valid = (self.second[i] > 0) & (self.first[j] + self.second[j] > 0)
+            min_q, max_k = bounds[:, late_i], bounds[:, late_j + 1] - 1
+        return min_q[valid], max_k[valid]
+
     def stream_order(self) -> np.ndarray:
         """For each position of the group stream, the plain-stream token it holds (-1: padding)."""
         out = np.full(self.ring * self.shard_tokens, -1, dtype=np.int64)
@@ -146,8 +174,11 @@ class ZigzagGroup:
         return Shard(self.input_ids[rows], self.position_ids[rows], self.labels[rows], real_tokens=real)
 
 
-def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int) -> ZigzagGroup:
-    """Lay 1-D token tensors out for a ``ulysses x ring`` group (labels computed before reordering)."""
+def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int,
+                targets: Sequence[torch.Tensor | None] | None = None) -> ZigzagGroup:
+    """Lay 1-D token tensors out for a ``ulysses x ring`` group. Labels are ``next_token_labels`` of the plain
+    stream (``targets`` as ``flexsp.runtime.shard.pack`` takes them), computed before reordering, so each
+    token keeps its label wherever the zigzag puts it."""
     if not sequences:
         raise PlanError("a ring group needs at least one sequence")
     layout = zigzag_layout([int(s.numel()) for s in sequences], ulysses, ring)
@@ -157,9 +188,7 @@ def zigzag_pack(sequences: Sequence[torch.Tensor], ulysses: int, ring: int) -> Z
     ends = np.cumsum(lens)
     # index arrays are host numpy: moved with to_device (pinned, non_blocking) where the tokens are on a GPU
     positions = to_device(torch.from_numpy(np.arange(ends[-1]) - np.repeat(ends - lens, lens)), device)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    labels[:-1] = ids[1:]
-    labels[to_device(torch.from_numpy(ends - 1), device)] = IGNORE_INDEX   # a sequence's last token predicts nothing
+    labels = next_token_labels(sequences, targets, to_device(torch.from_numpy(ends - 1), device))
     order = to_device(torch.from_numpy(layout.stream_order()), device)
     pad = order < 0
     take = order.clamp(min=0)
@@ -191,6 +220,10 @@ class RingTensors:
     host_local: tuple[tuple[int, ...], ...] = ()   # the bounds above as host ints: the per-sequence kernels
     host_first: tuple[tuple[int, ...], ...] = ()   # (CPU, or fp32 on CUDA) read these, never the device copies
     host_second: tuple[int, ...] = ()
+    pos_local: tuple[torch.Tensor, ...] = ()       # per j: each row's position in its sequence (window/chunk masks)
+    pos_first: tuple[torch.Tensor, ...] = ()       # per j: the same for j's first chunks
+    pos_second: torch.Tensor | None = None         # this rank's second chunks
+    reach: tuple = ()                              # per j: ``ZigzagLayout.reach(index, j)`` (host; block skipping)
 
     @classmethod
     def build(cls, layout: ZigzagLayout, index: int, device: torch.device | str) -> "RingTensors":
@@ -198,10 +231,13 @@ class RingTensors:
         bounds = [layout.cu_local(j) for j in range(r)] + [layout.cu_first(j) for j in range(r)] + \
                  [layout.cu_second(index)]
         rows = [layout.first_rows(j) for j in range(r)] + [layout.second_rows(index)]
+        pos = [layout.positions(j) for j in range(r)] + [layout.positions(j, "first") for j in range(r)] + \
+              [layout.positions(index, "second")]
         cu_flat = host_tensor([b for bs in bounds for b in bs], torch.int32, device)   # pinned, non_blocking
-        row_flat = host_tensor(np.concatenate(rows).astype(np.int64).tolist(), torch.int64, device)
+        row_flat = host_tensor(np.concatenate(rows + pos).astype(np.int64).tolist(), torch.int64, device)
         cu_parts = cu_flat.split([len(b) for b in bounds])
-        row_parts = row_flat.split([x.size for x in rows])
+        row_parts = row_flat.split([x.size for x in rows + pos])
+        pos_parts = row_parts[r + 1:]
         longest = lambda sizes: int(sizes.max()) if sizes.size else 0  # noqa: E731
         return cls(index=index, ring=r, shard_tokens=layout.shard_tokens,
                    cu_local=tuple(cu_parts[:r]), cu_first=tuple(cu_parts[r:2 * r]), first_rows=tuple(row_parts[:r]),
@@ -213,4 +249,6 @@ class RingTensors:
                    first_tokens=tuple(int(layout.first[j].sum()) for j in range(r)),
                    second_tokens=int(layout.second[index].sum()),
                    host_local=tuple(tuple(b) for b in bounds[:r]), host_first=tuple(tuple(b) for b in bounds[r:2 * r]),
-                   host_second=tuple(bounds[2 * r]))
+                   host_second=tuple(bounds[2 * r]), pos_local=tuple(pos_parts[:r]),
+                   pos_first=tuple(pos_parts[r:2 * r]), pos_second=pos_parts[2 * r],
+                   reach=tuple(layout.reach(index, j) for j in range(r)))

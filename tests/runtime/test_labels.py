@@ -1,0 +1,109 @@
+"""A row's supervision (``flexsp.runtime.labels``) and where its labels land: every layout (Ulysses packing at
+any degree, the zigzag order of any Ulysses x ring split, padding rows) gives each token the target of the
+next token of its own sequence, whichever rank holds it; bad columns are one-line errors naming row and column."""
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from flexsp.plan.types import Group  # noqa: E402
+from flexsp.runtime.labels import LabelsError, read_targets  # noqa: E402
+from flexsp.runtime.shard import group_inputs, pack  # noqa: E402
+from flexsp.runtime.sp.tokens import IGNORE_INDEX  # noqa: E402
+
+I = IGNORE_INDEX
+
+
+def _expected(rows):
+    """token id -> the label it must carry (ids are unique over the batch), written without flexsp."""
+    want = {}
+    for ids, targets in rows:
+        t = ids if targets is None else targets
+        for k in range(len(ids)):
+            want[int(ids[k])] = int(t[k + 1]) if k + 1 < len(ids) else I
+    return want
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 13), min_size=1, max_size=5), split=st.sampled_from(
+    [(1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (2, 2), (1, 4), (3, 2)]), seed=st.integers(0, 99))
+def test_every_token_keeps_its_label_in_every_layout(lengths, split, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = (torch.randperm(sum(lengths), generator=gen) + 1).split(lengths)
+    rows = []
+    for i, seq in enumerate(ids):
+        if i % 3 == 0:
+            rows.append((seq, None))
+        else:
+            t = torch.randint(0, 500, (seq.numel(),), generator=gen)
+            t[torch.rand(seq.numel(), generator=gen) < 0.4] = I
+            rows.append((seq, t))
+    ulysses, ring = split
+    group = Group(ranks=tuple(range(ulysses * ring)), seq_ids=tuple(range(len(rows))), ring=ring)
+    want, seen = _expected(rows), {}
+    for rank in group.ranks:
+        shard, _ = group_inputs(group, [r[0] for r in rows], rank, "cpu", targets=[r[1] for r in rows])
+        for tok, lab in zip(shard.input_ids.tolist(), shard.labels.tolist()):
+            if tok in want:
+                assert tok not in seen
+                seen[tok] = lab
+            else:
+                assert lab == I   # padding rows carry no loss
+    assert seen == want
+
+
+def test_pack_labels_against_hand_written():
+    p = pack([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], 3, targets=[torch.tensor([I, 9, I]), None])
+    assert p.labels.tolist() == [9, I, I, 5, I, I]
+
+
+def _read(columns, n=6, vocab=50):
+    return read_targets(columns, torch.arange(1, n + 1), "dataset item 7", vocab)
+
+
+def test_masks_and_labels_become_targets():
+    t, n = _read({"completion_mask": [0, 0, 0, 1, 1, 1]})
+    assert t.tolist() == [I, I, I, 4, 5, 6] and n == 3
+    t, n = _read({"completion_mask": [0, 1, 1, 1, 1, 1], "assistant_masks": [1, 1, 0, 0, 1, 1]})   # both apply
+    assert t.tolist() == [I, 2, I, I, 5, 6] and n == 3
+    t, n = _read({"labels": [I, 40, 41, I, I, 3]})        # any ids, not copies of input_ids
+    assert t.tolist() == [I, 40, 41, I, I, 3] and n == 3
+    t, n = _read({"labels": [0, I, I, I, I, I]})          # the first token is never predicted
+    assert n == 0
+    t, n = _read({"labels": [1, I, 3, 4, 5, 6], "completion_mask": [0, 0, 1, 1, 1, 1]})   # position 0: no target
+    assert t.tolist() == [I, I, 3, 4, 5, 6] and n == 4
+    assert _read({}) == (None, 5)
+
+
+@pytest.mark.parametrize("columns,message", [
+    ({"labels": [1, 2, 3]}, "dataset item 7, column 'labels': 3 entries but input_ids has 6"),
+    ({"completion_mask": [1] * 7}, "dataset item 7, column 'completion_mask': 7 entries but input_ids has 6"),
+    ({"assistant_masks": [0, 1, 2, 1, 0, 1]}, "dataset item 7, column 'assistant_masks': position 2 holds 2; "
+                                               "a loss mask holds 0 or 1"),
+    ({"labels": [I, 3, 50, 1, 1, 1]}, "dataset item 7, column 'labels': position 2 holds 50, outside the "
+                                      "vocabulary 0..49"),
+    ({"labels": [I, -5, 1, 1, 1, 1]}, "position 1 holds -5"),
+    ({"labels": [I, I, 3, 4, 5, 6], "completion_mask": [0, 1, 1, 1, 1, 1]},
+     "dataset item 7: columns 'labels' and 'completion_mask' disagree at position 1 \\(label -100, mask 1\\)"),
+    ({"labels": [[1, 2]] * 6}, "column 'labels': must be a 1-D sequence of integers"),
+    ({"completion_mask": [0.5] * 6}, "column 'completion_mask': must be a 1-D sequence of integers"),
+])
+def test_bad_columns_are_one_line_errors_naming_row_and_column(columns, message):
+    with pytest.raises(LabelsError, match=message) as info:
+        _read(columns)
+    assert "\n" not in str(info.value)
+
+
+def test_loader_names_the_bad_row_before_training():
+    import flexsp
+    from flexsp.data import FlexSPLoader, LoaderConfig, LoaderError
+    rows = [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in (5, 7, 4, 6)]
+    rows[2]["labels"] = rows[2]["labels"][:-1]
+    cost = flexsp.CostModel(alpha1=1e-6, alpha2=1e-4, beta1=1e-3, comm_bytes_per_token=1e3,
+                            alltoall_bandwidth={2: 1e9}, token_capacity=64, meta={"sharding": "none"})
+    loader = FlexSPLoader(rows, cost, flexsp.Cluster(num_gpus=2, gpus_per_node=2), vocab_size=32,
+                          config=LoaderConfig(batch_size=4, lookahead=0, prefetch=False))
+    with pytest.raises((LoaderError, LabelsError), match="dataset item 2, column 'labels': 3 entries but input_ids has 4"):
+        next(iter(loader))
+    loader.close()

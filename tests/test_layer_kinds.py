@@ -1,0 +1,276 @@
+"""Layer kinds and experts in ModelSpec, read from each transformers family's config, and their cost."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import transformers as T
+
+import flexsp
+from flexsp.errors import CostModelError
+from flexsp.plan.analytic import comm_bytes_per_token, cost_from_hardware
+from flexsp.plan.layers import FULL, LayerKind, LinearShape, pairs, runs
+from flexsp.plan.memory import activation_bytes_per_token, model_state_bytes
+from flexsp.plan.specs import ModelSpec, get_model, spec_from_hf_config
+
+SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+
+
+def window(w, **kw):
+    return LayerKind("window", w, **kw)
+
+
+def per_layer(spec):
+    return [(k.mixer, k.size, k.moe) for k in spec.layer_kinds]
+
+
+# --- one test per family: the kinds and experts its config says -------------------------------------
+def test_gemma2_alternates_window_and_full():
+    spec = spec_from_hf_config(T.Gemma2Config(num_hidden_layers=4, intermediate_size=128, head_dim=16,
+                                              sliding_window=32, **SMALL))
+    assert per_layer(spec) == [("window", 32, False), ("full", 0, False)] * 2
+
+
+def test_gemma3_five_windows_to_one_full_also_inside_the_multimodal_config():
+    text = dict(num_hidden_layers=12, intermediate_size=128, head_dim=16, sliding_window=32, **SMALL)
+    for config in (T.Gemma3TextConfig(**text), T.Gemma3Config(text_config=text)):
+        spec = spec_from_hf_config(config)
+        assert per_layer(spec) == ([("window", 32, False)] * 5 + [("full", 0, False)]) * 2
+        assert len(spec.kinds) == 4          # runs, not one record per layer
+
+
+def test_gpt_oss_windows_sinks_and_experts():
+    spec = spec_from_hf_config(T.GptOssConfig(num_hidden_layers=4, intermediate_size=96, head_dim=16,
+                                              sliding_window=8, num_local_experts=8, num_experts_per_tok=2, **SMALL))
+    assert per_layer(spec) == [("window", 8, True), ("full", 0, True)] * 2
+    assert all(k.sinks for k in spec.layer_kinds)
+    assert (spec.experts, spec.active_experts, spec.moe_ffn, spec.shared_ffn) == (8, 2, 96, 0)
+
+
+def test_qwen3_5_three_linear_to_one_full_with_linear_heads():
+    spec = spec_from_hf_config(T.Qwen3_5TextConfig(
+        num_hidden_layers=8, intermediate_size=128, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=16, **SMALL))
+    assert [k.mixer for k in spec.layer_kinds] == ["linear"] * 3 + ["full"] + ["linear"] * 3 + ["full"]
+    assert spec.linear == LinearShape(2, 4, 8, 16, 4) and spec.attn_gate
+    assert spec.ulysses_heads == 2               # gcd of 4 attention, 2 key and 4 value heads
+
+
+def test_qwen3_next_linear_moe_shared_expert_and_dense_layers():
+    spec = spec_from_hf_config(T.Qwen3NextConfig(
+        num_hidden_layers=4, intermediate_size=128, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0], **SMALL))
+    assert per_layer(spec) == [("linear", 0, False), ("linear", 0, True), ("linear", 0, True), ("full", 0, True)]
+    assert (spec.experts, spec.active_experts, spec.moe_ffn, spec.shared_ffn) == (8, 2, 32, 48)
+
+
+def test_qwen3_moe_sparse_step():
+    spec = spec_from_hf_config(T.Qwen3MoeConfig(num_hidden_layers=4, intermediate_size=128, num_experts=8,
+                                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                                decoder_sparse_step=2, **SMALL))
+    assert per_layer(spec) == [("full", 0, False), ("full", 0, True)] * 2
+    assert (spec.ffn, spec.moe_ffn) == (128, 32)
+
+
+def test_mixtral_every_layer_moe():
+    spec = spec_from_hf_config(T.MixtralConfig(num_hidden_layers=2, intermediate_size=128, num_local_experts=4,
+                                               num_experts_per_tok=2, **SMALL))
+    assert per_layer(spec) == [("full", 0, True)] * 2 and (spec.experts, spec.active_experts) == (4, 2)
+
+
+def test_mistral_sliding_window_everywhere():
+    spec = spec_from_hf_config(T.MistralConfig(num_hidden_layers=2, intermediate_size=128, sliding_window=16,
+                                               **SMALL))
+    assert per_layer(spec) == [("window", 16, False)] * 2
+
+
+def test_deepseek_v3_first_dense_then_routed_and_shared():
+    spec = spec_from_hf_config(T.DeepseekV3Config(
+        num_hidden_layers=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1, **SMALL))
+    assert per_layer(spec) == [("full", 0, False)] + [("full", 0, True)] * 3
+    assert (spec.experts, spec.active_experts, spec.moe_ffn, spec.shared_ffn, spec.head_size) == (8, 2, 32, 32, 24)
+
+
+def test_llama4_chunks_nope_layers_and_interleaved_moe():
+    spec = spec_from_hf_config(T.Llama4TextConfig(
+        num_hidden_layers=8, intermediate_size=32, intermediate_size_mlp=128, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=16, **SMALL))
+    assert per_layer(spec) == [("chunk", 16, False), ("chunk", 16, True), ("chunk", 16, False), ("full", 0, True)] * 2
+    assert [k.rope for k in spec.layer_kinds] == [True, True, True, False] * 2
+    assert (spec.ffn, spec.moe_ffn, spec.shared_ffn) == (128, 32, 32)
+
+
+def test_dense_llama_config_keeps_the_old_spec():
+    spec = spec_from_hf_config(T.LlamaConfig(num_hidden_layers=2, intermediate_size=128, **SMALL))
+    assert spec.kinds == () and spec.is_dense_full and spec.layer_kinds == (FULL, FULL)
+
+
+# --- defaults and bad input ------------------------------------------------------------------------
+def test_existing_constructions_are_dense_full_attention():
+    spec = ModelSpec(32, 4096, 32, 8, 14336, 128256)
+    assert spec.kinds == () and spec.kind_counts() == {FULL: 32} and spec.active_params == spec.params
+    per_layer_params = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336   # the formula before kinds
+    assert spec.params == 32 * per_layer_params + 2 * 4096 * 128256
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.layers = 3
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: ModelSpec(4, 64, 4, 2, 128, 256, kinds=((window(8), 3),)), "cover 3 layers but the model has 4"),
+    (lambda: LayerKind("window", 0), "window of at least 1 token"),
+    (lambda: LayerKind("chunk", -4), "chunk of at least 1 token"),
+    (lambda: LayerKind("mamba"), "not one of"),
+    (lambda: ModelSpec(2, 64, 4, 2, 128, 256, experts=4, active_experts=5), "active_experts must be 1 to experts"),
+    (lambda: ModelSpec(2, 64, 4, 2, 128, 256, kinds=((LayerKind(moe=True), 2),)), "experts >= 1"),
+    (lambda: ModelSpec(2, 64, 4, 2, 128, 256, active_experts=2), "no layer is MoE"),
+    (lambda: spec_from_hf_config(T.Gemma2Config(num_hidden_layers=2, layer_types=["sliding_attention"] * 2,
+                                                sliding_window=None, **SMALL)), "sliding_window is not set"),
+])
+def test_bad_layer_input_is_one_line(make, message):
+    with pytest.raises(CostModelError, match=message) as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_hf_layer_type_is_named():
+    config = T.Qwen3_5TextConfig(num_hidden_layers=2, intermediate_size=128, head_dim=16, **SMALL)
+    config.layer_types = ["mamba", "full_attention"]
+    with pytest.raises(CostModelError, match="layer 0 is 'mamba'"):
+        spec_from_hf_config(config)
+
+
+# --- attention pairs and the cost per kind ---------------------------------------------------------
+def brute_pairs(s, keys):
+    return sum(2 * keys(p) - 1 for p in range(s))
+
+
+@pytest.mark.parametrize("s", [1, 7, 8, 9, 100, 257])
+def test_pairs_are_the_exact_count(s):
+    assert pairs(s, "full") == s * s == brute_pairs(s, lambda p: p + 1)
+    assert pairs(s, "window", 8) == brute_pairs(s, lambda p: min(p + 1, 8))
+    assert pairs(s, "chunk", 8) == brute_pairs(s, lambda p: p % 8 + 1)
+    assert pairs(s, "linear") == 0
+
+
+def cost_with_window(**extra):
+    values = dict(alpha1=1e-9, alpha2=1e-5, beta1=0.01, comm_bytes_per_token=1e5,
+                  alltoall_bandwidth={2: 1e11, 4: 1e11, 8: 1e11}, token_capacity=40_000)
+    return flexsp.CostModel(**{**values, **extra})
+
+
+def test_window_and_chunk_terms_in_seq_time_and_the_solver_view():
+    cost = cost_with_window(window_alpha={1024: 4e-9}, chunk_alpha={"512": 2e-9})
+    s = np.array([10, 1024, 5000, 30_000])
+    for d in (1, 2, 8):
+        quad, lin, _ = cost.coefficients(d)
+        expected = lin * s + quad * s * s + (4e-9 * pairs(s, "window", 1024) + 2e-9 * pairs(s, "chunk", 512)) / d
+        assert cost.seq_time(s, d) == pytest.approx(expected, rel=1e-12)
+        costs = cost.degree_costs([1, 2, 8])
+        assert costs.seconds(s, costs.index(d)) == pytest.approx(expected, rel=1e-12)
+    assert flexsp.CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+    assert "window_alpha" not in cost_with_window().to_dict()        # older files and dense models unchanged
+
+
+def test_bad_window_table_is_named():
+    with pytest.raises(CostModelError, match="window_alpha has size 0"):
+        cost_with_window(window_alpha={0: 1e-9})
+
+
+def test_plans_use_the_window_terms():
+    """The solver plans on the windowed cost: its prediction is the model's time, and a windowed model puts
+    long sequences at smaller degrees than its full-attention twin."""
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(100, 3000, 60), [30_000, 60_000]]).tolist()
+    cluster = flexsp.Cluster(num_gpus=8, gpus_per_node=8)
+    full = cost_with_window(alpha1=5e-9)
+    windowed = dataclasses.replace(full, alpha1=0.0, window_alpha={512: 5e-9})
+    plan = flexsp.plan_batch(lengths, windowed, cluster, time_limit=5)
+    assert plan.predicted_time == pytest.approx(plan.time(lengths, windowed), rel=1e-9)
+    dense_plan = flexsp.plan_batch(lengths, full, cluster, time_limit=5)
+    assert plan.predicted_time < 0.5 * dense_plan.predicted_time
+    longest = int(np.argmax(lengths))
+    degree = {i: g.degree for mb in plan.micro_batches for g in mb.groups for i in g.seq_ids}
+    dense_degree = {i: g.degree for mb in dense_plan.micro_batches for g in mb.groups for i in g.seq_ids}
+    assert degree[longest] <= dense_degree[longest]
+
+
+def test_analytic_moe_compute_from_active_states_from_all():
+    dense = get_model("gpt-oss-20b")
+    cost = cost_from_hardware(dense, "h100-80gb", 64)
+    gpu = flexsp.plan.specs.get_gpu("h100-80gb")
+    flops = gpu.peak_flops * gpu.efficiency
+    assert cost.alpha2 == pytest.approx(3 * 2 * dense.linear_params / flops)
+    assert dense.active_params < 0.25 * dense.params
+    free = gpu.memory_bytes * gpu.usable_memory - model_state_bytes(dense.params, 64, "full")
+    assert cost.token_capacity == int(free // activation_bytes_per_token(dense, "none", "bf16"))
+    # half the layers are 128-token windows, the other half full attention
+    assert cost.window_alpha == {128: pytest.approx(cost.alpha1)}
+
+
+def test_linear_layers_have_no_pair_term_and_move_their_heads():
+    spec = get_model("qwen3.5-27b")
+    cost = cost_from_hardware(spec, "h100-80gb", 64)
+    dense_twin = dataclasses.replace(spec, kinds=(), linear=None)
+    assert cost.alpha1 == pytest.approx(cost_from_hardware(dense_twin, "h100-80gb", 64).alpha1 / 4)
+    shape = spec.linear_shape
+    linear = 2 * 2 * 48 * (2 * shape.key_width + 2 * shape.value_width + 2 * shape.v_heads)
+    softmax = 2 * 2 * 16 * (2 * spec.q_dim + 2 * spec.kv_dim)
+    assert comm_bytes_per_token(spec) == linear + softmax
+    assert cost.heads == 8
+
+
+def test_layer_kinds_per_layer_view_and_runs_roundtrip():
+    kinds = [window(4), window(4), FULL, LayerKind("linear"), LayerKind("linear")]
+    spec = ModelSpec(5, 64, 4, 2, 128, 256, kinds=runs(kinds))
+    assert list(spec.layer_kinds) == kinds and len(spec.kinds) == 3
+    assert runs([FULL] * 3) == ()
+    assert spec.attention_pairs([10]) == 2 * pairs(10, "window", 4) + 100
+
+
+@pytest.mark.parametrize("terms", [{"window_alpha": {300: 6e-9}}, {"chunk_alpha": {256: 6e-9}}])
+def test_bounds_stay_below_plans_with_window_and_chunk_terms(terms):
+    """Chunked attention's work per token dips just past each chunk, so the bounds cost buckets at a rate
+    floor; neither bound may exceed a valid plan's time."""
+    from flexsp.plan.bounds import coupled_lower_bound, lower_bound
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(200, 700, 120), rng.integers(2000, 9000, 8)]).tolist()
+    cost = cost_with_window(alpha1=0.0, token_capacity=6000, **terms)
+    cluster = flexsp.Cluster(num_gpus=8, gpus_per_node=8)
+    plan = flexsp.plan_batch(lengths, cost, cluster, time_limit=5)
+    plan.validate(lengths, cost, cluster)
+    assert max(lower_bound(lengths, cost, cluster), coupled_lower_bound(lengths, cost, cluster)) <= plan.predicted_time
+
+
+def test_the_bounds_rate_floor_never_exceeds_a_longer_sequences_rate():
+    """Chunked work per token dips just past a chunk (9 tokens on chunks of 8 cost less per token than 8): the
+    rate the bounds cost a bucket at, its shortest length's under ``_rate_floor``, stays below every longer one."""
+    from flexsp.plan.bounds import _rate_floor
+    cost = cost_with_window(alpha1=0.0, alpha2=1e-12, chunk_alpha={8: 1e-9}, window_alpha={5: 1e-9})
+    costs = cost.degree_costs([1, 2])
+    s = np.arange(1, 200, dtype=np.float64)
+    true_rate = costs.seconds(s, 0) / s
+    floor_rate = _rate_floor(costs).seconds(s, 0) / s
+    assert np.all(floor_rate <= np.minimum.accumulate(true_rate[::-1])[::-1] * (1 + 1e-12))
+    assert true_rate[8] < true_rate[7]          # the dip the floor is for
+
+
+def test_with_layers_keeps_the_pattern_and_drops_experts_only_when_no_layer_is_moe():
+    gpt_oss = get_model("gpt-oss-20b").with_layers(3)
+    assert [k.mixer for k in gpt_oss.layer_kinds] == ["window", "full", "window"] and gpt_oss.experts == 32
+    deepseek_like = ModelSpec(4, 64, 4, 2, 128, 256, kinds=runs([FULL] + [LayerKind(moe=True)] * 3), experts=8,
+                              active_experts=2)
+    dense_head = deepseek_like.with_layers(1)
+    assert dense_head.kinds == () and dense_head.experts == 0 and dense_head.params < deepseek_like.params
+    assert get_model("qwen3.5-27b").with_layers(0).kinds == ()
+    assert ModelSpec(2, 64, 4, 2, 128, 256).with_layers(5).kinds == ()
+
+
+def test_simulate_names_the_layer_kinds_of_an_analytic_preset(capsys):
+    from flexsp.cli import main
+    assert main(["simulate", "--model", "gemma-3-27b", "--gpus", "8", "--steps", "1", "--batch-size", "16",
+                 "--strategies", "flexsp", "--quiet", "--time-limit", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "layers: 52 window 1024, 10 full" in out and "analytic" in out
