@@ -18,6 +18,13 @@ matmul weights. Targets (issue 36): executor >= 1.15x the plain loop; flexsp hf 
 memory <= 0.8x hf each's; >= 52% MFU (executor and flexsp hf); 64 x 512: >= 1.9x; 8 x 4K: >= 1.1x. Each is
 printed as met or MISSED.
 
+The executor-vs-plain group sizes itself to the device (``fit_tiny``): both contenders hold a full model with
+fp32 AdamW states (16 bytes a parameter each) and the plain loop keeps every sequence's bf16 logits and fp32
+log-softmax for backward, about 91 GB at 33,792 tokens - past an 80 GB H100. Its tokens are halved (every
+length, same mix) until the estimate fits 80% of the device's memory; the size it ran is printed and saved
+(``size``). The HF groups carry no optimizer states and run at their named shapes. Which attention kernels
+each contender ran, forward and backward, is recorded from one profiled step (``kernels``).
+
 Only a CUDA run measures these: it writes ``experiments/results/gpu_step.json`` (after each group, so a run cut
 short leaves what it measured). A CPU run (``--quick``: a tiny shape, fp32, one round) checks the machinery,
 says it measured nothing about GPUs and writes only to ``--output`` or a temporary folder. A contender that
@@ -51,6 +58,7 @@ from launch import free_port  # noqa: E402
 from step_benchmark import Contender, HFContender, HostMeter, hf_model, measure  # noqa: E402
 
 from flexsp.plan.specs import ModelSpec  # noqa: E402
+from flexsp.runtime.kernels import ran  # noqa: E402
 from flexsp.runtime.fsdp import shard_model  # noqa: E402
 from flexsp.runtime.models.fused_loss import KERNELS, library_refusal  # noqa: E402
 from flexsp.runtime.models.plain import plain_loss  # noqa: E402
@@ -67,6 +75,47 @@ SHORT, LONG = (512,) * 64, (4096,) * 8
 PEAK_FLOPS = 989e12          # H100 / H200 SXM dense bf16
 TARGETS = {"executor_vs_plain": 1.15, "hf_vs_native": 1.15, "hf_memory_vs_native": 0.8, "mfu": 0.52,
            "short_vs_native": 1.9, "long_vs_native": 1.1}
+
+
+FIT_SHARE = 0.8             # of the device memory the tiny group's estimate may take
+STATE_BYTES = 16            # fp32 master + grad + AdamW moments, per parameter, per model
+LOGIT_BYTES = 2 + 4 + 4     # plain loop: bf16 logits and fp32 log-softmax kept, fp32 gradient of the longest
+ACTIVATION_BYTES = 34       # per token, per hidden unit, per layer (bf16): the capacity model's figure
+
+
+def tiny_peak_bytes(spec: ModelSpec, lengths: tuple[int, ...]) -> float:
+    """The tiny group's estimated peak: two models' states, the plain loop's logits and layer activations."""
+    tokens = sum(lengths)
+    return (2 * STATE_BYTES * spec.params + (2 + 4) * tokens * spec.vocab + 4 * max(lengths) * spec.vocab
+            + ACTIVATION_BYTES * 2 * spec.hidden * spec.layers * tokens)
+
+
+def fit_tiny(spec: ModelSpec, lengths: tuple[int, ...], memory: float | None) -> tuple[tuple[int, ...], str]:
+    """``lengths`` halved until ``tiny_peak_bytes`` fits ``FIT_SHARE`` of ``memory`` (None: as given), and a
+    line saying which size runs."""
+    if memory is None:
+        return lengths, f"{sum(lengths):,} tokens (no device memory to fit)"
+    cut = 1
+    while tiny_peak_bytes(spec, tuple(max(2, n // cut) for n in lengths)) > FIT_SHARE * memory and cut < 64:
+        cut *= 2
+    fitted = tuple(max(2, n // cut) for n in lengths)
+    est = tiny_peak_bytes(spec, fitted) / 2**30
+    what = "full size" if cut == 1 else f"tokens / {cut} to fit"
+    return fitted, (f"{what}: {sum(fitted):,} tokens, {spec.layers} layers (estimated peak {est:.0f} GiB of "
+                    f"{memory / 2**30:.0f} GiB)")
+
+
+def kernels_of(contenders: dict) -> dict:
+    """Each contender's attention kernels, forward and backward, from one profiled step."""
+    out = {}
+    for name, c in contenders.items():
+        if c.failed:
+            continue
+        try:
+            _, out[name] = ran.kernels_in(c.run)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+    return out
 
 
 class CudaMeter(HostMeter):
@@ -235,19 +284,25 @@ def report(groups: dict, env: dict, spec: ModelSpec, gpu: bool) -> tuple[str, bo
              f"{env['liger_kernel']}; LM-head loss: {env['lm_head_loss']}. Shape {spec.name}: {spec.layers} layers, "
              f"hidden {spec.hidden}, {spec.heads} q / {spec.kv_heads} kv heads, ffn {spec.ffn}, vocab {spec.vocab}. "
              "Median wall ms of interleaved rounds; peak = allocator (CUDA) or resident-set (CPU) growth over a step.",
-             "", "| group | contender | ms / step | TFLOP/s | MFU | peak MiB | rounds | first loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| group | contender | ms / step | TFLOP/s | MFU | peak MiB | rounds | first loss | attention ran |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines.insert(3, f"Tiny group size: {groups.get('size', 'as named')}.")
+    lines.insert(4, "")
     for key, g in groups.items():
+        if key == "size":
+            continue
+        kernels = g.get("kernels") or {}
         key = f"{key} ({describe(g['lengths'])})"
         if "error" in g:
-            lines.append(f"| {key} | (group failed: {g['error']}) | | | | | | |")
+            lines.append(f"| {key} | (group failed: {g['error']}) | | | | | | | |")
             continue
         for name, s in g["summary"].items():
             if s["failed"] and not s.get("ms"):
-                lines.append(f"| {key} | {name} | {s['failed']} | | | | | |")
+                lines.append(f"| {key} | {name} | {s['failed']} | | | | | | |")
                 continue
+            ran_text = ran.describe(kernels[name]) if "forward" in kernels.get(name, {}) else "?"
             lines.append(f"| {key} | {name} | {s['ms']:.1f} | {s['tflops']:.1f} | {100 * s['mfu']:.1f}% | "
-                         f"{s['peak_mib']:.0f} | {s['rounds']} | {s['first_loss']:.6f} |"
+                         f"{s['peak_mib']:.0f} | {s['rounds']} | {s['first_loss']:.6f} | {ran_text} |"
                          + (f" failed later: {s['failed']}" if s["failed"] else ""))
     lines += ["", "Targets (issue 36)" + ("" if gpu else " - a CPU run says nothing about them:")]
     ok = True
@@ -262,9 +317,11 @@ def write(path: Path, groups: dict, env: dict, spec: ModelSpec, args, gpu: bool)
     data = {"source": "experiments/gpu_step_benchmark.py", "measured_on_gpu": gpu, **env,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "spec": spec.name, "dtype": args.dtype,
             "backend": args.backend, "loss_kernel": args.loss_kernel, "targets": TARGETS,
+            "size": groups.get("size"),
             "groups": {k: {"lengths": g.get("lengths"), "flops": g.get("flops"), "error": g.get("error"),
-                           "first_losses": g.get("first_losses"), "contenders": g.get("summary")}
-                       for k, g in groups.items()},
+                           "first_losses": g.get("first_losses"), "contenders": g.get("summary"),
+                           "kernels": g.get("kernels")}
+                       for k, g in groups.items() if k != "size"},
             "verdicts": [{"what": w, "value": v, "target": f"{op} {t}", "met": m} for w, v, op, t, m in verdicts(groups)]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
@@ -297,6 +354,9 @@ def main() -> None:
     spec = SPEC if not args.quick else QUICK_SPEC
     scale = 1 if not args.quick else 128
     mixed = tuple(max(2, n // scale) for n in MIXED)
+    memory = torch.cuda.get_device_properties(0).total_memory if gpu else None
+    tiny_mixed, size = fit_tiny(spec, mixed, memory)
+    print(f"tiny group: {size}", flush=True)
     short = tuple(max(2, n // scale) for n in SHORT[:16 if args.quick else None])
     long = tuple(max(2, n // scale) for n in LONG)
     output = args.output or (RESULTS if gpu else Path(tempfile.mkdtemp(prefix="gpu_step_")) / "gpu_step.json")
@@ -309,9 +369,9 @@ def main() -> None:
     env = environment(device)
     print(f"{env['device']}, torch {env['torch']}; LM-head loss: {env['lm_head_loss']}", flush=True)
     wanted = [g.strip() for g in args.groups.split(",") if g.strip()]
-    plan = {"tiny": ("tiny mixed", mixed), "hf": ("hf mixed", mixed), "short": ("hf short", short),
+    plan = {"tiny": ("tiny mixed", tiny_mixed), "hf": ("hf mixed", mixed), "short": ("hf short", short),
             "long": ("hf long", long)}
-    groups: dict = {}
+    groups: dict = {"size": size}
     native = None
     try:
         for i, key in enumerate(wanted):
@@ -330,6 +390,7 @@ def main() -> None:
                             native = hf_model(spec).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
                     group.update(hf_group(native, batch, args, deadline, meter))
                 group["summary"] = {n: summary(c, group["flops"]) for n, c in group["contenders"].items()}
+                group["kernels"] = kernels_of(group["contenders"])
             except (RuntimeError, ValueError, ImportError) as exc:   # one group's failure (an unsupported model...)
                 group["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             group.pop("contenders", None)   # free this group's models and optimizer states before the next

@@ -6,7 +6,9 @@ Checks, each printed as a table row and written to a JSON report (exit code 1 wh
    model's head layout against a float64 reference on the same packed batch, outputs and q/k/v
    gradients, *including padding rows* past ``cu_seqlens[-1]``: their output and gradients must be
    exactly 0 (a kernel's backward may leave anything in rows it never visits; training at degree > 1
-   pads every group).
+   pads every group). On CUDA the allocator is poisoned first (``runtime.poison``: a large NaN block
+   freed just before), so an unwritten row shows every time; the row names the kernels the profiler saw
+   run, forward and backward (``runtime.kernels.ran``), beside the one the rule asked for.
 2. **step**: the degree-1 ``StepExecutor`` step against the plain per-sequence loop
    (``flexsp.runtime.models.plain``, or the transformers model itself with ``--hf-config``) under the same
    autocast, from the same weights: losses and SGD updates agree within the compute dtype's tolerance;
@@ -18,7 +20,9 @@ Checks, each printed as a table row and written to a JSON report (exit code 1 wh
    states) never above the capacity model's whole budget (``selftest_model.budget``: states +
    activations) by more than the workspace the capacity formula leaves (``1 - usable_memory``).
 4. **host syncs** (CUDA): ``torch.cuda.set_sync_debug_mode("error")`` from the step's packing to the
-   end of its last backward; a synchronising call is reported with its innermost flexsp call site.
+   end of its last backward; a synchronising call is reported with its innermost flexsp call site. The
+   LM-head library's own syncs (liger-kernel's ``.item()`` and ``torch.equal``) are outside the check
+   (``fused_loss.library_syncs_allowed``); FlexSP's code around them is not.
 5. **all-to-all** on the ranks available: under ``torchrun`` a round trip over the world equals its
    input; with one rank there is nothing to exchange (skipped).
 
@@ -82,7 +86,8 @@ def kernel_batch(spec, half: bool) -> tuple[tuple[int, ...], int]:
 
 
 def _kernels(torch, device, spec) -> dict:
-    from flexsp.runtime.kernels import attend, attend_lse, reference, resolve_backend
+    from flexsp.runtime.kernels import attend, attend_lse, ran, reference, resolve_backend
+    from flexsp.runtime.poison import poison_allocator
 
     half = device.type == "cuda"
     dtype = torch.bfloat16 if half else torch.float32
@@ -94,30 +99,36 @@ def _kernels(torch, device, spec) -> dict:
     dout = torch.randn(rows, spec.heads, spec.head_size, generator=g, dtype=torch.float64).to(device)
     cu = torch.tensor(bounds, dtype=torch.int32).to(device)
     worst, leak = 0.0, 0.0
+    seen: dict[str, dict[str, list[str]]] = {}
     for lse in (False, True):
         dev = [t.to(dtype).requires_grad_() for t in base]
         ref = [t.clone().requires_grad_() for t in base]   # float64 on the device: the reference is exact
+        poison_allocator(device)                           # unwritten rows read NaN, not a lucky zero
         if lse:
-            out = attend_lse(*dev, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True,
-                             bounds_q=bounds, bounds_k=bounds)[0]
+            out, fwd = ran.kernels_in(lambda: attend_lse(*dev, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                                                         causal=True, bounds_q=bounds, bounds_k=bounds)[0])
             want = reference(*ref, bounds, bounds, causal=True)
         else:
-            out = attend(*dev, cu, max_seqlen=longest, bounds=bounds)
+            out, fwd = ran.kernels_in(lambda: attend(*dev, cu, max_seqlen=longest, bounds=bounds))
             want = reference(*ref, bounds)
-        grads = torch.autograd.grad((out.double() * dout).sum(), dev)
+        grads, bwd = ran.kernels_in(lambda: torch.autograd.grad((out.double() * dout).sum(), dev))
+        seen["attend_lse" if lse else "attend"] = {"forward": fwd["forward"], "backward": bwd["backward"]}
         wants = torch.autograd.grad((want * dout).sum(), ref)
         for got, exp in zip((out, *grads), (want, *wants)):
             scale = exp[:real].abs().max().item() or 1.0
             worst = max(worst, (got[:real].double() - exp[:real]).abs().max().item() / scale)
             leak = max(leak, got[real:].double().abs().max().nan_to_num(float("inf")).item())
-    kernel = resolve_backend("auto", base[0].to(dtype))
+    kernel = resolve_backend("auto", base[0].to(dtype), bounds)
     tol = KERNEL_TOLERANCE[half]
     ok = worst <= tol and leak == 0.0
+    ran_text = "; ".join(f"{name} {ran.describe(k)}" for name, k in seen.items())
     return _row("kernels", PASS if ok else FAIL,
-                f"auto -> {kernel} ({str(dtype).replace('torch.', '')}, {spec.heads}/{spec.kv_heads} heads x "
-                f"{spec.head_size}), max error / max |ref| {worst:.1e} (tolerance {tol:.0e}); {rows - real} padding "
-                f"rows: max |output or q/k/v grad| {leak:.1e} (must be exactly 0)",
-                kernel=kernel, max_relative_error=worst, padding_max_abs=leak)
+                f"auto -> {kernel}, ran: {ran_text} ({str(dtype).replace('torch.', '')}, {spec.heads}/{spec.kv_heads} "
+                f"heads x {spec.head_size}), max error / max |ref| {worst:.1e} (tolerance {tol:.0e}); {rows - real} "
+                f"padding rows{' (allocator poisoned with NaN)' if half else ''}: max |output or q/k/v grad| "
+                f"{leak:.1e} (must be exactly 0)",
+                kernel=kernel, kernels_ran=seen,
+                max_relative_error=worst, padding_max_abs=leak)
 
 
 # --- 2. step ----------------------------------------------------------------------------------------------
@@ -314,11 +325,15 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
     def disarm() -> None:
         torch.cuda.set_sync_debug_mode(0)
 
+    from flexsp.runtime.models.fused_loss import library_syncs_allowed
+
     probe.on_open, probe.on_close = arm, disarm
     try:
-        executor.run_plan(plan, batch)
-        syncs = _row("host syncs", PASS, "none from the step's packing to the end of its backward "
-                                         "(set_sync_debug_mode('error'), warmed-up step)")
+        with library_syncs_allowed():
+            executor.run_plan(plan, batch)
+        syncs = _row("host syncs", PASS, "none in FlexSP's code from the step's packing to the end of its backward "
+                                         "(set_sync_debug_mode('error'), warmed-up step; the LM-head library's own "
+                                         "syncs excluded)")
     except RuntimeError as exc:
         syncs = _row("host syncs", FAIL, f"a synchronising call inside the step at {call_site(exc)}: "
                                          f"{str(exc).splitlines()[0]}", site=call_site(exc))

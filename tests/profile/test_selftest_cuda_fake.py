@@ -188,3 +188,78 @@ def test_another_shape_on_cpu_through_the_cli(tmp_path):
     assert report["model"]["hidden"] == 64 and report["model"]["vocab"] == 256 and report["vocab_note"] == ""
     kernels = report["checks"][0]
     assert kernels["padding_max_abs"] == 0.0 and kernels["status"] == "pass"
+
+
+class _SyncingLibrary(torch.autograd.Function):
+    """liger-kernel's fused linear cross-entropy as it behaves on CUDA: a host sync in forward (``.item()``)
+    and one in backward (``torch.equal``), which sync-debug mode "error" turns into a raise."""
+
+    cuda = None
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels):
+        _SyncingLibrary.cuda.sync("liger forward .item()")
+        ctx.save_for_backward(hidden, weight, labels)
+        return torch.nn.functional.cross_entropy(hidden @ weight.t(), labels, ignore_index=-100, reduction="sum")
+
+    @staticmethod
+    def backward(ctx, grad):
+        _SyncingLibrary.cuda.sync("liger backward torch.equal")
+        hidden, weight, labels = ctx.saved_tensors
+        with torch.enable_grad():
+            h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+            loss = torch.nn.functional.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum")
+            gh, gw = torch.autograd.grad(loss * grad, (h, w))
+        return gh, gw, None
+
+
+def _library(input, weight, target, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
+    assert reduction == "sum" and accum_dtype == torch.float32 and bias is None
+    return _SyncingLibrary.apply(input, weight, target)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["library syncs only", "a planted .item() in FlexSP"])
+def test_host_sync_check_allows_the_librarys_own_syncs_and_catches_flexsps(monkeypatch, planted):
+    import sys
+
+    from flexsp.runtime.models import fused_loss, tiny
+    spec = sm.resolve_spec("hidden=64,layers=1,heads=2,kv_heads=1,ffn=128,vocab=256")
+    fake_cuda = _FakeCuda(allocated=3 * GIB, extra=GIB)
+    syncs = []
+
+    def sync(what):
+        syncs.append(what)
+        if fake_cuda.mode in ("error", 2):       # set by name, or restored from get_sync_debug_mode's int
+            raise RuntimeError(f"called a synchronizing CUDA operation ({what})")
+    fake_cuda.sync = sync
+    fake_cuda.get_sync_debug_mode = lambda: {"error": 2, "warn": 1}.get(fake_cuda.mode, fake_cuda.mode)
+    _SyncingLibrary.cuda = fake_cuda
+    shim = types.SimpleNamespace(**{k: getattr(torch, k) for k in ("optim", "bfloat16", "float32")}, cuda=fake_cuda)
+    # the library on this CPU, and torch.cuda's sync-debug switch where fused_loss reads it
+    monkeypatch.setitem(sys.modules, fused_loss.LIBRARY_MODULE,
+                        types.SimpleNamespace(**{fused_loss.LIBRARY_FUNCTION: _library}))
+    monkeypatch.setattr(fused_loss, "LIBRARY_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", fake_cuda.get_sync_debug_mode)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", fake_cuda.set_sync_debug_mode)
+    if planted:   # FlexSP's own code reads a device value on the host: what .item() does on CUDA
+        real_loss = tiny.lm_head_loss
+
+        def loss(*args, **kwargs):
+            out = real_loss(*args, **kwargs)
+            sync("flexsp .item()")
+            return out
+        monkeypatch.setattr(tiny, "lm_head_loss", loss)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(1, spec.vocab, (n,), generator=g) for n in (20, 9, 5)]
+    from flexsp.plan.types import Group, MicroBatch, Plan
+    plan = Plan(num_gpus=1, predicted_time=0.0, micro_batches=(MicroBatch((Group((0,), (0, 1, 2)),)),))
+    with st.world_of_one():
+        built = sm.build(torch, spec, torch.device("cpu"), half=True)
+        _, row = st._memory_and_syncs(shim, torch.device("cpu"), built, plan, batch, 34)
+    assert "liger forward .item()" in syncs and "liger backward torch.equal" in syncs   # the library did run
+    if planted:
+        assert row["status"] == st.FAIL and row["site"].startswith("flexsp/runtime/models/tiny.py:"), row
+        assert "flexsp .item()" in row["detail"]
+    else:
+        assert row["status"] == st.PASS, row["detail"]
+    assert fake_cuda.mode == 0

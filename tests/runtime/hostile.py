@@ -11,6 +11,12 @@ forward output, the lse, and the backward's dq/dk/dv: what uninitialised memory 
 ``install(setter, poison, facts)`` puts them in place of the installed kernels and makes the rule treat
 the CPU as a device that runs them (``rule.device_facts``); ``setter`` is ``monkeypatch.setattr`` in a
 test, plain ``setattr`` in a spawned rank (whose process ends with the test).
+
+``install(..., selecting=True)`` installs the newer ``varlen_attn`` instead (pytorch PR 193631, on a faked
+Hopper with cuDNN 9.19, ``HOPPER``): it selects cuDNN or Flash by what ``sdpa_kernel`` enables, cuDNN
+first where its constraints hold (max_q > 128, no GQA, one cu_seqlens tensor for q and k when causal),
+*raises* when only cuDNN is enabled and they do not, saves the backend for its own backward, and its
+backward op takes that ``backend`` (``SDPBackend`` value). ``Trace.calls`` records which backend ran.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from flexsp.runtime.kernels.varlen import VarlenAPI
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 # An A100-like device (auto runs varlen) whose kernels also take fp32/fp64 CPU tensors.
 FACTS = DeviceFacts("cpu", (8, 0), varlen=True, flash=2, kernel_dtypes=FLOATS)
+# A Hopper GPU on a torch whose varlen_attn selects its backend, with cuDNN 9.19 (the newer stand-in).
+HOPPER = DeviceFacts("cpu", (9, 0), varlen=True, kernel_dtypes=FLOATS, varlen_selects=True, cudnn=91900)
+CUDNN, FLASH = 3, 1      # SDPBackend.CUDNN_ATTENTION.value, SDPBackend.FLASH_ATTENTION.value
 
 
 class Aux(NamedTuple):
@@ -115,18 +124,24 @@ class _Attention(torch.autograd.Function):
     """The stand-in's autograd: its own backward writes poison into rows it does not own, as FA2's may."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, poison, left=-1, softcap=None):
-        out, lse = _forward(q, k, v, cu_q, cu_k, causal, scale, poison, left, softcap)
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, poison, left=-1, softcap=None, backend=None):
+        """``backend``: the newer stand-in's selection, which its backward records (None: the older ones')."""
+        with torch.profiler.record_function(f"aten::_{backend or 'flash'}_attention_forward"):
+            out, lse = _forward(q, k, v, cu_q, cu_k, causal, scale, poison, left, softcap)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = causal, scale, poison, left, softcap
+        ctx.args = causal, scale, poison, left, softcap, backend
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        causal, scale, poison, left, softcap = ctx.args
-        return (*_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison, left, softcap),
-                None, None, None, None, None, None, None)
+        causal, scale, poison, left, softcap, backend = ctx.args
+        if backend is not None:
+            Trace.calls.append({"op": "autograd backward", "cudnn": _cudnn_only(), "kv_heads": k.shape[1],
+                                "backend": backend})
+        with torch.profiler.record_function(f"aten::_{backend or 'flash'}_attention_backward"):
+            grads = _backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, poison, left, softcap)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 POISON = {"value": float("nan")}   # per process; ``install`` sets it
@@ -138,7 +153,8 @@ def hostile_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, 
     left, right = tuple(window_size)
     assert right in (0, -1) and left >= -1 and (right == 0 or left == -1)
     assert enable_gqa or key.shape[1] == query.shape[1]
-    Trace.calls.append({"op": "forward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1], "window": left})
+    Trace.calls.append({"op": "forward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1], "window": left,
+                        "backend": "flash"})
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out, lse = _Attention.apply(query, key, value, cu_seq_q, cu_seq_k, right == 0, scale, POISON["value"], left)
     return (out, lse) if return_aux is not None and return_aux.lse else out
@@ -148,10 +164,62 @@ def hostile_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_
                             rng_state, scale=None, window_size=None):
     """The backward op's schema (``torch_attn::_varlen_attn_backward``)."""
     left = -1 if window_size is None else int(window_size[0])
-    Trace.calls.append({"op": "backward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1], "window": left})
+    Trace.calls.append({"op": "backward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1], "window": left,
+                        "backend": "flash"})
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return _backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, is_causal, scale, POISON["value"],
-                     left)
+    with torch.profiler.record_function("aten::_flash_attention_backward"):
+        return _backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, is_causal, scale,
+                         POISON["value"], left)
+
+
+# --- the newer varlen_attn: selection by sdpa_kernel, cuDNN's constraints, the backend saved for backward ----
+def select_backend(query, key, value, cu_seq_q, cu_seq_k, max_q, window_size, enable_gqa=False, seqused_k=None,
+                   block_table=None, num_splits=None) -> int:
+    """torch's ``_select_backend`` rules: cuDNN first when enabled and eligible, else Flash when enabled, else
+    an error naming cuDNN's unmet constraints."""
+    cudnn_on = torch.backends.cuda.cudnn_sdp_enabled()
+    reasons = []
+    if max_q <= 128:
+        reasons.append("max_q must be greater than 128")
+    if query.shape[-1] % 8 or query.shape[-1] > 128:
+        reasons.append("head dimension")
+    if list(window_size) == [-1, 0] and cu_seq_q is not cu_seq_k:
+        reasons.append("causal attention requires the same cu_seq tensor for Q and K")
+    if enable_gqa or query.shape[1] != key.shape[1]:
+        reasons.append("GQA is not supported")
+    if cudnn_on and not reasons:
+        return CUDNN
+    if torch.backends.cuda.flash_sdp_enabled():
+        return FLASH
+    if cudnn_on:
+        raise RuntimeError("SDPBackend.CUDNN_ATTENTION was requested for varlen_attn, but its constraints are not "
+                           "satisfied: " + "; ".join(reasons))
+    raise RuntimeError("No viable backend for varlen_attn")
+
+
+def selecting_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                          window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """The newer ``varlen_attn``: the backend selected here, saved for the autograd backward."""
+    assert tuple(window_size) in ((-1, 0), (-1, -1))
+    assert enable_gqa or key.shape[1] == query.shape[1]
+    backend = "cudnn" if select_backend(query, key, value, cu_seq_q, cu_seq_k, max_q, list(window_size),
+                                        enable_gqa) == CUDNN else "flash"
+    Trace.calls.append({"op": "forward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1], "backend": backend})
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    out, lse = _Attention.apply(query, key, value, cu_seq_q, cu_seq_k, tuple(window_size) == (-1, 0), scale,
+                                POISON["value"], -1, None, backend)
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+def selecting_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                              rng_state, scale=None, window_size=None, backend=FLASH):
+    """The newer backward op: runs the ``backend`` it is given (the forward's), whatever is enabled now."""
+    name = {CUDNN: "cudnn", FLASH: "flash"}[backend]
+    Trace.calls.append({"op": "backward", "cudnn": _cudnn_only(), "kv_heads": key.shape[1], "backend": name})
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    with torch.profiler.record_function(f"aten::_{name}_attention_backward"):
+        return _backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, is_causal, scale,
+                         POISON["value"])
 
 
 def hostile_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -186,12 +254,19 @@ def hostile_flash_attn_varlen_sink_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max
     return out.to(q.dtype), lse.float()
 
 
-def install(setter=setattr, poison: float = float("nan"), facts: DeviceFacts = FACTS, flash=None) -> VarlenAPI:
-    """The stand-ins in place of ``varlen_attn`` and flash-attn, the rule told the CPU runs them.
-    ``flash``: the flash-attn function to stand in (default: flash-attn 2's), its features read from its
-    signature as ``flash.installed`` reads the real one's."""
-    api = VarlenAPI.detect(hostile_varlen_attn, Aux, hostile_varlen_backward)
-    assert api is not None and api.backward_op is not None and api.gqa and api.scale
+def install(setter=setattr, poison: float = float("nan"), facts: DeviceFacts | None = None, flash=None, *,
+            selecting: bool = False) -> VarlenAPI:
+    """The stand-ins in place of ``varlen_attn`` and flash-attn, the rule told the CPU runs them (``facts``:
+    ``HOPPER`` with ``selecting``, else ``FACTS``). ``flash``: the flash-attn function to stand in (default:
+    flash-attn 2's), its features read from its signature as ``flash.installed`` reads the real one's."""
+    facts = facts if facts is not None else HOPPER if selecting else FACTS
+    if selecting:
+        api = VarlenAPI.detect(selecting_varlen_attn, Aux, selecting_varlen_backward, select_backend)
+        assert api is not None and api.selects
+    else:
+        api = VarlenAPI.detect(hostile_varlen_attn, Aux, hostile_varlen_backward)
+        assert api is not None and not api.selects
+    assert api.backward_op is not None and api.gqa and api.scale
     setter(varlen_mod, "VARLEN", api)
     setter(flash_mod, "FLASH", flash_mod.FlashAPI.of(flash or hostile_flash_attn_varlen_func, 2))
     setter(rule, "device_facts", lambda device=None: facts)

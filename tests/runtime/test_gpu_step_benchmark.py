@@ -69,3 +69,16 @@ def test_a_failing_contender_is_reported_and_the_others_go_on():
     text, ok = bench.report(summaries, {"device": "CPU x", "torch": "t", "transformers": "t", "liger_kernel": None,
                                         "lm_head_loss": "own"}, bench.QUICK_SPEC, gpu=False)
     assert not ok and "MemoryError: CUDA out of memory" in text and "MISSED" in text
+
+
+def test_the_tiny_group_sizes_itself_to_an_80gb_h100_and_keeps_full_size_on_a_141gb_h200():
+    """The plain loop's kept logits beside two models' fp32 AdamW states: ~91 GB at 33,792 tokens."""
+    bench = experiment("gpu_step_benchmark")
+    gib = 2**30
+    full = sum(bench.MIXED)
+    h200, text200 = bench.fit_tiny(bench.SPEC, bench.MIXED, 140 * gib)
+    h100, text100 = bench.fit_tiny(bench.SPEC, bench.MIXED, 79.6 * gib)
+    assert sum(h200) == full and text200.startswith("full size: 33,792 tokens")
+    assert bench.tiny_peak_bytes(bench.SPEC, bench.MIXED) > bench.FIT_SHARE * 79.6 * gib     # why it must shrink
+    assert sum(h100) < full and bench.tiny_peak_bytes(bench.SPEC, h100) <= bench.FIT_SHARE * 79.6 * gib
+    assert len(h100) == len(bench.MIXED) and "tokens / " in text100 and f"{sum(h100):,} tokens" in text100

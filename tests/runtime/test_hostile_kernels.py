@@ -158,18 +158,91 @@ def test_merge_ignores_garbage_in_a_partial_that_saw_no_key():
     assert bool((grads[2] == 0).all())
 
 
-def test_varlen_cudnn_runs_forward_and_backward_under_cudnn_with_kv_heads_repeated(monkeypatch):
-    hostile.install(monkeypatch.setattr, NAN, DeviceFacts("cpu", (9, 0), (2, 14), varlen=True,
-                                                          kernel_dtypes=hostile.FLOATS))
-    q, k, v = _qkv(16, 4, 2, torch.float32)
-    out = attend(q, k, v, (0, 9, 13), backend="auto")           # the rule picks cuDNN varlen on this torch
+def _ran(op=None):
+    return [(c["op"], c["backend"], c["kv_heads"]) for c in hostile.Trace.calls if op is None or c["op"] == op]
+
+
+def test_cudnn_varlen_where_its_constraints_hold_with_the_forwards_backend_in_backward(monkeypatch):
+    """The newer varlen_attn on a faked Hopper: a long GQA micro-batch runs cuDNN (kv heads repeated) forward
+    and backward - the backward op told ``backend=cuDNN`` - exact, padding rows zero."""
+    hostile.install(monkeypatch.setattr, NAN, selecting=True)
+    q, k, v = _qkv(300, 4, 2, torch.bfloat16)                    # cuDNN takes fp16/bf16 only
+    bounds = (0, 200, 290)                                       # longest 200 > 128; 10 padding rows
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    out = attend(q, k, v, cu, max_seqlen=200, bounds=bounds, backend="auto")
+    grads = torch.autograd.grad((out * _weights(out, 2)).sum(), (q, k, v))
+    assert _ran() == [("forward", "cudnn", 4), ("backward", "cudnn", 4)]
+    assert not any(c["cudnn"] for c in hostile.Trace.calls)      # never cuDNN alone: Flash enabled beside it
+    assert _zero_rows(out, 290) and all(_zero_rows(g, 290) for g in grads)
+    leaves, want, _ = _exact(q, k, v, bounds)
+    torch.testing.assert_close(out.double(), want, **TOL[torch.bfloat16])
+    for got, exp in zip(grads, torch.autograd.grad((want * _weights(out, 2).double()).sum(), leaves)):
+        torch.testing.assert_close(got.double(), exp, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("backend", ["auto", "varlen_cudnn"])
+@pytest.mark.parametrize("bounds,rows", [((0, 1), 8), ((0, 100, 128), 136)], ids=["idle dummy", "128 tokens"])
+def test_idle_dummy_and_short_micro_batches_never_reach_cudnn(monkeypatch, backend, bounds, rows):
+    """The executor's one-token idle micro-batch and micro-batches of <= 128 tokens: Flash, forward and
+    backward, even when varlen_cudnn is asked for (cuDNN would raise there with only itself enabled)."""
+    hostile.install(monkeypatch.setattr, NAN, selecting=True)
+    q, k, v = _qkv(rows, 4, 2, torch.bfloat16)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    out = attend(q, k, v, torch.tensor(bounds, dtype=torch.int32), max_seqlen=longest, bounds=bounds,
+                 backend=backend)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
-    assert [(c["op"], c["cudnn"], c["kv_heads"]) for c in hostile.Trace.calls] == [("forward", True, 4),
-                                                                                   ("backward", True, 4)]
-    assert _zero_rows(out, 13) and all(_zero_rows(g, 13) for g in grads)
-    leaves, want, _ = _exact(q, k, v, (0, 9, 13))
-    for got, exp in zip(grads, torch.autograd.grad(want.sum(), leaves)):
-        torch.testing.assert_close(got.double(), exp, **TOL[torch.float32])
+    assert {b for _, b, _ in _ran()} == {"flash"} and len(_ran()) == 2
+    assert _zero_rows(out, bounds[-1]) and all(_zero_rows(g, bounds[-1]) for g in grads)
+
+
+def test_the_stand_in_raises_where_only_cudnn_is_enabled_and_its_constraints_fail(monkeypatch):
+    """What the previous varlen_cudnn (cuDNN alone) met on such a torch: the test above can fail."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    hostile.install(monkeypatch.setattr, NAN, selecting=True)
+    q, k, v = _qkv(8, 4, 4, torch.bfloat16)
+    cu = torch.tensor((0, 1), dtype=torch.int32)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), pytest.raises(RuntimeError, match="max_q must be greater"):
+        hostile.selecting_varlen_attn(q, k, v, cu, cu, 1, 1, window_size=(-1, 0))
+
+
+def test_ring_blocks_with_their_own_bounds_and_plain_varlen_run_flash(monkeypatch):
+    """A causal lse call with distinct q/k bound tensors (the ring's) cannot take cuDNN; ``varlen`` on a
+    torch that would pick eligible cuDNN by itself is held to Flash. Both backwards get ``backend=Flash``."""
+    hostile.install(monkeypatch.setattr, NAN, selecting=True)
+    q, k, v = _qkv(300, 4, 4, torch.bfloat16)
+    cu_q, cu_k = torch.tensor((0, 200, 290), dtype=torch.int32), torch.tensor((0, 200, 290), dtype=torch.int32)
+    out, lse = attend_lse(q, k, v, cu_q, cu_k, max_seqlen_q=200, max_seqlen_k=200, causal=True,
+                          backend="varlen_cudnn")
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert _ran() == [("forward", "flash", 4), ("backward", "flash", 4)]
+    hostile.Trace.calls.clear()
+    out = attend(q, k, v, cu_q, max_seqlen=200, backend="varlen")
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert _ran() == [("forward", "flash", 4), ("autograd backward", "flash", 4)]
+
+
+def test_varlen_cudnn_is_refused_where_the_torch_does_not_select(monkeypatch):
+    from flexsp.runtime.kernels import AttentionError
+    hostile.install(monkeypatch.setattr, NAN, DeviceFacts("cpu", (9, 0), varlen=True, kernel_dtypes=hostile.FLOATS,
+                                                          cudnn=91900))
+    q, k, v = _qkv(16, 4, 2, torch.bfloat16)
+    with pytest.raises(AttentionError, match="selects its backend by sdpa_kernel"):
+        attend(q, k, v, (0, 9, 13), backend="varlen_cudnn")
+    assert attend(q, k, v, (0, 9, 13), backend="auto").shape == q.shape    # auto: Flash's varlen
+
+
+def test_the_report_names_the_kernels_that_ran(monkeypatch):
+    from flexsp.runtime.kernels import ran
+    hostile.install(monkeypatch.setattr, NAN, selecting=True)
+    q, k, v = _qkv(300, 4, 2, torch.bfloat16)
+    bounds = (0, 200, 290)
+    out, fwd = ran.kernels_in(lambda: attend(q, k, v, bounds, max_seqlen=200, bounds=bounds))
+    _, bwd = ran.kernels_in(lambda: torch.autograd.grad(out.sum(), (q, k, v)))
+    assert fwd == {"forward": ["cudnn"], "backward": []} and bwd == {"forward": [], "backward": ["cudnn"]}
+    assert ran.describe(ran.merged(fwd, bwd)) == "forward cudnn, backward cudnn"
+    q, k, v = _qkv(20, 4, 2, torch.float32)
+    _, both = ran.kernels_in(lambda: torch.autograd.grad(attend(q, k, v, (0, 20), backend="sdpa").sum(), (q, k, v)))
+    assert both == {"forward": ["sdpa flash (cpu)"], "backward": ["sdpa flash (cpu)"]}
 
 
 # --- a planned step on gloo ranks, the stand-ins in every rank ------------------------------------

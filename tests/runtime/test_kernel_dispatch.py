@@ -183,16 +183,23 @@ def test_installed_torch_signature_is_detected():
     want = "window_size" if "window_size" in inspect.signature(varlen.varlen_attn).parameters else "is_causal"
     assert api.causal_arg == want and api.backward_op is not None and "lse" in api.backward_args
     assert math.isfinite(api.backward_args.index("max_k"))
+    # what the installed torch offers, read from it (torch 2.11: no enable_gqa; 2.13: enable_gqa; neither selects)
+    assert api.gqa == ("enable_gqa" in inspect.signature(varlen.varlen_attn).parameters)
+    assert api.selects == (hasattr(varlen, "_select_backend") or "backend" in api.backward_args)
 
 
 # --- the rule on faked devices ------------------------------------------------------------------------
-from flexsp.runtime.kernels.rule import (FEW_SEQUENCES, LONG_MEAN, VARLEN_CUDNN_SINCE, DeviceFacts,  # noqa: E402
+from flexsp.runtime.kernels.rule import (FEW_SEQUENCES, LONG_MEAN, DeviceFacts,  # noqa: E402
                                          LengthMix, choose, lse_kernel)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 H200 = DeviceFacts("cuda", (9, 0), (2, 11), varlen=True)                 # the measured machine
 H100_FA3 = DeviceFacts("cuda", (9, 0), (2, 11), varlen=True, flash=3)
-H100_NEW_TORCH = DeviceFacts("cuda", (9, 0), VARLEN_CUDNN_SINCE, varlen=True)
+H100_NEW_TORCH = DeviceFacts("cuda", (9, 0), (2, 14), varlen=True, varlen_selects=True, cudnn=91900)
+H100_OLD_CUDNN = DeviceFacts("cuda", (9, 0), (2, 14), varlen=True, varlen_selects=True, cudnn=91000)
+H100_NO_HOOK = DeviceFacts("cuda", (9, 0), (2, 15), varlen=True, cudnn=91900)     # a newer torch, no selection
+IDLE_MIX = LengthMix.of((0, 1))                                                   # the executor's idle dummy
+SHORT_128 = LengthMix.of(tuple(range(0, 8 * 128 + 1, 128)))                       # longest exactly 128
 A100 = DeviceFacts("cuda", (8, 0), (2, 11), varlen=True)
 A100_FA2_OLD_TORCH = DeviceFacts("cuda", (8, 0), (2, 9), varlen=False, flash=2)
 HOPPER_NO_KERNELS = DeviceFacts("cuda", (9, 0), (2, 9))
@@ -220,6 +227,11 @@ EIGHT_4K = LengthMix.of(tuple(range(0, 8 * 4096 + 1, 4096)))
     (H100_NEW_TORCH, BF16, 128, SHORT_MIX, "varlen_cudnn"),
     (H100_NEW_TORCH, BF16, 128, MEASURED_MIX, "varlen_cudnn"),
     (H100_NEW_TORCH, BF16, 256, MEASURED_MIX, "varlen"),
+    (H100_NEW_TORCH, BF16, 128, IDLE_MIX, "varlen"),        # cuDNN takes max_q > 128 only
+    (H100_NEW_TORCH, BF16, 128, SHORT_128, "varlen"),
+    (H100_NEW_TORCH, BF16, 128, None, "varlen"),            # lengths unknown: cannot check max_q
+    (H100_OLD_CUDNN, BF16, 128, SHORT_MIX, "varlen"),       # cuDNN < 9.18
+    (H100_NO_HOOK, BF16, 128, SHORT_MIX, "varlen"),         # the version alone decides nothing
     # Ampere: SDPA per sequence would run the same FA2 kernel in more launches
     (A100, BF16, 128, MEASURED_MIX, "varlen"),
     (A100, BF16, 64, SHORT_MIX, "varlen"),
@@ -251,8 +263,10 @@ def test_resolve_backend_reads_the_length_mix_from_host_bounds_and_checks_overri
     assert resolve_backend("auto", q, None, facts=H200) == "varlen"
     assert resolve_backend("varlen", q, bounds, facts=H200) == "varlen"          # backend= overrides the rule
     assert resolve_backend("sdpa_each", q, bounds, facts=H200) == "sdpa_each"
-    with pytest.raises(kernels.AttentionError, match="'varlen_cudnn' needs torch >= 2.14"):
+    with pytest.raises(kernels.AttentionError, match="'varlen_cudnn' needs a varlen_attn that selects its backend"):
         resolve_backend("varlen_cudnn", q, bounds, facts=H200)
+    with pytest.raises(kernels.AttentionError, match=r"cuDNN >= 9.18 \(this is 91000\)"):
+        resolve_backend("varlen_cudnn", q, bounds, facts=H100_OLD_CUDNN)
     with pytest.raises(kernels.AttentionError, match="'flash' needs flash_attn installed"):
         resolve_backend("flash", q, bounds, facts=H200)
     with pytest.raises(kernels.AttentionError, match="'varlen' needs CUDA tensors in float16/bfloat16"):
@@ -275,5 +289,6 @@ def test_device_facts_of_this_machine(monkeypatch):
     facts = rule.device_facts(fake.device)            # fake CUDA on a CPU build: no capability to read
     assert facts.varlen == (kernels.VARLEN is not None) and facts.capability is None
     assert facts.torch_version == rule._version(torch.__version__) and rule._version("2.14.0a0+git1") == (2, 14)
+    assert facts.varlen_selects == (kernels.VARLEN is not None and kernels.VARLEN.selects)
     monkeypatch.setattr(flash_mod, "FLASH", flash_mod.FlashAPI(object(), 3))
     assert rule.device_facts(fake.device).flash == 3 and rule.device_facts("cpu").flash == 0

@@ -160,6 +160,9 @@ def test_no_weight_shaped_temporary_per_chunk_at_llama3_vocab(path, monkeypatch)
 
     import flexsp.runtime.models.loss as loss_mod
     if "out_dtype" in path:   # CUDA's branch on fake CPU tensors (their meta kernel has out_dtype)
+        from .test_cuda_fake import fake_out_dtype_addmm
+        if not fake_out_dtype_addmm():
+            pytest.skip("this torch's fake addmm(out_dtype=) fails (torch 2.11's decomposition): shapes unknowable")
         monkeypatch.setattr(loss_mod, "has_out_dtype_matmul", lambda device: True)
     tokens, hidden, vocab = 16384, 8, 128256
     with FakeTensorMode():

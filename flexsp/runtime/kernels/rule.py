@@ -1,17 +1,19 @@
 """Which kernel ``backend="auto"`` runs: a pure function of the device, the dtype, the head dim and the
 micro-batch's length mix, so the choice is the same in every layer of a micro-batch and testable on CPU.
 
-Inputs: ``DeviceFacts`` (device type, CUDA capability, torch version, which kernels are installed and
-usable there, the dtypes they take) and ``LengthMix`` (non-empty sequences, tokens, longest) read from
+Inputs: ``DeviceFacts`` (device type, CUDA capability, cuDNN version, which kernels are installed and
+usable there and whether torch's ``varlen_attn`` selects its backend, the dtypes they take) and ``LengthMix`` (non-empty sequences, tokens, longest) read from
 the host bounds ``AttentionContext`` carries - never from a device tensor. ``choose`` decides, in order:
 
 1. ``sdpa`` when the varlen/flash kernels cannot take the inputs: not fp16/bf16 (fp32 on CUDA runs SDPA's
    efficient/cuDNN kernel per call), head dim not a multiple of 8 or above 256, no CUDA (CPU: SDPA's fused
    flash kernel per sequence).
 2. Hopper (sm90+) with FlashAttention-3 installed: ``flash`` (one launch; FA3 is Hopper's FA kernel).
-3. Hopper, head dim <= 128, a torch whose ``varlen_attn`` honours ``sdpa_kernel(CUDNN_ATTENTION)``
-   (``VARLEN_CUDNN_SINCE``; pytorch PR 193631 - torch 2.13.0's varlen has the cuDNN branch but never
-   takes it): ``varlen_cudnn``, cuDNN's kernel in one launch.
+3. sm90/sm100, head dim <= 128, cuDNN >= 9.18, a torch whose ``varlen_attn`` selects its backend by
+   ``sdpa_kernel`` (``VarlenAPI.selects``, read from the installed torch: pytorch PR 193631), and a longest
+   sequence past ``varlen.CUDNN_MIN_Q``: ``varlen_cudnn``, cuDNN's kernel in one launch with Flash enabled
+   beside it. Each call still checks cuDNN's constraints on its own bounds (``varlen.cudnn_fits``) and runs
+   Flash where they fail (the idle rank's one-token micro-batch, short ring blocks).
 4. Hopper, head dim <= 128, few long sequences (at most ``FEW_SEQUENCES`` non-empty, mean length at least
    ``LONG_MEAN`` tokens): ``sdpa``, one ``is_causal`` SDPA call per sequence, where SDPA runs cuDNN
    attention. Measured on one H200 (torch 2.11, bf16, 32/8 heads, dim 128, fwd + bwd): 33,792 tokens
@@ -40,8 +42,9 @@ from flexsp.runtime.kernels.layout import AttentionError
 BACKENDS = ("auto", "varlen", "varlen_cudnn", "flash", "sdpa", "sdpa_each", "reference")
 HALF = frozenset({torch.float16, torch.bfloat16})
 HOPPER = (9, 0)
-VARLEN_CUDNN_SINCE = (2, 14)   # the first torch release assumed to carry pytorch PR 193631 (2.13.0 does not)
-CUDNN_HEAD_DIM = 128           # cuDNN attention's fast path on Hopper
+CUDNN_VARLEN_SINCE = 91800     # cuDNN version (torch.backends.cudnn.version()) torch's varlen cuDNN branch needs
+CUDNN_MAJORS = (9, 10)         # sm90 / sm100: where that branch runs
+CUDNN_HEAD_DIM = varlen.CUDNN_HEAD_DIM
 FLASH_HEAD_DIM = 256           # FlashAttention-2/3
 FEW_SEQUENCES = 16
 LONG_MEAN = 2048
@@ -64,10 +67,12 @@ class DeviceFacts:
 
     device_type: str                            # "cuda", "cpu", ...
     capability: tuple[int, int] | None = None   # CUDA compute capability; None off CUDA or unknown
-    torch_version: tuple[int, int] = TORCH_VERSION
+    torch_version: tuple[int, int] = TORCH_VERSION   # reported only: the choice reads features, not versions
     varlen: bool = False                        # torch's varlen_attn (a known signature) runs here
     flash: int = 0                              # flash-attn generation that runs here: 0 (none), 2, 3
     kernel_dtypes: frozenset = HALF             # dtypes the varlen/flash kernels take
+    varlen_selects: bool = False                # varlen_attn picks its backend by sdpa_kernel (VarlenAPI.selects)
+    cudnn: int = 0                              # cuDNN version here (0: none or unknown)
 
     @property
     def hopper(self) -> bool:
@@ -75,8 +80,20 @@ class DeviceFacts:
 
     @property
     def cudnn_varlen(self) -> bool:
-        """``varlen_attn`` follows ``sdpa_kernel(CUDNN_ATTENTION)`` on this torch."""
-        return self.varlen and tuple(self.torch_version) >= VARLEN_CUDNN_SINCE
+        """``varlen_attn`` can be asked for its cuDNN branch here: it selects by ``sdpa_kernel``, cuDNN is recent
+        enough and the device is one that branch runs on."""
+        return (self.varlen and self.varlen_selects and self.cudnn >= CUDNN_VARLEN_SINCE
+                and self.capability is not None and self.capability[0] in CUDNN_MAJORS)
+
+    def cudnn_missing(self) -> str:
+        """What keeps ``varlen_cudnn`` off this device, in words ("" when nothing)."""
+        missing = [text for lacks, text in (
+            (not self.varlen, "torch's varlen_attn on CUDA"),
+            (not self.varlen_selects, "a varlen_attn that selects its backend by sdpa_kernel (pytorch PR 193631)"),
+            (self.cudnn < CUDNN_VARLEN_SINCE, f"cuDNN >= 9.18 (this is {self.cudnn or 'none'})"),
+            (self.capability is None or self.capability[0] not in CUDNN_MAJORS, "an sm90/sm100 GPU"))
+            if lacks]
+        return ", ".join(missing)
 
 
 @dataclass(frozen=True)
@@ -108,7 +125,7 @@ def choose(facts: DeviceFacts, dtype: torch.dtype, head_dim: int, mix: LengthMix
     cudnn = facts.hopper and head_dim <= CUDNN_HEAD_DIM
     if facts.hopper and facts.flash >= 3:
         return "flash"
-    if cudnn and facts.cudnn_varlen:
+    if cudnn and facts.cudnn_varlen and mix is not None and mix.longest > varlen.CUDNN_MIN_Q:
         return "varlen_cudnn"
     if cudnn and mix is not None and mix.few_long:
         return "sdpa"
@@ -133,10 +150,20 @@ def device_facts(device: torch.device | str | None = None) -> DeviceFacts:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     on_cuda = device.type == "cuda"
-    api = flash.FLASH
+    api, vapi = flash.FLASH, varlen.VARLEN
     return DeviceFacts(device.type, _capability(device.index) if on_cuda else None, TORCH_VERSION,
-                       varlen=on_cuda and varlen.VARLEN is not None,
-                       flash=api.generation if on_cuda and api is not None else 0)
+                       varlen=on_cuda and vapi is not None,
+                       flash=api.generation if on_cuda and api is not None else 0,
+                       varlen_selects=on_cuda and vapi is not None and vapi.selects,
+                       cudnn=_cudnn_version() if on_cuda else 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _cudnn_version() -> int:
+    try:
+        return int(torch.backends.cudnn.version() or 0) if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
 
 
 def flash_available(device: torch.device | str | None = None) -> bool:
@@ -165,10 +192,8 @@ def resolve_backend(backend: str, q: torch.Tensor, bounds: Sequence[int] | None 
         raise AttentionError(f"attention backend {backend!r} needs CUDA tensors in float16/bfloat16 (torch's "
                              "varlen_attn); use backend='sdpa' or 'auto'")
     if backend == "varlen_cudnn" and not facts.cudnn_varlen:
-        since = ".".join(map(str, VARLEN_CUDNN_SINCE))
-        raise AttentionError(f"attention backend 'varlen_cudnn' needs torch >= {since} (varlen_attn honouring "
-                             f"sdpa_kernel(CUDNN_ATTENTION), pytorch PR 193631); this torch is "
-                             f"{'.'.join(map(str, facts.torch_version))}; use backend='varlen' or 'auto'")
+        raise AttentionError(f"attention backend 'varlen_cudnn' needs {facts.cudnn_missing()}; use backend='varlen' "
+                             f"or 'auto'")
     return backend
 
 

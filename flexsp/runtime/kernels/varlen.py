@@ -10,10 +10,17 @@ no ``enable_gqa`` -> kv heads are repeated (and their gradients summed back). A 
 neither ``is_causal`` nor ``window_size`` is not one we know: ``detect`` returns None and ``auto``
 never picks ``varlen``. The lse is always returned as ``[heads, tokens]`` float32.
 
-``cudnn=True`` runs the same calls, forward *and* backward, under ``sdpa_kernel(CUDNN_ATTENTION)`` with
-kv heads repeated (the cuDNN branch of ``varlen_attn`` takes no GQA): torch 2.13's ``varlen_attn`` has
-that branch but never takes it (``_should_use_cudnn`` returns False); pytorch PR 193631 makes it follow
-``sdpa_kernel``. The rule (``rule.py``) enables it only from the torch release it names.
+Which backend runs inside ``varlen_attn`` is read from what the installed torch offers, not its version:
+``selects`` - the module has a backend selection that follows ``sdpa_kernel`` (``_select_backend``;
+pytorch PR 193631) or the backward op takes the forward's ``backend`` - and, where it does, every call
+runs under an explicit ``sdpa_kernel`` choice: Flash alone for ``varlen`` (else eligible cuDNN would be
+taken silently), cuDNN *with Flash enabled* for ``varlen_cudnn``, and only where cuDNN's constraints
+hold (``cudnn_fits``: max_q > 128, one cu_seqlens tensor for q and k when causal, fp16/bf16, head dim a
+multiple of 8 up to 128; kv heads are repeated for it, as its branch takes no GQA). A call that does not
+fit - the executor's one-token idle micro-batch, short micro-batches, the ring's causal blocks with their
+own bounds - runs Flash. The backward gets the forward's backend (the op's ``backend`` argument where
+its schema has one; torch's ``_select_backend``, asked under the same choice, where it exists). Older
+releases (no selection: 2.10-2.13, whose ``_should_use_cudnn`` returns False) run Flash whatever is asked.
 
 Everything here is raw: rows outside ``cu_seqlens`` are unspecified (``padding.py`` makes them zero).
 """
@@ -41,10 +48,17 @@ class VarlenAPI:
     gqa: bool                             # accepts ``enable_gqa=``
     backward_op: Callable[..., Any] | None
     backward_args: tuple[str, ...]        # the backward op's argument names, in order
+    select: Callable[..., Any] | None = None   # torch's own backend selection (``_select_backend``), if any
+
+    @property
+    def selects(self) -> bool:
+        """``varlen_attn`` picks its backend by ``sdpa_kernel`` (and the backward takes the forward's)."""
+        return self.select is not None or "backend" in self.backward_args
 
     @classmethod
     def detect(cls, fn: Callable[..., Any] | None, aux: Any = None,
-               backward_op: Callable[..., Any] | None = None) -> "VarlenAPI | None":
+               backward_op: Callable[..., Any] | None = None,
+               select: Callable[..., Any] | None = None) -> "VarlenAPI | None":
         if fn is None:
             return None
         try:
@@ -66,7 +80,7 @@ class VarlenAPI:
                     names = ()
         return cls(fn=fn, causal_arg=causal, aux=aux if "return_aux" in params else None,
                    scale="scale" in params, gqa="enable_gqa" in params,
-                   backward_op=backward_op if names else None, backward_args=names)
+                   backward_op=backward_op if names else None, backward_args=names, select=select)
 
     # --- calls --------------------------------------------------------------------------------
     def _prepare(self, q, k, v, scale: float, repeat_kv: bool):
@@ -112,8 +126,9 @@ class VarlenAPI:
         return out, stat.float()
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float,
-                 repeat_kv: bool = False, window: int | None = None):
-        """``(dq, dk, dv)`` from the softmax statistics ``out``/``lse`` (FA2's convention: empty rows +inf)."""
+                 repeat_kv: bool = False, window: int | None = None, backend: str = "flash"):
+        """``(dq, dk, dv)`` from the softmax statistics ``out``/``lse`` (FA2's convention: empty rows +inf);
+        ``backend``: the forward's ("flash" or "cudnn"), passed where the op takes it."""
         if self.backward_op is None:
             raise RuntimeError("this torch's varlen_attn has no backward op we can call")
         kv_heads = k.shape[1]
@@ -121,7 +136,7 @@ class VarlenAPI:
         values = {"grad_out": dout, "query": qp, "key": kp, "value": vp, "out": out, "lse": lse,
                   "cu_seq_q": cu_q, "cu_seq_k": cu_k, "max_q": max_q, "max_k": max_k, "is_causal": causal,
                   "rng_state": torch.zeros(2, dtype=torch.uint64, device=q.device), "scale": scale,
-                  "window_size": list(_window(causal, window))}
+                  "window_size": list(_window(causal, window)), "backend": backend_value(backend)}
         args = [values[name] for name in self.backward_args if name in values]
         dq, dk, dv = self.backward_op(*args)
         if not self.scale and factor != 1.0:
@@ -139,6 +154,22 @@ def _window(causal: bool, window: int | None) -> tuple[int, int]:
     return (-1, 0) if causal else (-1, -1)
 
 
+def backend_value(name: str) -> int:
+    """The backward op's ``backend`` argument: ``SDPBackend``'s value (custom ops take no enums)."""
+    from torch.nn.attention import SDPBackend
+    return (SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION).value
+
+
+def _select_names(select: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """torch's ``_select_backend`` if it takes the arguments we pass, by name; else None."""
+    try:
+        params = inspect.signature(select).parameters if select is not None else {}
+    except (TypeError, ValueError):
+        return None
+    known = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "window_size")
+    return select if all(n in params for n in known) else None
+
+
 def installed() -> VarlenAPI | None:
     """The installed torch's varlen API, or None (no ``torch.nn.attention.varlen``, or an unknown signature)."""
     try:
@@ -147,36 +178,77 @@ def installed() -> VarlenAPI | None:
         return None
     op = getattr(getattr(torch.ops, "torch_attn", None), "_varlen_attn_backward", None)
     try:
-        return VarlenAPI.detect(getattr(mod, "varlen_attn", None), getattr(mod, "AuxRequest", None), op)
+        return VarlenAPI.detect(getattr(mod, "varlen_attn", None), getattr(mod, "AuxRequest", None), op,
+                                _select_names(getattr(mod, "_select_backend", None)))
     except Exception:
         return None
 
 
 VARLEN: VarlenAPI | None = installed()   # read once at import; None on a torch without a known varlen_attn
 
+CUDNN_MIN_Q = 128        # cuDNN's varlen branch takes max_q > 128 only
+CUDNN_HEAD_DIM = 128     # ... and head dims up to 128 (Hopper; some larger pairs on sm100 only)
 
-def _cudnn_only(cudnn: bool):
-    """``sdpa_kernel(CUDNN_ATTENTION)`` for the cuDNN variant (forward and backward alike), else nothing."""
-    if not cudnn:
+
+def cudnn_fits(q: torch.Tensor, cu_q, cu_k, max_q: int, causal: bool, window: int | None = None) -> bool:
+    """Whether cuDNN's varlen branch takes this call (kv heads repeated for it): torch's own constraints
+    (``_cudnn_rejection_reasons``) less the device and cuDNN version, which ``rule.DeviceFacts`` checks.
+    A windowed call stays on Flash (its window is documented there)."""
+    return (window is None and max_q > CUDNN_MIN_Q and (not causal or cu_q is cu_k) and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= CUDNN_HEAD_DIM)
+
+
+def call_backend(kernel: str, q, cu_q, cu_k, max_q: int, causal: bool, window: int | None = None) -> str:
+    """The backend a ``varlen``/``varlen_cudnn`` call asks for: "cudnn" only for ``varlen_cudnn`` on a torch
+    that selects and a call cuDNN takes (``cudnn_fits``), else "flash"."""
+    api = VARLEN
+    wants = kernel == "varlen_cudnn" and api is not None and api.selects
+    return "cudnn" if wants and cudnn_fits(q, cu_q, cu_k, max_q, causal, window) else "flash"
+
+
+def _enabled(backend: str):
+    """The ``sdpa_kernel`` choice for ``backend`` where ``varlen_attn`` selects by it: Flash alone, or cuDNN
+    with Flash still enabled as the fallback inside the same call. Nothing on a torch that does not select."""
+    api = VARLEN
+    if api is None or not api.selects:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if backend == "cudnn"
+                       else [SDPBackend.FLASH_ATTENTION])
+
+
+def _selected(backend: str, q, k, v, cu_q, cu_k, max_q: int, causal: bool) -> str:
+    """What torch's own selection picks under ``_enabled(backend)`` (its ``_select_backend``, kv repeated as
+    for the call), so the backward gets the backend the forward ran; ``backend`` where it cannot be asked."""
+    select = VARLEN.select if VARLEN is not None else None
+    if select is None or backend != "cudnn":
+        return backend
+    if k.shape[1] != q.shape[1]:
+        k = k.narrow(1, 0, 1).expand(-1, q.shape[1], -1)    # a view with the repeated head count (shapes only)
+    try:
+        with _enabled(backend):
+            picked = select(query=q, key=k, value=k, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max_q,
+                            window_size=[-1, 0] if causal else [-1, -1])
+    except TypeError:
+        return backend
+    return "cudnn" if picked == backend_value("cudnn") else "flash"
 
 
 # --- attend -------------------------------------------------------------------------------------
 def forward(q, k, v, cu, max_seqlen: int, scale: float, *, cudnn: bool = False, features=None) -> torch.Tensor:
     """Causal ``varlen_attn`` over the packed stream; differentiable (its own backward, or ours for cuDNN).
     ``features``: a window only (the caller checks ``takes_window``)."""
-    if cudnn:
+    window = _left(features)
+    if call_backend("varlen_cudnn" if cudnn else "varlen", q, cu, cu, max_seqlen, True, window) == "cudnn":
         return _Cudnn.apply(q, k, v, LseSpec(cu, cu, max_seqlen, max_seqlen, True, scale, "varlen_cudnn",
                                              features=features))
-    return VARLEN.forward(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, scale=scale,
-                          window=_left(features))
+    with _enabled("flash"):    # torch's autograd saves the backend it selected for its backward
+        return VARLEN.forward(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, scale=scale, window=window)
 
 
 class _Cudnn(torch.autograd.Function):
-    """``varlen_attn`` with the backward under the same ``sdpa_kernel`` choice as the forward (autograd
-    would run the backward outside the forward's context manager)."""
+    """``varlen_attn`` on cuDNN with the backward on the forward's backend (autograd would run the backward
+    outside the forward's ``sdpa_kernel`` choice, and torches before the selection recompute it)."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec: LseSpec):
@@ -196,21 +268,26 @@ def _left(features) -> int | None:
 
 
 # --- lse forms ----------------------------------------------------------------------------------
+def _spec_backend(q, spec: LseSpec) -> str:
+    return call_backend(spec.kernel, q, spec.cu_q, spec.cu_k, spec.max_q, spec.causal, _left(spec.features))
+
+
 def lse_forward(q, k, v, spec: LseSpec):
     """Raw ``(out, lse)``: rows without keys carry FA2's ``+inf``, padding rows whatever the kernel left."""
-    cudnn = spec.kernel == "varlen_cudnn"
-    with _cudnn_only(cudnn):
+    backend = _spec_backend(q, spec)
+    with _enabled(backend):
         return VARLEN.forward(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, causal=spec.causal,
-                              scale=spec.scale, lse=True, repeat_kv=cudnn, window=_left(spec.features))
+                              scale=spec.scale, lse=True, repeat_kv=backend == "cudnn", window=_left(spec.features))
 
 
 def _kernel_backward(dout, q, k, v, out, lse, spec: LseSpec):
-    cudnn = spec.kernel == "varlen_cudnn"
+    backend = _spec_backend(q, spec)       # the forward's: the same spec decides the same way
+    ran = _selected(backend, q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.causal)
     lse = torch.where(torch.isinf(lse), math.inf, lse).contiguous()              # back to FA2's convention
-    with _cudnn_only(cudnn):
+    with _enabled(backend):
         return VARLEN.backward(dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse, spec.cu_q, spec.cu_k,
-                               spec.max_q, spec.max_k, causal=spec.causal, scale=spec.scale, repeat_kv=cudnn,
-                               window=_left(spec.features))
+                               spec.max_q, spec.max_k, causal=spec.causal, scale=spec.scale,
+                               repeat_kv=backend == "cudnn", window=_left(spec.features), backend=ran)
 
 
 def lse_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):

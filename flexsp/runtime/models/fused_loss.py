@@ -1,7 +1,8 @@
 """The LM-head loss the models call: a field library's fused kernel where it can serve the call, FlexSP's
 own ``linear_cross_entropy`` otherwise.
 
-On CUDA, liger-kernel's fused linear cross-entropy (Triton; the ``gpu`` extra, ``liger-kernel>=0.8,<0.9``)
+On CUDA, liger-kernel's fused linear cross-entropy (Triton; the ``gpu`` extra, ``liger-kernel>=0.8.2,<0.9``:
+earlier releases give wrong gradients with ``reduction="none"``, liger #968/#1298)
 measured 163 ms for Llama-3's head at 33,792 tokens on an H200 against 239 ms for the project's own loss
 at its best chunk (issue 36). It is taken when all of these hold, else the own loss runs:
 
@@ -17,14 +18,21 @@ autocast off inside the library, so it sees one dtype), the weight gradient accu
 where the installed version takes it), an fp32 result,
 and gradients in each input's own dtype (the casts' backward: fp32 masters get fp32 gradients). One difference:
 the library returns the weight gradient in the matmul dtype (bf16 under autocast), as ``F.linear``'s own
-backward under autocast does; the own loss keeps it fp32. The library also syncs the host once per call (it
-counts labelled tokens with ``.item()``).
+backward under autocast does; the own loss keeps it fp32.
+
+The library synchronises the host twice per call (liger-kernel 0.8.5: it counts labelled tokens with
+``.item()`` in forward, and compares the incoming gradient with 1 by ``torch.equal`` in backward). A
+host-sync check of FlexSP's code (``flexsp selftest``) wraps its window in ``library_syncs_allowed()``:
+then the library's forward and its backward node run with CUDA's sync-debug mode off, and every other
+line of the step stays checked.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import inspect
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -35,6 +43,34 @@ KERNELS = ("auto", "liger", "flexsp")     # auto: the library when it can serve 
 LIBRARY_DEVICES = frozenset({"cuda"})     # where the library's Triton kernels run
 LIBRARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LIBRARY_MODULE, LIBRARY_FUNCTION = "liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy"
+
+
+_SYNCS_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("flexsp_library_syncs_allowed", default=False)
+
+
+@contextlib.contextmanager
+def library_syncs_allowed() -> Iterator[None]:
+    """Inside: the library's own host syncs (forward and backward) run outside CUDA's sync-debug mode."""
+    token = _SYNCS_ALLOWED.set(True)
+    try:
+        yield
+    finally:
+        _SYNCS_ALLOWED.reset(token)
+
+
+class _SyncDebugOff:
+    """Turns CUDA's sync-debug mode off and back to what it was: around the library's forward call, and as
+    pre/post hooks around its backward node (which autograd runs on its own thread, later)."""
+
+    def __init__(self) -> None:
+        self.saved = 0
+
+    def off(self, *_: object) -> None:
+        self.saved = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+
+    def back(self, *_: object) -> None:
+        torch.cuda.set_sync_debug_mode(self.saved)
 
 
 def library_function() -> Callable | None:
@@ -106,9 +142,20 @@ def _library_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     compute = compute_dtype(hidden, weight)
     acc = torch.promote_types(compute, torch.float32)
     options = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
-    if "accum_dtype" in inspect.signature(fn).parameters:   # fp32 weight-gradient sums where the version has them
+    if "accum_dtype" in inspect.signature(fn).parameters:   # fp32 weight-gradient sums (liger >= 0.8.2 has them)
         options["accum_dtype"] = acc
+    quiet = _SyncDebugOff() if _SYNCS_ALLOWED.get() and torch.cuda.get_sync_debug_mode() != 0 else None
     with torch.autocast(hidden.device.type, enabled=False):   # one dtype in; the casts carry gradients back
-        loss = fn(hidden.to(compute).contiguous(), weight.to(compute), labels.contiguous(),
-                  bias=None if bias is None else bias.to(compute), **options)
+        args = (hidden.to(compute).contiguous(), weight.to(compute), labels.contiguous())
+        bias = None if bias is None else bias.to(compute)
+        if quiet is not None:
+            quiet.off()
+        try:
+            loss = fn(*args, bias=bias, **options)
+        finally:
+            if quiet is not None:
+                quiet.back()
+    if quiet is not None and loss.grad_fn is not None:
+        loss.grad_fn.register_prehook(quiet.off)
+        loss.grad_fn.register_hook(quiet.back)
     return loss.to(acc)

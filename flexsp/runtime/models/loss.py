@@ -28,6 +28,8 @@ call (``flexsp.runtime.models.fused_loss``); this module stays the reference and
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -188,6 +190,21 @@ def accumulate_outer(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> Non
 
 def has_out_dtype_matmul(device: torch.device) -> bool:
     """Whether ``addmm(..., out_dtype=)`` runs on ``device``: CUDA's kernels have it for bf16/fp16 on Ampere
-    and newer, CPU's have not (torch 2.13), and a fake CUDA tensor of a CPU-only build cannot write an ``out=``
-    it did not allocate."""
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
+    and newer where the installed torch has the overload (tried once per device on two 2 x 2 matrices, not
+    assumed from the version), CPU's have not (torch 2.13), and a fake CUDA tensor of a CPU-only build cannot
+    write an ``out=`` it did not allocate."""
+    return (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
+            and _out_dtype_addmm_runs(torch.device(device).index))
+
+
+@functools.lru_cache(maxsize=16)
+def _out_dtype_addmm_runs(index: int | None) -> bool:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    try:
+        with unset_fake_temporarily():      # real tensors, even when first asked under FakeTensorMode
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=torch.device("cuda", index))
+            acc = torch.full((2, 2), 0.5, dtype=torch.float32, device=a.device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            return bool((acc == 2.5).all())     # one host read, once per device
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False

@@ -1,0 +1,116 @@
+"""The CUDA paths on a real GPU (skipped without one; ``scripts/gpu_check.sh`` runs this file by name).
+
+Imports only torch, pytest and flexsp, so it runs on a bare GPU box. Each check compares with a float64
+reference or an exact identity, after poisoning the allocator (a large NaN block freed just before), so
+rows a kernel never writes show as NaN rather than as the zeros a fresh allocation may happen to hold.
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from flexsp.runtime.kernels import attend, attend_lse, reference, resolve_backend  # noqa: E402
+from flexsp.runtime.kernels import ran, rule, varlen  # noqa: E402
+from flexsp.runtime.poison import poison_allocator  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def _qkv(rows, heads=8, kv_heads=2, dim=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, h, dim, generator=g, dtype=torch.float64).cuda() for h in (heads, kv_heads, kv_heads)]
+
+
+def _check(bounds, rows, backend, lse=False):
+    base = _qkv(rows)
+    dev = [t.to(BF16).requires_grad_() for t in base]
+    ref = [t.clone().requires_grad_() for t in base]
+    cu = torch.tensor(bounds, dtype=torch.int32).cuda()
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    poison_allocator(torch.device("cuda"))
+    if lse:
+        run = lambda: attend_lse(*dev, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True,  # noqa: E731
+                                 backend=backend, bounds_q=bounds, bounds_k=bounds)[0]
+        want = reference(*ref, bounds, bounds, causal=True)
+    else:
+        run = lambda: attend(*dev, cu, max_seqlen=longest, backend=backend, bounds=bounds)  # noqa: E731
+        want = reference(*ref, bounds)
+    out, fwd = ran.kernels_in(run)
+    dout = torch.randn(out.shape, dtype=torch.float64, device="cuda")
+    grads, bwd = ran.kernels_in(lambda: torch.autograd.grad((out.double() * dout).sum(), dev))
+    fwd, bwd = fwd["forward"], bwd["backward"]
+    wants = torch.autograd.grad((want * dout).sum(), ref)
+    real = bounds[-1]
+    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *wants)):
+        assert bool((got[real:] == 0).all()), f"{name}: padding rows are not exactly zero"
+        # bf16: within 3% of the largest reference entry (a one-token sequence's dq/dk are exactly 0)
+        diff, scale = float((got[:real].double() - exp[:real]).abs().max()), float(exp[:real].abs().max())
+        assert diff <= 3e-2 * scale + 1e-2, f"{name}: off by {diff:.3g}, largest reference entry {scale:.3g}"
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("lse", [False, True], ids=["attend", "attend_lse"])
+@pytest.mark.parametrize("bounds,rows", [((0, 1500, 1501, 2600), 3072), ((0, 1), 64), ((0, 100, 128), 192)],
+                         ids=["long", "idle dummy", "128 tokens"])
+def test_auto_kernel_exact_padding_zero_and_recorded(bounds, rows, lse):
+    fwd, bwd = _check(bounds, rows, "auto", lse)
+    facts = rule.device_facts("cuda")
+    kernel = resolve_backend("auto", torch.empty(1, 8, 128, dtype=BF16, device="cuda"), bounds)
+    print(f"auto -> {kernel}: {ran.describe({'forward': fwd, 'backward': bwd})} (selects: {facts.varlen_selects}, cuDNN {facts.cudnn})")
+    assert fwd and bwd, "no attention kernel seen by the profiler"
+    if kernel.startswith("varlen") or lse:
+        assert fwd == bwd, f"the backward ran on another backend: {ran.describe({'forward': fwd, 'backward': bwd})}"
+    if facts.varlen_selects and max(b - a for a, b in zip(bounds, bounds[1:])) <= varlen.CUDNN_MIN_Q:
+        assert "cudnn" not in fwd + bwd
+
+
+@pytest.mark.parametrize("bounds,rows", [((0, 1), 64), ((0, 1500, 2600), 2688)], ids=["idle dummy", "long"])
+def test_varlen_cudnn_where_offered_never_raises_and_backward_matches_forward(bounds, rows):
+    facts = rule.device_facts("cuda")
+    if not facts.cudnn_varlen:
+        pytest.skip(f"varlen_cudnn is not offered here: needs {facts.cudnn_missing()}")
+    fwd, bwd = _check(bounds, rows, "varlen_cudnn")
+    assert fwd == bwd, ran.describe({'forward': fwd, 'backward': bwd})
+    if bounds[-1] <= varlen.CUDNN_MIN_Q:
+        assert fwd == ["flash"]
+
+
+def test_weight_gradient_accumulates_in_fp32_by_the_out_dtype_matmul_where_it_runs():
+    from flexsp.runtime.models.loss import accumulate_outer, has_out_dtype_matmul
+    g = torch.Generator().manual_seed(1)
+    gr, h = torch.randn(64, 96, generator=g), torch.randn(64, 32, generator=g)
+    acc = torch.randn(96, 32, generator=g)
+    want = acc.double() + gr.to(BF16).double().t() @ h.to(BF16).double()
+    got = acc.cuda()
+    accumulate_outer(got, gr.to(BF16).cuda(), h.to(BF16).cuda())
+    fused = has_out_dtype_matmul(got.device)
+    print(f"out_dtype matmul: {fused}")
+    assert got.dtype == torch.float32
+    if fused:    # bf16 products summed in fp32 by the matmul itself
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-4)
+    else:        # blocks of bf16 products added to the fp32 accumulator
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-2, atol=5e-2)
+
+
+def test_library_loss_matches_the_own_loss():
+    from flexsp.runtime.models import fused_loss
+    from flexsp.runtime.models.loss import linear_cross_entropy
+    if fused_loss.library_function() is None:
+        pytest.skip("liger-kernel is not installed (the gpu extra)")
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(300, 64, generator=g).cuda().requires_grad_()
+    weight = (torch.randn(1000, 64, generator=g) / math.sqrt(64)).cuda().requires_grad_()
+    labels = torch.randint(0, 1000, (300,), generator=g).cuda()
+    labels[::7] = -100
+    with torch.autocast("cuda", dtype=BF16):
+        mine = fused_loss.lm_head_loss(hidden, weight, None, labels, kernel="liger")
+        own = linear_cross_entropy(hidden, weight, None, labels)
+    got = torch.autograd.grad(mine, (hidden, weight))
+    want = torch.autograd.grad(own, (hidden, weight))
+    assert mine.dtype == torch.float32
+    torch.testing.assert_close(mine, own, rtol=2e-3, atol=1e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-3)
