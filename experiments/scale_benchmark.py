@@ -15,7 +15,7 @@ Three settings:
 median / max solve time of FlexSP, plan / lower bound for both bounds of ``flexsp.plan.bounds`` (the
 simple one and the coupled LP one), FlexSP's speedup over batchada, static (largest degree) and
 dynamic-cp, and whether the issue-16 targets hold (plan / simple bound <= 1.10 from 1,024 GPUs,
-median solve <= 1 s at 16,384, issue 27; wall and CPU medians, a full run appends
+median solve <= 0.5 s at mean plan / lower bound <= 1.05 at 16,384, issue 43; wall and CPU medians, a full run appends
 them to results/solve_time_history.md); then how far each strategy runs past a 0.5 s ``time_limit`` at the
 largest size (the constant of issue 21); then, at one size, communicators per rank against plan
 time for restricted degree sets. ``--quick`` runs N = 64 and 256 only.
@@ -39,7 +39,9 @@ from outputs import resolve_out  # noqa: E402
 
 CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
-TARGET_RATIO, TARGET_SOLVE = 1.10, 1.0     # issue 27: median solve <= 1 s at 16,384 GPUs (was 10 s)
+TARGET_RATIO = 1.10                        # issue 16: plan / lower bound <= 1.10 from 1,024 GPUs
+# issue 43 at 16,384 GPUs: median solve <= 0.5 s (issue 27's was 1 s) at mean plan / lower bound <= 1.05
+TARGET_SOLVE, TARGET_RATIO_LARGEST = 0.5, 1.05
 LABEL = ("Plan times are **simulated**: an analytic LLaMA-7B on H100-80GB nodes (`flexsp.plan.analytic`) for "
          "`wikipedia` and `long-mix`, the paper's gpt-7b constants (`flexsp.cost_from_preset`) for `gpt-7b-constants`; "
          "solve times are **measured** on this project's 2-core shared CPU.")
@@ -98,9 +100,10 @@ def row(mix: str, num_gpus: int, reps: int, time_limit: float | None) -> tuple[s
               "max_ratio": float(np.max(ratio)), "coupled": float(np.mean(coupled))}
     verdicts = []
     if num_gpus >= 1024:
-        verdicts.append("met" if result["max_ratio"] <= TARGET_RATIO else "**missed**")
+        verdicts.append("met" if result["max_ratio"] <= TARGET_RATIO else "**MISSED**")
     if num_gpus >= 16384:
-        verdicts.append(f"solve {'met' if result['median_solve'] <= TARGET_SOLVE else '**missed**'}")
+        verdicts.append(f"solve {'met' if result['median_solve'] <= TARGET_SOLVE else '**MISSED**'}")
+        verdicts.append(f"mean ratio {'met' if result['ratio'] <= TARGET_RATIO_LARGEST else '**MISSED**'}")
     line = (f"| {mix} | {num_gpus:,} | {8 * num_gpus:,} | {np.median(solve):.2f} / {np.max(solve):.2f} | "
             f"{np.median(cpu):.2f} | "
             f"{np.mean(ratio):.3f} (max {np.max(ratio):.3f}) | {np.mean(coupled):.3f} (max {np.max(coupled):.3f}) | "
@@ -160,7 +163,8 @@ def main() -> None:
     limit = "default 2 s" if args.time_limit is None else f"{args.time_limit:g} s"
     header = ["| setting | GPUs | batch | solve median / max, wall (s) | solve median, CPU (s) | plan / lower bound | "
               "plan / coupled bound | vs batchada | vs static | vs dynamic-cp | "
-              f"target (max <= {TARGET_RATIO} from 1,024; wall median <= {TARGET_SOLVE:g} s at 16,384) |",
+              f"target (max <= {TARGET_RATIO} from 1,024; wall median <= {TARGET_SOLVE:g} s and mean plan / lower "
+              f"bound <= {TARGET_RATIO_LARGEST} at 16,384) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     points = [(m, n) for m in MIXES for n in sizes]
     results = [row(mix, n, reps, args.time_limit) for mix, n in tqdm(points, desc="scale")]

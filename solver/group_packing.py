@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class BinPacking:
         return (self.counts * self.multiplicity()[:, None]).sum(axis=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class _GroupClass:
     k: int                   # degree index
     mult: int                # how many identical groups
@@ -62,6 +63,9 @@ class _GroupClass:
         """Detach ``mult`` of the groups as a class of their own."""
         self.mult -= mult
         return _GroupClass(self.k, mult, self.time, self.tokens, list(self.items), self.limit)
+
+
+_time = attrgetter("time")
 
 
 class MicroBatchPacker:
@@ -93,6 +97,9 @@ class MicroBatchPacker:
         self._times = self.times.tolist()
         self._min_time = self.min_time.tolist()
         self._fits = [[k for k in range(len(degrees)) if math.isfinite(row[k])] for row in self._times]
+        # per bucket: (degree index, most of its sequences one group of that degree holds) where it runs
+        self._held = [[(k, math.floor(self._capacity[k] / length)) for k in fits]
+                      for fits, length in zip(self._fits, self._lengths)]
         self._cache: dict[bytes, BinPacking | None] = {}
         self._placeable: dict[bytes, bool] = {}
 
@@ -119,27 +126,36 @@ class MicroBatchPacker:
         if target <= 0:
             return None
         degrees, capacity, charge = self._degrees, self._capacity, self._charge
+        counts = counts.tolist() if isinstance(counts, np.ndarray) else [int(c) for c in counts]
         classes: list[_GroupClass] = []
         gpus = 0
         for b in self.order:
-            left = int(counts[b])
+            left = counts[b]
             if left == 0:
                 continue
             length, t_b = self._lengths[b], self._times[b]
             budget = max(target, self._min_time[b] * (1 + 1e-9)) if stretch else target
             # the degree that needs the fewest GPUs for the whole bucket (ties -> smallest degree)
             k_new, best_gpus, per_new = -1, math.inf, 0
-            for k in self._fits[b]:
-                per = math.floor(min(budget / t_b[k], capacity[k] / length))
+            for k, held in self._held[b]:       # floor(min(x, y)) = min(floor(x), floor(y)); no int(inf)
+                x = budget / t_b[k]
+                per = held if x >= held else int(x)
                 if per > 0 and -(-left // per) * charge[k] < best_gpus:
                     k_new, best_gpus, per_new = k, -(-left // per) * charge[k], per
             if k_new < 0:
                 return None                   # this bucket alone exceeds the budget everywhere
-            for cls in sorted((c for c in classes if c.k >= k_new), key=lambda c: -c.time):
+            # classes that may take this bucket, longest first (ties keep their order: a stable sort)
+            open_classes = [c for c in classes if c.k >= k_new] if classes else classes
+            if len(open_classes) > 1:
+                open_classes.sort(key=_time, reverse=True)
+            for cls in open_classes:
                 t = t_b[cls.k]
-                fit = math.floor(min((max(budget, cls.limit) - cls.time) / t, (capacity[cls.k] - cls.tokens) / length))
-                if fit <= 0:
+                by_time = ((budget if budget > cls.limit else cls.limit) - cls.time) / t
+                by_memory = (capacity[cls.k] - cls.tokens) / length
+                fit = by_time if by_time < by_memory else by_memory
+                if fit < 1:
                     continue
+                fit = int(fit)                # floor: fit >= 1
                 if cls.mult * fit > left:     # only part of the class takes this bucket
                     full, rest = divmod(left, fit)
                     untouched = cls.mult - full - (1 if rest else 0)
@@ -182,10 +198,13 @@ class MicroBatchPacker:
 
     def _expand(self, classes: list[_GroupClass], num_buckets: int) -> BinPacking:
         mult = np.array([c.mult for c in classes], dtype=np.int64)
-        per_class = np.zeros((len(classes), num_buckets), dtype=np.int64)
-        for i, c in enumerate(classes):
+        rows = []
+        for c in classes:                 # a class takes each bucket at most once
+            row = [0] * num_buckets
             for b, q in c.items:
-                per_class[i, b] += q
+                row[b] += q
+            rows.append(row)
+        per_class = np.array(rows, dtype=np.int64).reshape(len(classes), num_buckets)
         return BinPacking(degree_idx=np.array([c.k for c in classes], dtype=np.int64), counts=per_class,
                           makespan=max(c.time for c in classes) + self.costs.beta1, mult=mult)
 

@@ -10,10 +10,13 @@
    ``evict`` empties the most wasteful micro-batch of whole buckets into the others and ``merge``
    packs two short micro-batches as one.
 4. Back to real sequences, rebalanced on real lengths (``materialize``); each micro-batch re-packed
-   on buckets of its own and its slowest groups tightened (``tighten``); the MILP (``milp``) proves
-   tiny batches optimal or polishes micro-batches; the best of all candidates and the baselines'
+   on buckets of its own and its slowest groups tightened (``tighten``); the MILP (``milp``) can
+   polish micro-batches; the best of all candidates and the baselines'
    plans (``fallbacks``), scored on real lengths, wins, so FlexSP is never slower than a plan it
    could have chosen.
+
+Tiny batches (``exact_max_sequences``) skip all of this: ``exact.exact_plan`` returns their optimum in
+milliseconds (the MILP proves the few it cannot do).
 
 Splits that cannot win are not packed: a split whose micro-batches' lower bounds (``bound``) already
 sum to the best makespan so far is dropped before its bisections, so pruning never changes the plan.
@@ -40,7 +43,8 @@ from . import blaster
 from .bucketing import RULES, Buckets, exact_buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
-from .materialize import as_groups, flat_ids, to_groups, to_members
+from .materialize import Groups, as_groups, flat_ids, to_groups, to_members
+from .exact import exact_plan
 from .milp import solve_milp
 from .one_gpu import one_gpu_plan
 from .tighten import tighten_members
@@ -87,7 +91,7 @@ class SearchOptions:
     # moves: long-mix at 16,384 GPUs 1.114 -> 1.099 of the bound (about +0.3 s of CPU at most there);
     # at 512 sequences 400 trials would double the solve time for no gain
     max_moves_large: int = 400
-    exact_max_sequences: int = 8    # up to this many sequences, the MILP proves the plan optimal
+    exact_max_sequences: int = 8    # up to this many sequences the plan is proven optimal (exact.py's DP, else the MILP)
     milp_time_limit: float = 0.0    # seconds of MILP polishing per micro-batch on larger batches
     bucketing: str = "dp"           # bucketing rule (solver.bucketing.RULES): "dp" (the paper's) or "naive"
     sort_longest_first: bool = True  # the blaster cuts lengths sorted longest first (False: arrival order)
@@ -153,6 +157,11 @@ class BatchSearch:
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
         self.cluster_tokens = costs.capacity[0] * num_gpus   # capacity is linear in degree
         self.num_buckets = len(self.buckets.upper)
+        real = costs.times(self.lengths)                          # [n, D] on real lengths, inf: no room
+        self.real_area = (real * np.asarray(costs.degrees)[None, :]).min(axis=1)
+        self.real_time = real.min(axis=1)
+        self._refined: dict[bytes, tuple] = {}                   # refine_members' results by their input
+        self._swept: set[bytes] = set()                          # whole-batch packings arranged_split dealt
 
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -255,6 +264,13 @@ class BatchSearch:
         packing = self.packer.pack(self.buckets.counts, makespan, max_gpus=math.inf, stretch=True)
         if packing is None:
             return None
+        if not must_finish:
+            # a sweep point whose whole-batch packing an earlier one had deals the same split, which was
+            # compared with a best that has only improved since (same outcome, nothing repacked)
+            key = b"|".join((packing.degree_idx.tobytes(), packing.counts.tobytes(), packing.multiplicity().tobytes()))
+            if key in self._swept:
+                return None
+            self._swept.add(key)
         times = self.packer.group_times(packing)
         degrees = np.asarray(self.costs.degrees)[packing.degree_idx]
         room: list[int] = []
@@ -368,6 +384,8 @@ class BatchSearch:
                 p_dst = self.packer.solve(new_dst)
                 if p_dst is None:
                     continue
+                if p_dst.makespan + self.bound(new_src) >= before * (1 - 1e-9):
+                    continue                   # cannot be kept whatever the source packs to
                 p_src = self.packer.solve(new_src) if new_src.any() else None
                 if new_src.any() and p_src is None:
                     continue
@@ -417,11 +435,20 @@ class BatchSearch:
             if left:
                 continue
             changed = [m for m in range(num_mb) if m == src or new[m, b] != counts[m, b]]
-            trial = {m: (self.packer.solve(new[m]) if new[m].any() else None) for m in changed}
-            if any(trial[m] is None and new[m].any() for m in changed):
-                continue
             before = sum(packings[m].makespan for m in changed)
-            after = sum(trial[m].makespan for m in changed if trial[m] is not None)
+            # pack the changed micro-batches in turn; stop once the packed ones plus the bounds of
+            # the rest reach ``before`` (the step cannot be kept: same outcome, fewer packings)
+            trial, after, left = {}, 0.0, sum(self.bound(new[m]) for m in changed)
+            for m in changed:
+                trial[m] = self.packer.solve(new[m]) if new[m].any() else None
+                if trial[m] is None and new[m].any():
+                    break
+                left -= self.bound(new[m])
+                after += trial[m].makespan if trial[m] is not None else 0.0
+                if after + left >= before * (1 - 1e-9):
+                    break
+            if len(trial) < len(changed) or any(trial[m] is None and new[m].any() for m in changed):
+                continue
             if after < before * (1 - 1e-9):
                 counts = new
                 for m in changed:
@@ -542,15 +569,28 @@ class BatchSearch:
     def refine_members(self, raw: list) -> Refined:
         """``refine`` on micro-batches given as (each group's ids, degree indices[, their seconds]), returning them in
         the same form with each micro-batch's real time: candidates are compared on these times and
-        group objects are built once, for the plan that wins (``as_schedule``)."""
+        group objects are built once, for the plan that wins (``as_schedule``).
+
+        Splits share most micro-batches (a local-search move changes two), so a micro-batch already
+        refined from the same groups is taken from ``self._refined`` instead of re-packed and
+        tightened: the same input gives the same output, so the plan does not change."""
         micro_batches: list = [mb[:2] for mb in raw]
         times = np.full(len(raw), np.nan)
         for m, item in enumerate(raw):
             members, deg = item[:2]
+            key = self._members_key(members, deg)
+            done = self._refined.get(key)
+            if done is not None:
+                micro_batches[m], times[m] = done[:2], done[2]
+                continue
             loads = item[2] if len(item) > 2 else group_loads(members, deg, self.lengths, self.costs)
             cut = False
-            if len(members) > 1 or len(flat_ids(members)) > 1:
-                ids = flat_ids(members)
+            ids = flat_ids(members)
+            # no packing of these sequences has a slower group below their cheapest area spread over N
+            # nor below the slowest one at its fastest degree: a micro-batch there keeps its groups
+            floor = max(float(self.real_area[ids].sum()) / self.num_gpus, float(self.real_time[ids].max()))
+            if (len(members) > 1 or len(ids) > 1) and loads.max() > floor * (1 - BOUND_SLACK):
+                tried = None
                 for num_buckets, estimate in REFINE_VARIANTS:
                     if self.out_of_time():
                         cut = True
@@ -558,7 +598,16 @@ class BatchSearch:
                     local = self.bucket(self.lengths[ids], num_buckets * self.options.num_buckets // 16)
                     if len(local.upper) == 1 and len(members) == 1:
                         break
-                    bucket_times = mean_bucket_times(self.lengths[ids], local, self.costs) if estimate == "mean" else None
+                    upper = self.costs.times(local.upper)               # inf where one does not fit: as the packer
+                    bucket_times = (np.where(np.isfinite(upper), mean_bucket_times(self.lengths[ids], local, self.costs),
+                                             np.inf) if estimate == "mean" else upper)
+                    # a micro-batch of few distinct lengths gets them as buckets in both variants, and then
+                    # mean and upper times agree: the same packing twice, packed once
+                    same = (tried is not None and np.array_equal(local.upper, tried[0])
+                            and np.array_equal(local.counts, tried[1]) and np.array_equal(bucket_times, tried[2]))
+                    tried = (local.upper, local.counts, bucket_times)
+                    if same:
+                        continue
                     packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, bucket_times).solve(local.counts)
                     if packing is None:
                         continue
@@ -579,7 +628,27 @@ class BatchSearch:
                 times[m + 1:] = [float(group_loads(mm, dd, self.lengths, self.costs).max()) + self.costs.beta1
                                  for mm, dd in rest]
                 break
+            if not self.out_of_time():       # a cut-short tighten is not what a later call would give
+                self._refined[key] = (members, deg, times[m])
         return Refined(micro_batches, float(times.sum()))
+
+    @staticmethod
+    def _members_key(members, deg) -> bytes:
+        """The groups of a micro-batch as bytes (ids in group order, group sizes, degrees): equal keys, equal input."""
+        sizes = (members.sizes if isinstance(members, Groups)
+                 else np.fromiter(map(len, members), dtype=np.int64, count=len(members)))
+        return b"|".join((flat_ids(members).astype(np.int64).tobytes(), np.asarray(sizes, dtype=np.int64).tobytes(),
+                          np.asarray(deg, dtype=np.int64).tobytes()))
+
+    def real_bound(self, split: Split) -> float:
+        """No refinement of ``split`` (its micro-batches keep their sequences) beats this, on real
+        lengths: per micro-batch the cheapest area of its sequences spread over N, or its slowest
+        sequence at its fastest degree, plus beta1; shaved by ``BOUND_SLACK``."""
+        num_mb = len(split.packings)
+        area = np.bincount(split.assignment, weights=self.real_area, minlength=num_mb) / self.num_gpus
+        slowest = np.zeros(num_mb)
+        np.maximum.at(slowest, split.assignment, self.real_time)
+        return float((np.maximum(area, slowest) + self.costs.beta1).sum()) * (1 - BOUND_SLACK)
 
     def as_schedule(self, refined: Refined) -> Schedule:
         return Schedule(tuple(as_groups(members, deg, self.costs) for members, deg in refined.micro_batches))
@@ -649,6 +718,10 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     proven = one_gpu_plan(lengths, costs, num_gpus)
     if proven is not None:
         return proven                        # one GPU, fewest micro-batches: nothing can beat it
+    if len(lengths) <= options.exact_max_sequences:
+        proven = exact_plan(np.asarray(lengths), costs, num_gpus)
+        if proven is not None:
+            return proven                    # the optimum (subset DP): nothing can beat it
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
     first = search.first_split()
@@ -688,6 +761,8 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         if len(lengths) > MAX_PER_SEQUENCE_SPLITS and len(done) >= MAX_REFINED_LARGE:
             break
         done.append(split)
+        if refined is not None and search.real_bound(split) >= refined.time:
+            continue                         # cannot beat the refined plan so far: same plan, less work
         candidate = search.refine_members(search.members(split))
         if refined is None or candidate.time < refined.time:
             refined = candidate

@@ -6,7 +6,9 @@ from scripts import run_script
 # script -> text its Markdown must contain
 EXPECTED = {
     "planner_benchmark": ["FlexSP solve time (wall): median", "plan / lower bound: mean", "plan / coupled bound: mean",
-                          "speedup over static SP 64", "**simulated**", "<!-- generated: readme -->"],
+                          "speedup over static SP 64", "**simulated**", "<!-- generated: readme -->",
+                          "Small batches: solve pace", "| HF Trainer default (4 x 256, 4,096 tokens/rank) | 4 | 8 |",
+                          "plan time / batchada's"],
     "scale_benchmark": ["| wikipedia | 64 |", "| long-mix | 256 |", "| gpt-7b-constants | 256 |", "plan / coupled bound",
                         "Past the time limit", "communicators per rank", "**simulated**",
                         "<!-- generated: readme -->"],

@@ -112,17 +112,11 @@ class StepStream:
 
 
 def default_cost(config: Any, world: int, tokens_per_rank: int):
-    """A made-up cost model of the right shape (profile yours: ``flexsp profile --hf-config DIR``).
-
-    ``tokens_per_rank`` is the budget left after the model states; the Trainer keeps them replicated
-    (sharding ``"none"``), which is what the capacity is recorded as."""
-    from flexsp.plan.cost import CostModel
-    degrees = [d for d in (2 ** i for i in range(world.bit_length())) if 1 < d <= world]
+    """A made-up cost model of the right shape for ``config`` (profile yours: ``flexsp profile --hf-config
+    DIR``): ``flexsp.plan.token_budget.token_budget_cost`` of its text part's layers and hidden size."""
+    from flexsp.plan.token_budget import token_budget_cost
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return CostModel(alpha1=2e-9, alpha2=2e-6, beta1=1e-4,
-                     comm_bytes_per_token=4 * 2 * text.num_hidden_layers * text.hidden_size * 4,
-                     alltoall_bandwidth={d: 2e9 / d for d in degrees}, token_capacity=tokens_per_rank,
-                     meta={"sharding": "none", "source": "made up by flexsp.hf.trainer.default_cost"})
+    return token_budget_cost(text.num_hidden_layers, text.hidden_size, world, tokens_per_rank)
 
 
 class FlexSPTrainer(Trainer):

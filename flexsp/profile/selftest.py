@@ -245,11 +245,19 @@ def call_site(exc: BaseException) -> str:
     return f"{path}:{f.lineno} in {f.name}" + (f" ({f.line.strip()})" if f.line else "")
 
 
-def memory_row(spec, tokens: int, marks: dict, forwards: dict, workspace: float) -> dict:
+def _head_grad_bytes() -> int:
+    """Bytes per element of the LM head's gradient the selftest's bf16 CUDA step makes in its forward: liger-kernel
+    (``fused_loss``'s choice wherever it is installed) returns it in bf16; FlexSP's own loss keeps fp32."""
+    from flexsp.runtime.models.fused_loss import library_function
+    return 2 if library_function() is not None else 4
+
+
+def memory_row(spec, tokens: int, marks: dict, forwards: dict, workspace: float, head_grad_bytes: int = 4) -> dict:
     """The memory check's row (module docstring, check 3) from the allocator figures: ``marks`` (``other``:
     allocations at the step's start that are not model states; ``peak``), ``forwards`` (micro-batch ->
-    [real tokens, allocated before its forward, after it]) and the workspace the capacity formula leaves."""
-    need = sm.budget(spec, tokens, half=True)
+    [real tokens, allocated before its forward, after it]) and the workspace the capacity formula leaves;
+    ``head_grad_bytes``: as ``selftest_model.budget`` takes it (the loss kernel that ran)."""
+    need = sm.budget(spec, tokens, half=True, head_grad_bytes=head_grad_bytes)
     peak = marks["peak"] - marks["other"]
     # the micro-batch with the most tokens: its forward's growth less the states a forward makes
     mb_tokens, before, after = max(forwards.values(), key=lambda f: f[0]) if forwards else (0, 0, 0)
@@ -261,7 +269,7 @@ def memory_row(spec, tokens: int, marks: dict, forwards: dict, workspace: float)
                 f"activations {measured / 2**20:.0f} MiB after the forward vs capacity model {predicted / 2**20:.0f} "
                 f"MiB ({need.activation_per_token:.0f} B/token x {mb_tokens}; {rel:+.1%}, tolerance "
                 f"{MEMORY_TOLERANCE:.0%}; the forward's own states, {need.forward_states / 2**20:.0f} MiB of bf16 "
-                f"layer weights and the head's fp32 gradient, apart); peak {peak / 2**20:.0f} MiB in "
+                f"layer weights and the head's {'fp32' if head_grad_bytes == 4 else 'bf16'} gradient, apart); peak {peak / 2**20:.0f} MiB in "
                 f"forward+backward vs the whole budget {need.total / 2**20:.0f} MiB, above it by at most the "
                 f"{1 - GPUSpec.usable_memory:.0%} workspace ({workspace / 2**20:.0f} MiB): {need.describe()}; "
                 f"measured, other allocations ({marks['other'] / 2**20:.0f} MiB) excluded",
@@ -317,7 +325,8 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
     torch.cuda.synchronize(device)
     probe.on_forward_begin = probe.on_forward_end = lambda index, tokens=0: None
     memory = memory_row(built.spec, tokens, marks, forwards,
-                        (1 - GPUSpec.usable_memory) * torch.cuda.get_device_properties(device).total_memory)
+                        (1 - GPUSpec.usable_memory) * torch.cuda.get_device_properties(device).total_memory,
+                        head_grad_bytes=_head_grad_bytes())
 
     def arm() -> None:
         torch.cuda.set_sync_debug_mode("error")

@@ -18,8 +18,8 @@
   world-1 precision path). The selftest's memory step runs AdamW so both sides count the same states.
   Its activation check compares activations with activations: what a forward leaves allocated, less the
   states a forward makes (``Budget.forward_states``: autocast's bf16 copies of the layers' weights, not of
-  the embedding or the head, which are never cast; and the LM head's fp32 weight gradient, which the fused
-  loss computes during the forward), against ``activation_bytes_per_token x`` the micro-batch's tokens.
+  the embedding or the head, which are never cast; and the LM head's weight gradient, which the fused
+  loss computes during the forward: fp32 from FlexSP's own loss, bf16 from liger-kernel's), against ``activation_bytes_per_token x`` the micro-batch's tokens.
 """
 from __future__ import annotations
 
@@ -104,14 +104,18 @@ class Budget:
                 f"{self.activations / 2**20:.0f} MiB ({self.activation_per_token:.0f} B/token x {self.tokens})")
 
 
-def budget(spec: ModelSpec, tokens: int, *, half: bool, sharding: str = "full", recompute: str = "none") -> Budget:
+def budget(spec: ModelSpec, tokens: int, *, half: bool, sharding: str = "full", recompute: str = "none",
+           head_grad_bytes: int = 4) -> Budget:
     """The capacity model's accounting of a world-1 step of ``spec`` on ``tokens`` tokens; ``half``: bf16
-    compute (a 2-byte compute copy), else the parameters compute in fp32 (no copy)."""
+    compute (a 2-byte compute copy), else the parameters compute in fp32 (no copy). ``head_grad_bytes``: bytes
+    per element of the LM head's weight gradient the loss makes during the forward - 4 for FlexSP's own loss
+    (an fp32 accumulator), 2 for liger-kernel's, which hands back its gradient in the bf16 compute dtype
+    (measured on an H200: with 4 assumed, the activations read 22% low)."""
     states = state_bytes(spec.params, 1, sharding, compute_bytes=2 if half else 0)
     embedding = spec.hidden * spec.vocab
     head = embedding                                   # the LM head's weight (the embedding's when tied)
     blocks = spec.params - embedding - (0 if spec.tie_embeddings else head)
-    made = (2 * blocks if half else 0) + 4 * head
+    made = (2 * blocks if half else 0) + head_grad_bytes * head
     return Budget(states, activation_bytes_per_token(spec, recompute, "autocast"), tokens, sharding, made)
 
 

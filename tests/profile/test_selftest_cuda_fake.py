@@ -65,6 +65,18 @@ def test_the_memory_check_compares_activations_with_activations(scale, status):
     assert row["relative_error"] == pytest.approx(scale - 1)
 
 
+@pytest.mark.parametrize("kept,assumed,status", [(2, 2, st.PASS), (4, 4, st.PASS), (2, 4, st.FAIL)])
+def test_the_head_gradient_is_counted_at_the_loss_kernels_size(kept, assumed, status):
+    """liger-kernel's forward keeps the head's gradient in bf16, FlexSP's own loss in fp32: counted at the
+    wrong size, the head's 1 GiB at vocab 128,256 reads as 22% fewer activations (GPU run 2, an H200)."""
+    need = sm.budget(LLAMA, 8192, half=True, head_grad_bytes=kept)
+    before = 5 * GIB
+    forwards = {0: [8192, before, before + need.forward_states + need.activation_per_token * 8192]}
+    marks = {"other": GIB, "peak": GIB + need.states.total}
+    row = st.memory_row(LLAMA, 8192, marks, forwards, 8 * GIB, head_grad_bytes=assumed)
+    assert row["status"] == status, row
+
+
 def test_the_memory_check_still_bounds_the_peak():
     need, forwards = _forwards(LLAMA, 8192, 1.0)
     marks = {"other": 0, "peak": need.total + 9 * GIB}

@@ -6,14 +6,11 @@ is checked (free), and the per-sequence kernels get host ints from ``bounds=`` r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from flexsp.errors import FlexSPError
-
-if TYPE_CHECKING:
-    from flexsp.runtime.kernels.features import Features
 
 Bounds = Sequence[int] | torch.Tensor
 
@@ -99,7 +96,7 @@ class LseSpec:
     kernel: str                 # "varlen" (device bounds only) or "sdpa" (per sequence, host bounds)
     bounds_q: tuple[int, ...] | None = None   # host copies for "sdpa"; None: read cu_q (a CPU tensor)
     bounds_k: tuple[int, ...] | None = None
-    features: "Features | None" = None        # ``features.Features`` of the layer; None: plain causal
+    features: Any = None                      # ``features.Features`` of the layer (it imports this module); None: plain causal
     pos_q: torch.Tensor | None = None   # each query row's position in its sequence; None: from the bounds
     pos_k: torch.Tensor | None = None   # (bottom-right aligned); the ring's zigzag blocks give them
 

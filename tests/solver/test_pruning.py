@@ -1,0 +1,49 @@
+"""The search skips work on lower bounds and reuses refined micro-batches; that is safe only if each
+bound is never above what the skipped work would have found, and a reused result is what a fresh
+refine gives. Checked here on random batches (the plans' sameness is what the bounds buy)."""
+import numpy as np
+import pytest
+
+from solver.search import BatchSearch, SearchOptions
+from solver.types import DegreeCosts
+
+COSTS = DegreeCosts(degrees=(1, 2, 4, 8), quad=(1e-6, 5e-7, 2.5e-7, 1.25e-7),
+                    lin=(1e-3, 6e-4, 3.5e-4, 2e-4), capacity=(100.0, 200.0, 400.0, 800.0), beta1=0.05)
+
+
+def splits(search: BatchSearch) -> list:
+    first = search.first_split()
+    searched = search.best_split(first)
+    return [first, searched, search.improve(searched), search.evict(searched), search.merge(searched)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_real_bound_never_exceeds_the_refined_time(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 800, size=int(rng.integers(9, 80)))
+    search = BatchSearch(lengths, COSTS, 8, SearchOptions())
+    for split in splits(search):
+        refined = search.refine_members(search.members(split))
+        assert search.real_bound(split) <= refined.time
+        assert sum(search.bound(row) for row in search.counts(split.assignment, len(split.packings))) <= split.makespan
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_reused_refinement_is_a_fresh_one(seed, monkeypatch):
+    import solver.search
+    calls = []
+    tighten = solver.search.tighten_members
+    monkeypatch.setattr(solver.search, "tighten_members", lambda *a, **k: calls.append(1) or tighten(*a, **k))
+    rng = np.random.default_rng(100 + seed)
+    lengths = rng.integers(1, 800, size=int(rng.integers(9, 80)))
+    warm = BatchSearch(lengths, COSTS, 8, SearchOptions())
+    for split in splits(warm):
+        warm.refine_members(warm.members(split))
+        calls.clear()
+        again = warm.refine_members(warm.members(split))           # every micro-batch from the cache now
+        assert not calls
+        fresh = BatchSearch(lengths, COSTS, 8, SearchOptions()).refine_members(warm.members(split))
+        assert again.time == fresh.time
+        for (a_members, a_deg), (f_members, f_deg) in zip(again.micro_batches, fresh.micro_batches):
+            assert np.array_equal(a_deg, f_deg)
+            assert all(np.array_equal(a, f) for a, f in zip(a_members, f_members))
