@@ -3,7 +3,7 @@
 A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``. ``simulate``
 is the output of the README's default command (``flexsp simulate``); ``file:FILE`` copies the whole of
 ``experiments/results/FILE``; ``results:FILE`` copies the block of the same name out of it, where the benchmark script that owns the
-figures wrote it; ``calibration`` tabulates the measured presets (``flexsp/plan/measured/``) with their fit and replay
+figures wrote it; ``families`` is the HF families table's totals; ``calibration`` tabulates the measured presets (``flexsp/plan/measured/``) with their fit and replay
 errors and any GPU run of ``experiments/gpu_replay.py``. ``--check`` exits 1 when the README differs (for ``simulate``, solve times and the
 time-limited search's plan details, which vary from run to run, are ignored; its total time must agree
 within 1%: see ``simulation_differs``).
@@ -135,9 +135,22 @@ def gpu_step() -> str:
     return "\n".join(lines) + "\n"
 
 
+def families() -> str:
+    """The Hugging Face families table's totals (``docs/hf_families.md``, written by ``experiments/hf_families.py``)."""
+    text = (ROOT / "docs" / "hf_families.md").read_text()
+    totals = next(line for line in text.splitlines() if line.startswith("Totals: "))
+    source = re.search(r"\((transformers [^)]*)\)", text)
+    return (f"Every causal-LM model type of transformers, built tiny in fp64 and stepped under a heterogeneous plan "
+            f"on 4 gloo ranks against the unmodified model ({source.group(1) if source else 'see the page'}; "
+            f"measured by `python experiments/hf_families.py`, the whole table in "
+            f"[docs/hf_families.md](docs/hf_families.md)):\n\n**{totals[len('Totals: '):]}**\n")
+
+
 def render(name: str) -> str:
     if name == "gpu_step":
         return gpu_step()
+    if name == "families":
+        return families()
     if name == "simulate":
         return default_simulation()
     if name == "calibration":
