@@ -22,7 +22,7 @@ from torch import nn
 from flexsp.errors import FlexSPError
 from flexsp.runtime.kernels.features import Features
 
-SLIDING, CHUNKED = "sliding_attention", "chunked_attention"   # the ``config.layer_types`` entries read here
+SLIDING, CHUNKED, FULL = "sliding_attention", "chunked_attention", "full_attention"   # ``config.layer_types`` entries
 FEATURES_ATTR = "flexsp_features"   # set on every attention module: its layer's ``Features``, read once
 # logit transforms of LM heads: config attribute -> True when the model divides its logits by it
 LOGIT_SCALES = {"logits_scaling": True, "logit_scale": False}
@@ -94,6 +94,8 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
         module = modules.get(i)
         if module is not None and hasattr(module, "sliding_window"):
             w = module.sliding_window
+            if kind == FULL or getattr(module, "is_sliding", True) is False:
+                w = None
         out[i] = Features(window=None if w is None else int(w),
                           chunk=int(chunk) if kind == CHUNKED and chunk is not None else None,
                           softcap=None if softcap is None else float(softcap))

@@ -191,6 +191,10 @@ def test_unsupported_features_are_named(arch, kw, pattern):
      {0: Features(window=5), 1: Features()}),
     ("llama4_text", {"attention_chunk_size": 3, "layer_types": ["chunked_attention", "full_attention"]},
      {0: Features(chunk=3), 1: Features()}),
+    # EXAONE 4 keeps the config's window on every attention module, global (NoPE) layers too, and applies it on
+    # sliding layers only: a full_attention layer is never windowed (it was, and the family read as refused)
+    ("exaone4", {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]},
+     {0: Features(window=5), 1: Features()}),
 ])
 def test_layer_features_are_read_once_per_layer_and_set_on_the_modules(arch, kw, want):
     model = _tiny(arch, **kw).double()
