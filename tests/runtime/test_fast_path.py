@@ -95,7 +95,7 @@ def test_python_calls_per_layer_within_twice_the_plain_loop():
     def flex(model):
         model.zero_grad(set_to_none=True)
         executor = StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.0), GroupPool())
-        executor._forward_backward([executor._pack(batch, plan.micro_batches[0].groups[0])], 100)
+        executor._forward_backward([executor._pack(batch, None, plan.micro_batches[0].groups[0])], 100)
 
     def plain(model):
         model.zero_grad(set_to_none=True)
