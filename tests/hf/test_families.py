@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime.distributed import run_distributed  # noqa: E402
+from hf.family_runs import assert_exact, family_results  # noqa: E402
 
 from flexsp.hf import UnsupportedModelError, prepare_model  # noqa: E402
-from flexsp.hf.families import RTOL, batch, causal_lm_types, native_step, tiny_model  # noqa: E402
+from flexsp.hf.families import batch, causal_lm_types, native_step, tiny_model  # noqa: E402
 from flexsp.runtime import AttentionContext, pack  # noqa: E402
 
 EXACT = ("stablelm", "gpt_neox", "qwen2_moe", "qwen2_moe+router-loss")
@@ -24,24 +24,14 @@ REFUSED = {"minimax": "1 of its 2 decoder layers ran FlexSP's attention",   # li
            "bloom": "fails on a packed row"}
 
 
-def _worker(rank, world):
-    from flexsp.hf.families import check_family
-    from flexsp.runtime import GroupPool
-    pool = GroupPool()
-    return {t: check_family(t, pool) for t in (*EXACT, *REFUSED)}
-
-
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_worker, 4, timeout=240)
+    return family_results((*EXACT, *REFUSED), timeout=240)
 
 
 @pytest.mark.parametrize("model_type", EXACT)
 def test_family_trains_exactly(results, model_type):
-    for res in results:
-        r = res[model_type]
-        assert r.status == "exact", r
-        assert r.loss_rel <= RTOL and r.update_rel <= RTOL
+    assert_exact(results, model_type)
     assert results[0]["stablelm"].wrapped and not results[0]["gpt_neox"].wrapped
 
 

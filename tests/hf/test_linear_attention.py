@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime.distributed import run_distributed  # noqa: E402
+from hf.family_runs import assert_exact, family_results  # noqa: E402
 
 from flexsp.hf import UnsupportedModelError, prepare_model  # noqa: E402
-from flexsp.hf.families import LENGTHS, RTOL, batch, tiny_model  # noqa: E402
+from flexsp.hf.families import LENGTHS, batch, tiny_model  # noqa: E402
 from flexsp.hf.linear_attention import make_varlen  # noqa: E402
 from flexsp.runtime import AttentionContext, pack  # noqa: E402
 from flexsp.runtime.sp.context import ShardingError  # noqa: E402
@@ -25,24 +25,14 @@ from flexsp.runtime.sp.linear import check_linear_heads, ulysses_conv, ulysses_r
 FAMILIES = ("qwen3_5", "qwen3_next+router-loss")
 
 
-def _worker(rank, world):
-    from flexsp.hf.families import check_family
-    from flexsp.runtime import GroupPool
-    pool = GroupPool()
-    return {t: check_family(t, pool) for t in FAMILIES}
-
-
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_worker, 4, timeout=300)
+    return family_results(FAMILIES)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_hybrid_trains_exactly(results, model_type):
-    for res in results:
-        r = res[model_type]
-        assert r.status == "exact", r
-        assert r.loss_rel <= RTOL and r.update_rel <= RTOL
+    assert_exact(results, model_type)
 
 
 def test_every_layer_mixes_under_sp():
