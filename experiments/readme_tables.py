@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import re
 import sys
 from pathlib import Path
@@ -102,9 +103,7 @@ def calibration() -> str:
         rows.append("| " + " | ".join(cells) + " |")
     replays = sorted((ROOT / "experiments" / "results").glob("gpu_replay_*.md"))
     if replays:
-        tail = "\n\n".join(f"[{p.stem}](experiments/results/{p.name}):\n\n"
-                            + "\n".join(line for line in p.read_text().splitlines() if line.startswith("|"))
-                            for p in replays)
+        tail = "\n\n".join(replay_block(p) for p in replays)
     else:
         tail = ("The paper's comparison replayed with this measured compute (`python experiments/gpu_replay.py`: every "
                 "strategy's plans for 64 GPUs, each group's compute measured on one GPU, communication modelled; about "
@@ -112,6 +111,18 @@ def calibration() -> str:
     return ("Measured on a real GPU (compute and memory; the all-to-all and ring are assumed, since one GPU measures no "
             "all-to-all). `flexsp simulate --model NAME` plans with a measured preset and prints its provenance.\n\n"
             + "\n".join(rows) + "\n\n" + tail + "\n")
+
+
+def replay_block(md: Path) -> str:
+    """One gpu_replay results table, headed by what ran it: the device, the preset, how much was replayed."""
+    state = json.loads(md.with_suffix(".json").read_text())
+    s, device = state["setting"], state.get("device") or {}
+    done = {key.split("/")[0] for key in state["replays"]}
+    head = (f"The paper's comparison replayed with measured compute ([{md.stem}](experiments/results/{md.name}), "
+            f"`python experiments/gpu_replay.py`): {s['preset']}'s plans for {s['gpus']} GPUs, "
+            f"{device.get('label', 'nothing replayed yet')}; {len(state['replays'])} replays over {len(done)} of "
+            f"{s['steps']} step(s)" + (f" (**incomplete**: {state['stopped']})" if state.get("stopped") else "") + ":")
+    return head + "\n\n" + "\n".join(line for line in md.read_text().splitlines() if line.startswith("|"))
 
 
 def gpu_step() -> str:
