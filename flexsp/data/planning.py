@@ -247,6 +247,7 @@ class AsyncPlanner:
         self._abandoned: set[tuple[int, int]] = set()   # taken by the fallback while the worker solved them
         self._ended: PlannedBatch | None = None          # the batch iterator's error, after the in-flight ones
         self._exhausted = False
+        self._lock = threading.Lock()   # next() and wait_ready() may come from two threads (loader and caller)
         self._submit()
 
     # --- submitting ------------------------------------------------------------------------------
@@ -273,6 +274,10 @@ class AsyncPlanner:
         """Wait up to ``timeout`` seconds for the worker to be up (benchmarks and tests that need every
         batch solved by the worker, the first one included); False if it was not."""
         deadline = time.perf_counter() + timeout
+        with self._lock:   # the loader's thread may be in next(): one reader of the worker's pipe at a time
+            return self._wait_ready(deadline)
+
+    def _wait_ready(self, deadline: float) -> bool:
         while self._backend is not None and self._backend.ready_at is None and time.perf_counter() < deadline:
             self._backend.receive(min(_POLL, max(0.0, deadline - time.perf_counter())))
         return self._backend is None or self._backend.ready_at is not None
@@ -292,6 +297,10 @@ class AsyncPlanner:
     def next(self) -> PlannedBatch:
         """The next batch's plan (or error), waiting only if the solver has not finished it yet."""
         started = time.perf_counter()
+        with self._lock:
+            return self._next(started)
+
+    def _next(self, started: float) -> PlannedBatch:
         if self.mode == "sync":
             try:
                 batch = next(self._batches)
@@ -347,7 +356,7 @@ class AsyncPlanner:
                 self.stats.fallbacks += 1
                 warnings.warn(f"{what}: planned it with the fallback (greedy) instead ({self.stats.fallbacks} so far) "
                               f"and replaced the {self.mode} ({self.stats.restarts} of at most {self.max_restarts} "
-                              f"restarts)", RuntimeWarning, stacklevel=3)
+                              f"restarts)", RuntimeWarning, stacklevel=4)
         self._taken += 1
         self._submit()
         return self._account(result, started)
@@ -363,7 +372,7 @@ class AsyncPlanner:
         self.stats.restarts += 1
         if warn:
             warnings.warn(f"{problem}; restarting it ({self.stats.restarts} of at most {self.max_restarts})",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
         self._backend.close(0.0)
         self._abandoned.clear()   # a fresh worker never answers the old one's batches
         self._backend = _ProcessBackend(self._solve) if self.mode == "process" else _ThreadBackend(self._solve)
