@@ -210,3 +210,24 @@ def test_cli_profiles_each_kind(tmp_path, capsys):
     meta = json.loads(out.read_text())["meta"]
     assert [(k["mixer"], k["size"], k["layers"]) for k in meta["kinds"]] == [("window", 1024, 5), ("full", 0, 1)]
     assert not any("not fitted apart" in e for e in meta["estimates"])
+
+
+def test_transformers_hybrid_times_its_linear_attention_layers():
+    """Through --hf-config's builder the runtime runs Gated DeltaNet (transformers' own recurrence under FlexSP's
+    Ulysses wrapper): a Qwen3.5 hybrid's linear layer is timed, fitted with no pair term, and nothing is estimated."""
+    pytest.importorskip("transformers")
+    from flexsp.hf.families import tiny_config
+    from flexsp.plan.specs import spec_from_hf_config
+    from flexsp.profile.kinds import hf_kind_builder, timed_kinds
+
+    config = tiny_config("qwen3_5")
+    spec = spec_from_hf_config(config)
+    builders = {k: hf_kind_builder(config, spec, k, max_seqlen=256) for k, _ in timed_kinds(spec)}
+    with FlopCounterMode(display=False) as counter:
+        sweep = kind_sweep(spec, DeviceSetup.resolve("cpu"), [64, 128, 192, 256], blocks=1, repeats=1, warmup=0,
+                           clock=lambda: float(counter.get_total_flops()), builders=builders)
+    assert sweep.untimed == () and sorted(k.mixer for k, _ in sweep.timed) == ["full", "linear"]
+    model = fit_sweep(sweep)
+    _check_each_kind_predicted(sweep, model)
+    linear = next(k for k in model.kinds if k.mixer == "linear")
+    assert linear.work == "none" and linear.alpha == 0 and not linear.estimated and linear.alpha2 > 0
