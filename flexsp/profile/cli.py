@@ -38,7 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "needs the hf extra. Replaces --model and the shape flags")
     m.add_argument("--hf-attn", default="sdpa", help="the HF model's attn_implementation key (default sdpa)")
     m.add_argument("--run-layers", type=int, default=None,
-                   help="run only this many blocks and scale up to --layers (for models that do not fit)")
+                   help="run only this many blocks and scale up to --layers (for models that do not fit); a model "
+                        "with windowed, chunked or linear-attention layers: this many layers of each kind, timed apart "
+                        "(default 2)")
     d = p.add_argument_group("device")
     d.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
     d.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
@@ -349,7 +351,11 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
     memory_lengths = args.memory_lengths or lengths[-3:]
 
     runs = args.warmup + args.repeats
-    rate, flops = matmul_rate(setup), sweep_flops(lengths, runs, memory_lengths, runner.spec)
+    swept = runner.spec
+    if _per_kind(spec):     # the models with --run-layers (default 2) layers of each kind, not the whole stack
+        from flexsp.profile.kinds import timed_kinds
+        swept = spec.with_layers(max(1, args.run_layers or 2) * len(timed_kinds(spec)))
+    rate, flops = matmul_rate(setup), sweep_flops(lengths, runs, memory_lengths, swept)
     say(f"estimate: the sweep takes at least {duration(flops / rate)} ({flops / 1e12:.3g} TFLOP at this device's "
         f"{rate / 1e12:.3g} TFLOP/s of a bare matmul; refined after the first run)")
 
