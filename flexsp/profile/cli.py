@@ -370,6 +370,9 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
         compute, kinds = _kind_profile(args, spec, setup, lengths, say)
         worst = max((k for k in kinds.kinds if k.points), key=lambda k: k.mean_abs_error)
         error, what = max((compute.mean_abs_error, "compute fit"), (worst.mean_abs_error, f"{worst.name} layer fit"))
+        if what != "compute fit" and worst.mixer in ("window", "chunk"):
+            what += (" (noise, or a kernel whose time neither its pairs nor s^2 describe: the CPU's explicit window "
+                     "path slows past the cache)")
     else:
         sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say, first=estimate)
         with warnings.catch_warnings(record=True) as caught:
