@@ -7,7 +7,8 @@ dispatch its fused kernels (cuDNN or flash on CUDA, the fused flash kernel on CP
 fall back to the math kernel). ``sdpa_each`` is the same without batching.
 
 The lse forms (``each_forward``/``each_backward``, the ring's kernels where ``varlen`` cannot run) call
-CPU's fused flash op directly where it applies, else an explicit softmax per sequence.
+CPU's fused flash op directly where it applies, else an explicit softmax per sequence, in query-row tiles
+of bounded memory (``row_tiles``: a ring block of a long context never builds its ``lq x lk`` scores).
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ import torch.nn.functional as F
 from flexsp.runtime.kernels.features import PLAIN
 from flexsp.runtime.kernels.layout import LseSpec
 from flexsp.runtime.kernels.reference import causal_seen
+
+# The explicit lse form works on query-row tiles whose fp32 scores take at most this many bytes, with
+# ``_TEMPORARIES`` tensors of that size alive at once (scores, probabilities, their gradient, the mask).
+TILE_BYTES = 256 * 2**20
+_TEMPORARIES = 4
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -117,31 +123,48 @@ def _four_d(x: torch.Tensor, a: int, b: int, heads: int) -> torch.Tensor:
     return part.transpose(0, 1).unsqueeze(0)
 
 
-def _seen(spec: LseSpec, qa: int, qb: int, ka: int, kb: int, device: torch.device) -> torch.Tensor | None:
-    """``[lq, lk]`` bool mask of one sequence, or None (every key seen). Positions are the spec's (the ring's
-    zigzag blocks) or bottom-right aligned ones; a window or chunk needs them even where ``causal`` is off."""
+def _seen(spec: LseSpec, seq: tuple[int, int, int, int], rows: tuple[int, int],
+          device: torch.device) -> torch.Tensor | None:
+    """``[rows, lk]`` bool mask of query rows ``rows`` (absolute) of one sequence ``seq``, or None (every
+    key seen). Positions are the spec's (the ring's zigzag blocks) or bottom-right aligned ones; a window
+    or chunk needs them even where ``causal`` is off."""
     feats = spec.features
     positional = feats is not None and feats.positional
     if not (spec.causal or positional):
         return None
+    qa, qb, ka, kb = seq
+    ra, rb = rows
     lq, lk = qb - qa, kb - ka
-    if spec.pos_q is None and not positional:
+    if spec.pos_q is None and not positional and (ra, rb) == (qa, qb):
         return causal_seen(lq, lk, device)
-    pos_q = spec.pos_q[qa:qb] if spec.pos_q is not None else torch.arange(lk - lq, lk, device=device)
+    pos_q = (spec.pos_q[ra:rb] if spec.pos_q is not None
+             else torch.arange(lk - lq + ra - qa, lk - lq + rb - qa, device=device))
     pos_k = spec.pos_k[ka:kb] if spec.pos_k is not None else torch.arange(lk, device=device)
     return (feats if feats is not None else PLAIN).seen(pos_q, pos_k)
 
 
-def _explicit_scores(q, k, spec: LseSpec, seq: tuple[int, int, int, int], ct):
-    """``([heads, lq, lk]`` scores of one sequence in ``ct``, soft-capped and masked; ``d capped / d raw`` or
-    None)."""
+def row_tiles(seq: tuple[int, int, int, int], heads: int, budget: int | None = None) -> list[tuple[int, int]]:
+    """The query rows of one sequence in tiles whose ``[heads, rows, lk]`` fp32 scores (and the few
+    same-sized temporaries beside them) fit ``budget`` bytes (default ``TILE_BYTES``): the explicit
+    form's memory is bounded by the tile, not by ``lq x lk`` (a ring block of a 2M-token context has tens
+    of thousands of rows a side)."""
     qa, qb, ka, kb = seq
+    per_row = max(1, heads * (kb - ka) * 4 * _TEMPORARIES)
+    step = max(1, (TILE_BYTES if budget is None else budget) // per_row)
+    return [(a, min(a + step, qb)) for a in range(qa, qb, step)]
+
+
+def _explicit_scores(q, k, spec: LseSpec, seq: tuple[int, int, int, int], rows: tuple[int, int], ct):
+    """``([heads, rows, lk]`` scores of query rows ``rows`` of one sequence in ``ct``, soft-capped and
+    masked; ``d capped / d raw`` or None)."""
+    ka, kb = seq[2:]
+    ra, rb = rows
     group = q.shape[1] // k.shape[1]
-    scores = torch.einsum("qhd,khd->hqk", q[qa:qb].to(ct), k[ka:kb].repeat_interleave(group, dim=1).to(ct)) * spec.scale
+    scores = torch.einsum("qhd,khd->hqk", q[ra:rb].to(ct), k[ka:kb].repeat_interleave(group, dim=1).to(ct)) * spec.scale
     dcap = None
     if spec.features is not None:
         scores, dcap = spec.features.cap(scores)
-    seen = _seen(spec, qa, qb, ka, kb, q.device)
+    seen = _seen(spec, seq, rows, q.device)
     if seen is not None:
         scores = scores.masked_fill(~seen, -math.inf)
     return scores, dcap
@@ -162,12 +185,13 @@ def each_forward(q, k, v, spec: LseSpec):
             out[qa:qb] = o[0].transpose(0, 1)
             lse[:, qa:qb] = l[0].to(ct)
             continue
-        scores, _ = _explicit_scores(q, k, spec, (qa, qb, ka, kb), ct)
-        row = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - finite(row)[..., None])
-        group = heads // k.shape[1]
-        out[qa:qb] = torch.einsum("hqk,khd->qhd", probs, v[ka:kb].repeat_interleave(group, dim=1).to(ct)).to(q.dtype)
-        lse[:, qa:qb] = row
+        vr = v[ka:kb].repeat_interleave(heads // k.shape[1], dim=1).to(ct)
+        for ra, rb in row_tiles((qa, qb, ka, kb), heads):
+            scores, _ = _explicit_scores(q, k, spec, (qa, qb, ka, kb), (ra, rb), ct)
+            row = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - finite(row)[..., None])
+            out[ra:rb] = torch.einsum("hqk,khd->qhd", probs, vr).to(q.dtype)
+            lse[:, ra:rb] = row
     return out, lse
 
 
@@ -193,19 +217,20 @@ def each_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):
             dk[ka:kb] += gk[0].transpose(0, 1).unflatten(1, (kv_heads, group)).sum(2).to(ct)
             dv[ka:kb] += gv[0].transpose(0, 1).unflatten(1, (kv_heads, group)).sum(2).to(ct)
             continue
-        scores, dcap = _explicit_scores(q, k, spec, (qa, qb, ka, kb), ct)
-        probs = torch.exp(scores - finite(lse[:, qa:qb].to(ct))[..., None])          # masked keys: 0
-        do = dout[qa:qb].to(ct)
         kr = k[ka:kb].repeat_interleave(group, dim=1).to(ct)
         vr = v[ka:kb].repeat_interleave(group, dim=1).to(ct)
-        delta = (do * out[qa:qb].to(ct)).sum(-1).t()                                    # [heads, lq]
-        if dlse is not None:
-            delta = delta - dlse[:, qa:qb].to(ct)
-        dscores = probs * (torch.einsum("qhd,khd->hqk", do, vr) - delta[..., None])
-        if dcap is not None:
-            dscores = dscores * dcap                                                    # through the softcap
-        dq[qa:qb] = torch.einsum("hqk,khd->qhd", dscores, kr) * spec.scale
-        dk[ka:kb] += (torch.einsum("hqk,qhd->khd", dscores, q[qa:qb].to(ct)) * spec.scale).unflatten(
-            1, (kv_heads, group)).sum(2)
-        dv[ka:kb] += torch.einsum("hqk,qhd->khd", probs, do).unflatten(1, (kv_heads, group)).sum(2)
+        for ra, rb in row_tiles((qa, qb, ka, kb), heads):
+            scores, dcap = _explicit_scores(q, k, spec, (qa, qb, ka, kb), (ra, rb), ct)
+            probs = torch.exp(scores - finite(lse[:, ra:rb].to(ct))[..., None])          # masked keys: 0
+            do = dout[ra:rb].to(ct)
+            delta = (do * out[ra:rb].to(ct)).sum(-1).t()                                    # [heads, rows]
+            if dlse is not None:
+                delta = delta - dlse[:, ra:rb].to(ct)
+            dscores = probs * (torch.einsum("qhd,khd->hqk", do, vr) - delta[..., None])
+            if dcap is not None:
+                dscores = dscores * dcap                                                    # through the softcap
+            dq[ra:rb] = torch.einsum("hqk,khd->qhd", dscores, kr) * spec.scale
+            dk[ka:kb] += (torch.einsum("hqk,qhd->khd", dscores, q[ra:rb].to(ct)) * spec.scale).unflatten(
+                1, (kv_heads, group)).sum(2)
+            dv[ka:kb] += torch.einsum("hqk,qhd->khd", probs, do).unflatten(1, (kv_heads, group)).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
