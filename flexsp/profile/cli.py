@@ -517,7 +517,10 @@ def _print_kinds(model, say) -> None:
         if k.mixer in ("window", "chunk") and k.work == "square":
             say(f"  note: the {k.name} layers' kernel on this device computes the whole masked score matrix "
                 f"(their time grows as s^2): costed in alpha1, not {k.mixer}_alpha")
-    say("  summed over the model (with embedding, head and loss):")
+    terms = [f"window_alpha[{w}] = {a:.4e}" for w, a in model.window_alpha.items()]
+    terms += [f"chunk_alpha[{c}] = {a:.4e}" for c, a in model.chunk_alpha.items()]
+    say(f"  summed over the model (with embedding, head and loss){': ' + ', '.join(terms) if terms else ''}; "
+        f"alpha1 below covers the s^2 kinds only:")
 
 
 def _print_comm(fits, gpus_per_node, say, link_kind) -> None:

@@ -111,16 +111,16 @@ def kind_lengths(lengths: Sequence[int], spec: ModelSpec) -> tuple[list[int], li
 
 
 def hf_kind_builder(config: Any, spec: ModelSpec, kind: LayerKind, *, max_seqlen: int | None,
-                    attn_implementation: str = "sdpa") -> Callable[[int], nn.Module] | None:
+                    attn_implementation: str = "sdpa") -> Callable[[int], nn.Module] | str:
     """``build(layers)``: the transformers model of ``config`` with ``layers`` layers, all of ``kind`` (its
-    ``layer_types`` set to it). None where the config cannot say so: it has no ``layer_types`` and more than
-    one kind."""
+    ``layer_types`` set to it); where the config cannot say so (no ``layer_types`` and more than one kind),
+    why, as a string."""
     from flexsp.hf.prepare import from_config, load_config, with_layers
     cfg = load_config(config)
     getter = getattr(cfg, "get_text_config", None)
     has_types = getattr(getter() if callable(getter) else cfg, "layer_types", None) is not None
     if not has_types and len(timed_kinds(spec)) > 1:
-        return None
+        return "the model's config has no layer_types, so no model of this kind alone can be built from it"
 
     def build(layers: int) -> nn.Module:
         one = with_layers(copy.deepcopy(cfg), layers)
@@ -147,18 +147,19 @@ class KindSweep:
 
 def kind_sweep(spec: ModelSpec, setup: DeviceSetup, lengths: Sequence[int], *, blocks: int = 2, repeats: int = 3,
                warmup: int = 1, clock: Callable[[], float], seed: int = 0,
-               builders: dict[LayerKind, Callable[[int], nn.Module] | None] | None = None,
+               builders: dict[LayerKind, Callable[[int], nn.Module] | str | None] | None = None,
                base_build: Callable[[int], nn.Module] | None = None, progress=None) -> KindSweep:
     """Time the model without layers and with ``blocks`` layers of each kind, ``repeats`` times at every length
-    (the models run in turn at each length, so drift on a shared machine falls on all alike)."""
+    (the models run in turn at each length, so drift on a shared machine falls on all alike). ``builders`` maps
+    each kind to its ``build(layers)``, or to why it cannot be built here (a string; None: the reason TinyLM has)."""
     kinds = timed_kinds(spec)
     builders = builders if builders is not None else {k: tiny_builder(spec, k) for k, _ in kinds}
     timed, untimed = [], []
     for kind, count in kinds:
-        if builders.get(kind) is None:
-            why = ("the runtime's TinyLM has no linear-attention layer (profile a transformers model with "
-                   "--hf-config to time one)" if not kind.softmax else
-                   "the model's config cannot build layers of one kind (no layer_types)")
+        build = builders.get(kind)
+        if build is None or isinstance(build, str):
+            why = build or ("the runtime's TinyLM has no linear-attention layer (profile a transformers model with "
+                            "--hf-config to time one)")
             untimed.append((kind, count, why))
         else:
             timed.append((kind, count))
