@@ -231,3 +231,18 @@ def test_transformers_hybrid_times_its_linear_attention_layers():
     _check_each_kind_predicted(sweep, model)
     linear = next(k for k in model.kinds if k.mixer == "linear")
     assert linear.work == "none" and linear.alpha == 0 and not linear.estimated and linear.alpha2 > 0
+
+
+def test_cli_says_plainly_which_kinds_it_could_not_time(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    rc = main(["profile", "--model", "qwen3.5-27b", "--layers", "4", "--hidden", "32", "--heads", "2", "--kv-heads",
+               "1", "--ffn", "64", "--vocab", "64", "--lengths", "32,64,128,192,256", "--memory-lengths", "32,64",
+               "--memory-gb", "1", "--repeats", "2", "--warmup", "1", "--statistic", "min", "--force",
+               "--run-layers", "1", "-o", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "NOT TIMED: 3 x linear layers: the runtime's TinyLM has no linear-attention layer" in captured.out
+    profile = json.loads(out.read_text())
+    assert any(e.startswith("layer kind linear (3 layers): not timed") for e in profile["meta"]["estimates"])
+    document = measured_presets.wrap_profile(profile, "cpu-q", driver="none", command="flexsp profile")
+    assert "1 x full (square), 3 x linear (NOT TIMED, estimated)" in measured_presets.parts(document)["compute"]
