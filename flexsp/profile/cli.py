@@ -365,14 +365,15 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
             f"runs + {len(memory_lengths)} memory runs; one {first_length}-token run took {seconds:.2f} s, the others "
             f"scaled by their FLOPs)")
 
-    kinds = None
+    kinds, cause = None, "the timings are too noisy to plan with"
     if _per_kind(spec):
         compute, kinds = _kind_profile(args, spec, setup, lengths, say)
         worst = max((k for k in kinds.kinds if k.points), key=lambda k: k.mean_abs_error)
         error, what = max((compute.mean_abs_error, "compute fit"), (worst.mean_abs_error, f"{worst.name} layer fit"))
         if what != "compute fit" and worst.mixer in ("window", "chunk"):
-            what += (" (noise, or a kernel whose time neither its pairs nor s^2 describe: the CPU's explicit window "
-                     "path slows past the cache)")
+            cause = (f"the timings are too noisy, or this device's {worst.mixer} kernel grows in a way neither its "
+                     f"pairs nor s^2 describe (the CPU's explicit window path slows past the cache); either way too "
+                     f"far off to plan with")
     else:
         sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say, first=estimate)
         with warnings.catch_warnings(record=True) as caught:
@@ -387,9 +388,8 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
                 _print_kinds(kinds, say)
             _print_compute(compute, say)
         noisy = (f"the {what}'s mean |relative error| is {error:.1%} (compute fit max "
-                 f"{compute.max_abs_error:.1%}), above the {FIT_ERROR_LIMIT:.0%} limit: the timings are too noisy to "
-                 f"plan with ({'--threads 1 --clock cpu --statistic min, ' if not on_gpu else ''}more --repeats, an "
-                 f"idle machine)")
+                 f"{compute.max_abs_error:.1%}), above the {FIT_ERROR_LIMIT:.0%} limit: {cause} "
+                 f"({'--threads 1 --clock cpu --statistic min, ' if not on_gpu else ''}more --repeats, an idle machine)")
         if not args.force:
             raise CostModelError(f"{noisy}; --force writes it anyway")
         say(f"WARNING: {noisy}; written anyway (--force), marked in the JSON's meta")
@@ -424,6 +424,10 @@ def _kind_profile(args, spec, setup, lengths, say):
         max_seqlen = max(lengths)
         builders = {k: hf_kind_builder(args.hf_config, spec, k, max_seqlen=max_seqlen,
                                        attn_implementation=args.hf_attn) for k, _ in kinds}
+    for kind, _ in kinds:
+        if kind.mixer in ("window", "chunk") and max(lengths) <= kind.size:
+            say(f"compute: no length above {kind.describe()}: beyond it the fit extrapolates its pair count (a kernel "
+                f"that skips what the {kind.mixer} masks; add longer --lengths to measure it)")
     say(f"compute: a layer of each kind timed apart ({', '.join(f'{n} x {k.describe()}' for k, n in kinds)}): the "
         f"model without layers and with {blocks} layer(s) of each kind, at every length")
     sweep = kind_sweep(spec, setup, lengths, blocks=blocks, repeats=args.repeats, warmup=args.warmup,
