@@ -176,13 +176,15 @@ def _check_kinds(kinds: Any, cost: CostModel, layers: int) -> None:
             number(kind.get(key), f"{where}{key}", CostModelError)
         estimated = kind.get("estimated")
         if estimated is not None and not isinstance(estimated, str):
-            raise CostModelError(f"{where}estimated must be a string (why the kind was not timed), got {estimated!r:.40}")
+            raise CostModelError(f"{where}estimated must be a string (why the kind was not timed), got "
+                                 f"{estimated!r:.40}")
         if estimated is None:
             for key in ("mean_abs_rel_error", "max_abs_rel_error"):
                 number(kind.get(key), f"{where}{key}", CostModelError)
         points = _field(kind, "points", list, where)
         if len(points) > MAX_POINTS:
-            raise CostModelError(f"{where}points has {len(points)} entries, more than the {MAX_POINTS} a kind may record")
+            raise CostModelError(f"{where}points has {len(points)} entries, more than the {MAX_POINTS} a kind may "
+                                 f"record")
         if work == "pairs" and size not in getattr(cost, f"{mixer}_alpha"):
             raise CostModelError(f"{where}: a {mixer} {size} fitted by its pairs needs profile.{mixer}_alpha[{size}], "
                                  f"which the profile lacks")

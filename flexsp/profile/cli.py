@@ -389,7 +389,8 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
             _print_compute(compute, say)
         noisy = (f"the {what}'s mean |relative error| is {error:.1%} (compute fit max "
                  f"{compute.max_abs_error:.1%}), above the {FIT_ERROR_LIMIT:.0%} limit: {cause} "
-                 f"({'--threads 1 --clock cpu --statistic min, ' if not on_gpu else ''}more --repeats, an idle machine)")
+                 f"({'--threads 1 --clock cpu --statistic min, ' if not on_gpu else ''}more --repeats, an idle "
+                 f"machine)")
         if not args.force:
             raise CostModelError(f"{noisy}; --force writes it anyway")
         say(f"WARNING: {noisy}; written anyway (--force), marked in the JSON's meta")
