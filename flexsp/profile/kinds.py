@@ -169,6 +169,10 @@ def kind_sweep(spec: ModelSpec, setup: DeviceSetup, lengths: Sequence[int], *, b
     torch.manual_seed(seed)
     base = (base_build or builders[timed[0][0]])(0).to(setup.device, setup.dtype)
     models = [builders[k](blocks).to(setup.device, setup.dtype) for k, _ in timed]
+    if isinstance(base, TinyLM):        # one embedding and LM head for all (a big vocabulary's are most of the bytes)
+        for model in models:
+            if isinstance(model, TinyLM):
+                model.embed, model.lm_head, model.norm = base.embed, base.lm_head, base.norm
     xs, base_t, kind_t = [], [], [[] for _ in timed]
     for i, n in enumerate(lengths):
         shard, ctx = make_shard([int(n)], 1, 0, spec.vocab, setup.device, None, setup.backend, seed + i)
