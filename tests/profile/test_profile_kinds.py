@@ -41,7 +41,7 @@ def _flop_sweep(spec=SPEC, lengths=LENGTHS):
 
 def _banded(q, k, v, ctx, features=None, sinks=None):
     """CPU stand-in for flash-attn's window (``window_size``): each block of W queries against its last 2W keys
-    only, so the work is ~s W, not the masked s^2 of the CPU's explicit path. Other layers: the runtime's."""
+    only, so the work is ~s W, as flash-attn's. Other layers: the runtime's."""
     if features is None or features.window is None:
         return _real(q, k, v, ctx, features, sinks)
     w, s, group = features.window, q.shape[0], q.shape[1] // k.shape[1]
@@ -82,10 +82,14 @@ def test_runtime_cpu_kernels_fitted_per_kind():
     assert by["chunk"].work == "pairs" and by["full"].work == "square"
     s = 8 * W
     assert by["chunk"].alpha * pairs(s, "chunk", W) < 0.25 * by["full"].alpha * s * s
-    # the CPU's windowed path computes the whole masked score matrix: the profile says so (s^2, in alpha1)
-    assert by["window"].work == "square"
-    assert model.window_alpha == {} and model.chunk_alpha == {W: pytest.approx(by["chunk"].alpha)}
-    assert model.total.alpha1 == pytest.approx(2 * by["window"].alpha + by["full"].alpha)
+    # the CPU's windowed path bands each query tile's keys (sdpa.key_band): fitted by its pairs, far below full
+    assert by["window"].work == "pairs"
+    assert by["window"].alpha * pairs(s, "window", W) < by["full"].alpha * s * s
+    far = 64 * W                                 # linear beyond the window: a small share of a full layer far out
+    assert by["window"].alpha * pairs(far, "window", W) < 0.1 * by["full"].alpha * far * far
+    assert model.window_alpha == {W: pytest.approx(2 * by["window"].alpha)}
+    assert model.chunk_alpha == {W: pytest.approx(by["chunk"].alpha)}
+    assert model.total.alpha1 == pytest.approx(by["full"].alpha)
 
 
 def test_window_kernel_that_skips_masked_blocks_gets_a_window_term(monkeypatch):

@@ -27,6 +27,7 @@ from flexsp.runtime.kernels.reference import causal_seen
 # ``_TEMPORARIES`` tensors of that size alive at once (scores, probabilities, their gradient, the mask).
 TILE_BYTES = 256 * 2**20
 _TEMPORARIES = 4
+MIN_BAND_ROWS = 128   # banded tiles have at least this many rows (fewer Python steps for tiny windows)
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -193,15 +194,16 @@ def row_tiles(seq: tuple[int, int, int, int], heads: int, budget: int | None = N
     """The query rows of one sequence in tiles whose ``[heads, rows, keys]`` fp32 scores (and the few
     same-sized temporaries beside them) fit ``budget`` bytes (default ``TILE_BYTES``): the explicit
     form's memory is bounded by the tile, not by ``lq x lk`` (a ring block of a 2M-token context has tens
-    of thousands of rows a side). ``span``: each row sees at most this many keys (banded by ``key_band``),
-    so a tile of ``n`` rows sees at most ``n + span``."""
+    of thousands of rows a side). ``span``: each row sees at most this many keys (banded by ``key_band``):
+    tiles of about ``span`` rows (at least ``MIN_BAND_ROWS``), each seeing at most ``rows + span`` keys, so
+    the work is at most about twice the window's pairs."""
     qa, qb, ka, kb = seq
     cap = max(1, (TILE_BYTES if budget is None else budget) // (heads * 4 * _TEMPORARIES))
     lk = max(1, kb - ka)
     step = max(1, cap // lk)
     if span is not None:
-        step = max(1, cap // min(lk, 2 * span))
-        while step > 1 and step * min(lk, step + span) > cap:      # a tile wider than the span: its own keys
+        step = max(MIN_BAND_ROWS, span)
+        if step * min(lk, step + span) > cap:
             step = max(1, cap // min(lk, step + span))
     return [(a, min(a + step, qb)) for a in range(qa, qb, step)]
 
