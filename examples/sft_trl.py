@@ -11,8 +11,9 @@ with ``assistant_only_loss=True`` (only the assistant's turns carry loss). TRL t
 builds the labels and truncates to ``--max-length``; FlexSP plans each global batch (``--batch`` sequences)
 into SP groups within ``--tokens-per-rank`` tokens per rank. ``--no-flexsp`` runs TRL's own trainer on the
 same global batches, padded, in one process. ``--history FILE`` writes the logged losses (the test compares
-the two runs, with ``--optim sgd``: TRL computes its log-probabilities in fp32 even for an fp64 model, and Adam
-turns that rounding in near-zero gradients into updates that differ by ~4e-6 of a weight's scale).
+the two runs with ``--optim sgd --optim-args momentum=0.9``: TRL computes its log-probabilities in fp32 even
+for an fp64 model, and Adam turns that rounding in near-zero gradients into updates that differ by ~4e-6 of a
+weight's scale; momentum keeps an optimizer state for the resume to restore).
 """
 import argparse
 import json
@@ -50,6 +51,7 @@ parser.add_argument("--history", type=Path, default=None, help="write the logged
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--optim", default="adamw_torch", help="the Trainer's optimizer (the test compares with sgd)")
 parser.add_argument("--lr", type=float, default=1e-3)
+parser.add_argument("--optim-args", default=None, help='the optimizer\'s extra settings, e.g. "momentum=0.9" for sgd')
 args = parser.parse_args()
 torch.set_num_threads(1)
 datasets.disable_progress_bars()
@@ -98,7 +100,7 @@ config = FlexSPSFTConfig(
     output_dir=str(args.out), flexsp=args.flexsp, flexsp_tokens_per_rank=args.tokens_per_rank,
     max_length=args.max_length, assistant_only_loss=args.data == "conversational",
     per_device_train_batch_size=args.batch // world, max_steps=args.steps, learning_rate=args.lr, optim=args.optim,
-    logging_steps=1, save_steps=args.save_steps, report_to=[], seed=args.seed, use_cpu=True,
+    optim_args=args.optim_args, logging_steps=1, save_steps=args.save_steps, report_to=[], seed=args.seed, use_cpu=True,
     bf16=False, gradient_checkpointing=False, disable_tqdm=True)   # TRL's defaults are bf16 and checkpointing
 trainer = SameBatches(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
 trainer.train(resume_from_checkpoint=True if args.resume else None)

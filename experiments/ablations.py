@@ -76,14 +76,9 @@ def variants(num_distinct: int) -> list[tuple[str, str, dict, bool]]:
 
 def main() -> None:
     p = common.parser(__doc__, "ablations")
-    p.add_argument("--batches", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--time-limit", type=float, default=2.0)
-    p.add_argument("--datasets", nargs="+", default=list(common.DATASETS))
+    common.batch_options(p, batches=5, time_limit=2.0)
     args = common.parse(p)
-    if args.replot:   # the figure from the CSV already written, without planning
-        rows = common.read_csv(args.out / f"{args.stem}.csv")
-        plot(rows, list(dict.fromkeys(r["dataset"] for r in rows)), args.out / f"{args.stem}.png")
+    if common.replotted(args, lambda rows, png: plot(rows, list(dict.fromkeys(r["dataset"] for r in rows)), png)):
         return
     if args.quick:
         args.batches, args.batch_size, args.time_limit, args.datasets = 1, 64, 0.2, ["wikipedia"]

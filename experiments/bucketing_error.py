@@ -131,14 +131,9 @@ def plot(rows: list[dict], datasets: list[str], path) -> None:
 
 def main() -> None:
     p = common.parser(__doc__, "bucketing_error")
-    p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--time-limit", type=float, default=1.0)
-    p.add_argument("--datasets", nargs="+", default=list(common.DATASETS))
+    common.batch_options(p, batches=20, time_limit=1.0)
     args = common.parse(p)
-    if args.replot:   # the figure from the CSV already written, without planning
-        rows = common.read_csv(args.out / f"{args.stem}.csv")
-        plot(rows, list(dict.fromkeys(r["dataset"] for r in rows)), args.out / f"{args.stem}.png")
+    if common.replotted(args, lambda rows, png: plot(rows, list(dict.fromkeys(r["dataset"] for r in rows)), png)):
         return
     if args.quick:
         args.batches, args.batch_size, args.time_limit = 2, 128, 0.1

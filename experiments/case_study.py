@@ -68,13 +68,9 @@ def analyse(plan: flexsp.Plan, lengths: np.ndarray, cost: flexsp.CostModel) -> d
 
 def main() -> None:
     p = common.parser(__doc__, "case_study")
-    p.add_argument("--batches", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--time-limit", type=float, default=1.0)
+    common.batch_options(p, batches=10, time_limit=1.0, datasets=False)
     args = common.parse(p)
-    if args.replot:   # the figure from the CSV already written, without planning
-        rows = common.read_csv(args.out / f"{args.stem}.csv")
-        plot(rows, args.out / f"{args.stem}.png", args.batches)
+    if common.replotted(args, lambda rows, png: plot(rows, png, args.batches)):
         return
     if args.quick:
         args.batches, args.batch_size, args.time_limit = 1, 128, 0.2

@@ -47,6 +47,24 @@ def parser(doc: str, default_stem: str) -> argparse.ArgumentParser:
     return p
 
 
+def batch_options(p: argparse.ArgumentParser, batches: int, time_limit: float, datasets: bool = True) -> None:
+    """The options of the scripts that plan seeded global batches: how many, how big, the solver's
+    time limit, and (``datasets``) which length distributions."""
+    p.add_argument("--batches", type=int, default=batches)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--time-limit", type=float, default=time_limit)
+    if datasets:
+        p.add_argument("--datasets", nargs="+", default=list(DATASETS))
+
+
+def replotted(args: argparse.Namespace, draw) -> bool:
+    """With ``--replot``, ``draw(rows, png)`` from the CSV already in ``--out`` (no planning); whether it did."""
+    if not args.replot:
+        return False
+    draw(read_csv(args.out / f"{args.stem}.csv"), args.out / f"{args.stem}.png")
+    return True
+
+
 def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
     """Parse, then place the outputs: experiments/results/ for a full run, a temporary folder for --quick."""
     args = p.parse_args()

@@ -58,8 +58,21 @@ def _bandwidth_worker(rank: int, world: int, port: int, sizes: list[int], repeat
         dist.destroy_process_group()
 
 
-def measure_bandwidth(world: int, sizes: list[int], repeats: int) -> dict[int, dict]:
-    """Fitted all-to-all (latency, bandwidth) per degree of a ``world``-process gloo run on this machine."""
+def measure_bandwidth(world: int, sizes: list[int], repeats: int, attempts: int = 2) -> dict[int, dict]:
+    """Fitted all-to-all (latency, bandwidth) per degree of a ``world``-process gloo run on this machine;
+    measured again (up to ``attempts`` times) when the fit refuses the timings (a loaded machine's noise can
+    make a small message look slower than a large one), saying so on stderr."""
+    for _ in range(attempts - 1):
+        try:
+            return _measure_bandwidth(world, sizes, repeats)
+        except RuntimeError as exc:
+            if "does not grow with message size" not in str(exc):
+                raise
+            print(f"bandwidth fit refused the timings ({str(exc)[:160]}); measuring again", file=sys.stderr)
+    return _measure_bandwidth(world, sizes, repeats)
+
+
+def _measure_bandwidth(world: int, sizes: list[int], repeats: int) -> dict[int, dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:

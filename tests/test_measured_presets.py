@@ -104,7 +104,7 @@ def test_a_preset_with_windowed_layers_keeps_its_terms(tmp_path, monkeypatch):
 
 def _bad(document: dict, how: str) -> dict | str:
     if how == "version":
-        document["version"] = 2
+        document["version"] = 3
     elif how == "format":
         document["format"] = "something else"
     elif how == "driver":
@@ -125,7 +125,7 @@ def _bad(document: dict, how: str) -> dict | str:
 
 
 @pytest.mark.parametrize("how, message", [
-    ("version", "format version 2 is not supported; this FlexSP reads version 1"),
+    ("version", "format version 3 is not supported; this FlexSP reads versions 1, 2"),
     ("format", "not a measured preset: format is 'something else'"),
     ("driver", r"provenance.driver must be a str"),
     ("name", "must .* equal the file name"),

@@ -4,9 +4,16 @@ Each JSON file in ``flexsp/plan/measured/`` is one preset (``h200-llama3-8b.json
 ``h200-llama3-8b``); adding a GPU is dropping its file there, no code change. A file is a small
 wrapper around the ``flexsp profile`` output, written by ``python -m flexsp.plan.measured_presets``::
 
-    {"format": "flexsp measured preset", "version": 1, "name": "h200-llama3-8b",
+    {"format": "flexsp measured preset", "version": 2, "name": "h200-llama3-8b",
      "description": "...", "provenance": {"driver": "...", "command": "flexsp profile ...", ...},
      "profile": { the flexsp profile JSON as written, with its meta }}
+
+Version 2 adds the per-kind compute fit of a model with windowed, chunked or linear-attention layers
+(``flexsp profile`` times a layer of each kind apart): ``profile.meta.kinds``, one record per kind
+(``mixer``, ``size``, ``layers``, ``work``: ``square`` / ``pairs`` / ``none``, one layer's ``alpha``,
+``alpha2``, ``beta1``, its fit errors and points, ``estimated`` where the kind was not timed), whose sums are
+the profile's ``alpha1``, ``window_alpha`` and ``chunk_alpha``. Version 1 files (no kinds) load unchanged;
+a version 1 file carrying ``kinds`` is refused (it was not written by a reader that checks them).
 
 The profile's ``meta`` holds the device, torch version, date, the model shape, the compute fit and
 its error, the memory measurement, and which parts were assumed (``meta["assumed"]``: one GPU
@@ -38,14 +45,18 @@ from flexsp.errors import CostModelError
 from flexsp.inputs import integer, load_json, number, write_text
 from flexsp.plan.analytic import alltoall_bandwidth, alltoall_degrees
 from flexsp.plan.cost import CostModel
+from flexsp.plan.layers import MIXERS, SIZED, LayerKind
 from flexsp.plan.memory import check as check_sharding
 from flexsp.plan.memory import model_state_bytes, token_capacity
 from flexsp.plan.specs import SHAPE_FIELDS, ModelSpec
 
 FOLDER = Path(__file__).resolve().parent / "measured"
 FORMAT = "flexsp measured preset"
-VERSION = 1
+VERSION = 2                         # written; 2 added profile.meta.kinds (per layer kind)
+VERSIONS = (1, 2)                   # read
 MAX_PRESET_BYTES = 1 << 20          # a preset is a few KiB; anything near this is not one
+MAX_KINDS = 64                      # layer kinds one preset may record (models have 1 to 4)
+MAX_POINTS = 256                    # fit points one kind may record
 NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,63}$")
 REQUIRED_PROVENANCE = ("driver", "command")
 
@@ -97,9 +108,10 @@ def check_preset(data: Any, stem: str) -> dict[str, Any]:
     if data.get("format") != FORMAT:
         raise CostModelError(f"not a measured preset: format is {data.get('format')!r}, expected {FORMAT!r} "
                              f"(wrap a flexsp profile JSON with python -m flexsp.plan.measured_presets)")
-    if data.get("version") != VERSION:
-        raise CostModelError(f"measured preset format version {data.get('version')!r} is not supported; this "
-                             f"FlexSP reads version {VERSION}")
+    version = data.get("version")
+    if isinstance(version, bool) or version not in VERSIONS:
+        raise CostModelError(f"measured preset format version {version!r} is not supported; this "
+                             f"FlexSP reads versions {', '.join(map(str, VERSIONS))}")
     name = _field(data, "name", str, "")
     if not NAME.match(name) or name != stem:
         raise CostModelError(f"measured preset name {name!r} must be lowercase letters, digits, '.' or '-' and "
@@ -130,8 +142,54 @@ def check_preset(data: Any, stem: str) -> dict[str, Any]:
     if not isinstance(estimates, list) or not all(isinstance(e, str) for e in estimates):
         raise CostModelError(f"profile.meta.estimates must be a list of strings, got {estimates!r:.80}")
     _check_comm(meta)
-    CostModel.from_dict(profile)        # the coefficients themselves: every CostModel check
+    cost = CostModel.from_dict(profile)        # the coefficients themselves: every CostModel check
+    if "kinds" in meta:
+        if version < 2:
+            raise CostModelError("profile.meta.kinds (per layer kind fits) needs measured preset format version 2, "
+                                 "the file says version 1")
+        _check_kinds(meta["kinds"], cost, int(meta["model"].get("layers")))
     return dict(data)
+
+
+def _check_kinds(kinds: Any, cost: CostModel, layers: int) -> None:
+    """``profile.meta.kinds``: a short list of per-kind fits that cover the model's layers and agree with the
+    profile's window / chunk terms (one-line ``CostModelError`` naming the entry and field otherwise)."""
+    if not isinstance(kinds, list) or not 1 <= len(kinds) <= MAX_KINDS:
+        raise CostModelError(f"profile.meta.kinds must be a list of 1 to {MAX_KINDS} per-kind fits, got "
+                             f"{type(kinds).__name__}{f' of {len(kinds)}' if isinstance(kinds, list) else ''}")
+    total = 0
+    for i, kind in enumerate(kinds):
+        where = f"profile.meta.kinds[{i}]."
+        if not isinstance(kind, dict):
+            raise CostModelError(f"profile.meta.kinds[{i}] must be an object, got {type(kind).__name__}")
+        mixer = _field(kind, "mixer", str, where)
+        if mixer not in MIXERS:
+            raise CostModelError(f"{where}mixer must be one of {', '.join(MIXERS)}, got {mixer!r:.40}")
+        size = integer(kind.get("size"), f"{where}size", CostModelError, minimum=0)
+        LayerKind(mixer, size)                  # a window or chunk needs its size, the others none
+        total += integer(kind.get("layers"), f"{where}layers", CostModelError, maximum=2**20)
+        work = _field(kind, "work", str, where)
+        allowed = ("pairs", "square") if mixer in SIZED else ("square",) if mixer == "full" else ("none",)
+        if work not in allowed:
+            raise CostModelError(f"{where}work of a {mixer} layer must be {' or '.join(allowed)}, got {work!r:.40}")
+        for key in ("alpha", "alpha2", "beta1"):
+            number(kind.get(key), f"{where}{key}", CostModelError)
+        estimated = kind.get("estimated")
+        if estimated is not None and not isinstance(estimated, str):
+            raise CostModelError(f"{where}estimated must be a string (why the kind was not timed), got "
+                                 f"{estimated!r:.40}")
+        if estimated is None:
+            for key in ("mean_abs_rel_error", "max_abs_rel_error"):
+                number(kind.get(key), f"{where}{key}", CostModelError)
+        points = _field(kind, "points", list, where)
+        if len(points) > MAX_POINTS:
+            raise CostModelError(f"{where}points has {len(points)} entries, more than the {MAX_POINTS} a kind may "
+                                 f"record")
+        if work == "pairs" and size not in getattr(cost, f"{mixer}_alpha"):
+            raise CostModelError(f"{where}: a {mixer} {size} fitted by its pairs needs profile.{mixer}_alpha[{size}], "
+                                 f"which the profile lacks")
+    if total != layers:
+        raise CostModelError(f"profile.meta.kinds cover {total} layers but the model has {layers}")
 
 
 def _check_comm(meta: Mapping[str, Any]) -> None:
@@ -239,7 +297,8 @@ def parts(document: Mapping[str, Any]) -> dict[str, str]:
     fits = sorted(int(d) for d in (meta.get("comm") or {}).get("fits") or {})
     ring = meta.get("ring") or {}
     return {
-        "compute": f"measured on {meta['device']} ({meta.get('dtype', '?')}, {meta.get('attention', '?')} attention)",
+        "compute": f"measured on {meta['device']} ({meta.get('dtype', '?')}, {meta.get('attention', '?')} attention)"
+                   + _kinds_note(meta),
         "memory": (f"{'estimated' if memory.get('estimate') else 'measured'} ({memory.get('method', '?')}), "
                    f"{memory['bytes_per_token'] / 2**20:.2f} MiB of activations per token"),
         "alltoall": (f"measured at degrees {fits}" + ("; other degrees " + source if "alltoall_bandwidth" in assumed_parts
@@ -248,6 +307,19 @@ def parts(document: Mapping[str, Any]) -> dict[str, str]:
         "ring": ("measured" if ring.get("measured") else ring_source if "ring_bandwidth" in assumed_parts
                  else "none: degrees up to the Ulysses limit only"),
     }
+
+
+def _kinds_note(meta: Mapping[str, Any]) -> str:
+    """``, per layer kind: 52 x window 1024 (pairs), 10 x full (square)``, kinds not timed marked."""
+    kinds = meta.get("kinds")
+    if not kinds:
+        return ""
+    parts = []
+    for kind in kinds:
+        name = kind["mixer"] + (f" {kind['size']}" if kind["size"] else "")
+        how = "NOT TIMED, estimated" if kind.get("estimated") else kind["work"]
+        parts.append(f"{kind['layers']} x {name} ({how})")
+    return ", per layer kind: " + ", ".join(parts)
 
 
 # --- contributing a profile ------------------------------------------------------------------------

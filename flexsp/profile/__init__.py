@@ -2,11 +2,12 @@
 
 | module | job | torch |
 |---|---|---|
-| ``fit`` | least-squares fits (compute, all-to-all bandwidth) | no |
+| ``fit`` | least-squares fits (compute, per layer kind, all-to-all bandwidth) | no |
 | ``shape`` | model shapes to profile (from the registry, ``flexsp.plan.specs``), ``check_model_shape`` | no |
 | ``assemble`` | fitted pieces + provenance -> ``flexsp.CostModel`` | no |
 | ``interconnect`` | documented interconnect presets for the degrees a run could not measure, marked assumed | no |
 | ``compute`` | forward + backward timings of the runtime model over sequence lengths | yes |
+| ``kinds`` | a layer of each kind (full, window, chunk, linear attention) timed apart | yes |
 | ``memory`` | activation bytes per token (GPU measured / CPU estimate), model states by sharding | yes |
 | ``bandwidth`` | ``all_to_all_single`` timings on every pooled SP group size | yes |
 | ``check`` | run a plan's groups and compare measured to predicted group times | yes |

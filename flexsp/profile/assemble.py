@@ -7,6 +7,10 @@ are estimates, and the per-point fit errors, so a saved profile explains itself.
 A ring fit (``flexsp.profile.ring``, one hop around the pool's rings) gives the ring axis:
 ``ring_bandwidth`` as fitted, and the fitted per-message latency times ``3 * layers`` as
 ``ring_hop_latency`` - the convention of ``flexsp.plan.analytic`` and the interconnect presets.
+
+A per-kind fit (``flexsp.profile.kinds``) gives the layer-kind terms: ``alpha1`` the full layers' (and any
+window or chunk whose kernel computes the whole masked matrix), ``window_alpha`` / ``chunk_alpha`` the others',
+and ``meta["kinds"]`` records each kind's fit (work, coefficients per layer, errors, points).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any, Mapping, Sequence
 from flexsp.plan.analytic import comm_bytes_per_token
 from flexsp.plan.cost import CostModel
 from flexsp.plan.specs import ModelSpec
-from flexsp.profile.fit import BandwidthFit, ComputeFit
+from flexsp.profile.fit import BandwidthFit, ComputeFit, KindsModel
 
 
 def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: float, *,
@@ -24,16 +28,24 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
                         gpus_per_node: int | None = None, memory: Mapping[str, Any] | None = None,
                         environment: Mapping[str, Any] | None = None,
                         estimates: Sequence[str] = (), ring: BandwidthFit | None = None,
-                        ring_layout: Mapping[str, Any] | None = None) -> CostModel:
+                        ring_layout: Mapping[str, Any] | None = None, kinds: KindsModel | None = None) -> CostModel:
     """A cost model from the profiles; ``estimates`` names the parts that were not measured. ``ring``
     (a ``fit_bandwidth(..., what="ring")`` of one hop, ``ring_layout`` which ranks and link it ran on)
-    adds the measured ring axis and the model's heads, so degrees beyond the Ulysses limit are costed."""
+    adds the measured ring axis and the model's heads, so degrees beyond the Ulysses limit are costed.
+    ``kinds`` (``fit.fit_kinds``: a layer of each kind fitted apart) gives ``window_alpha`` / ``chunk_alpha``
+    and ``meta["kinds"]``, one record per kind; ``compute`` is then its ``total``."""
     estimates = list(estimates)
-    if not spec.is_dense_full:
-        # flexsp profile times the stack as built and fits one alpha1 s^2 + alpha2 s model: a model with
-        # windowed, chunked or linear-attention layers gets no per-kind terms from it (yet)
+    terms: dict[str, Any] = {}
+    if kinds is not None:       # a layer of each kind timed and fitted apart (flexsp.profile.kinds)
+        terms = {"window_alpha": kinds.window_alpha, "chunk_alpha": kinds.chunk_alpha}
+        estimates.extend(f"layer kind {k.name} ({k.layers} layers): {k.estimated}" for k in kinds.kinds if k.estimated)
+    elif any(k.mixer != "full" for k in spec.kind_counts()):
+        # timed as built and fitted as one alpha1 s^2 + alpha2 s model: no per-kind terms
         estimates.append("layer kinds: the compute fit treats every layer's attention as s^2 (per-kind terms, "
                          "window_alpha / chunk_alpha, are not fitted apart)")
+    if any(k.moe for k in spec.kind_counts()):
+        estimates.append("MoE layers: timed as the model builds them (TinyLM: a dense FFN of width ffn, no experts "
+                         "or routing)")
     links = {}
     if gpus_per_node is not None:
         links = {str(b.degree): "intra-node" if b.degree <= gpus_per_node else "inter-node" for b in bandwidths}
@@ -53,6 +65,9 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
                  "comm_bytes_per_token": "2 * layers * (2 * q_dim + 2 * kv_dim) * bytes_per_element "
                                          "(flexsp.plan.analytic.comm_bytes_per_token, per layer kind)"},
     }
+    if kinds is not None:
+        meta["kinds"] = [k.to_dict() for k in kinds.kinds]
+        meta["kinds_base"] = kinds.base.to_dict()     # the model without layers: embedding, LM head, loss
     axis: dict[str, Any] = {}
     if ring is not None:
         meta["ring"] = {"measured": True, **dict(ring_layout or {}), "fit": ring.to_dict(),
@@ -66,4 +81,4 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
     return CostModel(alpha1=compute.alpha1, alpha2=compute.alpha2, beta1=compute.beta1,
                      comm_bytes_per_token=comm_bytes_per_token(spec, bytes_per_element),
                      alltoall_bandwidth={b.degree: b.bandwidth for b in bandwidths},
-                     token_capacity=token_capacity, meta=meta, **axis)
+                     token_capacity=token_capacity, meta=meta, **axis, **terms)

@@ -38,7 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "needs the hf extra. Replaces --model and the shape flags")
     m.add_argument("--hf-attn", default="sdpa", help="the HF model's attn_implementation key (default sdpa)")
     m.add_argument("--run-layers", type=int, default=None,
-                   help="run only this many blocks and scale up to --layers (for models that do not fit)")
+                   help="run only this many blocks and scale up to --layers (for models that do not fit); a model "
+                        "with windowed, chunked or linear-attention layers: this many layers of each kind, timed apart "
+                        "(default 2)")
     d = p.add_argument_group("device")
     d.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
     d.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
@@ -227,7 +229,11 @@ def _model(args: argparse.Namespace, setup):
     shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": getattr(args, "kv_heads"),
              "ffn": args.ffn, "vocab": args.vocab}
     if args.hf_config is None:
-        return model_spec(args.model, **shape), None
+        spec = model_spec(args.model, **shape)
+        if any(k.mixer in ("window", "chunk") for k in spec.kind_counts()):   # each layer with its own mask
+            from flexsp.profile.kinds import mixed_builder
+            return spec, mixed_builder(spec)
+        return spec, None
     given = sorted(k for k, v in shape.items() if v is not None)
     if given or args.model != "tiny":
         raise FlexSPError(f"--hf-config takes the shape from the model's config; drop --model/{given or ''}")
@@ -251,6 +257,12 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
     on_gpu = setup.device.type == "cuda"
     lengths = sorted(set(args.lengths or ([1024, 2048, 4096, 8192, 16384, 32768] if on_gpu
                                           else [128, 256, 512, 768, 1024, 1536, 2048])))
+    if _per_kind(spec):
+        from flexsp.profile.kinds import kind_lengths
+        lengths, added = kind_lengths(lengths, spec)
+        if added:
+            say(f"compute: lengths {added} added below the model's windows/chunks (their pair term and linear term "
+                f"are told apart only there)")
     payload: list[Any] = [None]
     if pool.rank == 0:   # compute and memory on one device; the others wait (no interference)
         try:
@@ -261,7 +273,9 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
         dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], FlexSPError):
         raise payload[0]
-    compute, mem, cap, estimates = payload[0]
+    compute, mem, cap, estimates, kinds = payload[0]
+    if kinds is not None:
+        _print_kinds(kinds, say)
     _print_compute(compute, say)
     say(f"memory: {mem.bytes_per_token / 2**10:.2f} KiB activations per token "
         f"({'ESTIMATE: ' if mem.estimate else ''}{mem.method}), model states {cap.model_state_bytes / 2**30:.3f} GiB "
@@ -291,7 +305,9 @@ def _profile(args, spec, setup, runner, pool, gpus_per_node, say, report):
     cost: CostModel = assemble_cost_model(
         spec, compute, cap.token_capacity, bandwidths=bandwidths, bytes_per_element=setup.bytes_per_element,
         gpus_per_node=gpus_per_node if bandwidths else None, memory=dict(mem.to_dict(), **cap.to_dict()),
-        environment=environment, estimates=estimates, ring=ring, ring_layout=ring_layout)
+        environment=environment, estimates=estimates, ring=ring, ring_layout=ring_layout, kinds=kinds)
+    if kinds is not None:
+        report["kinds"] = [k.to_dict() for k in kinds.kinds]
     report.update(compute=compute.to_dict(), memory=mem.to_dict(), capacity=cap.to_dict(),
                   comm=[b.to_dict() for b in bandwidths], ring=ring.to_dict() if ring is not None else None)
     chosen = args.interconnect if args.interconnect != "auto" else ("nvlink-ib" if pool.world_size == 1 else "none")
@@ -335,7 +351,11 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
     memory_lengths = args.memory_lengths or lengths[-3:]
 
     runs = args.warmup + args.repeats
-    rate, flops = matmul_rate(setup), sweep_flops(lengths, runs, memory_lengths, runner.spec)
+    swept = runner.spec
+    if _per_kind(spec):     # the models with --run-layers (default 2) layers of each kind, not the whole stack
+        from flexsp.profile.kinds import timed_kinds
+        swept = spec.with_layers(max(1, args.run_layers or 2) * len(timed_kinds(spec)))
+    rate, flops = matmul_rate(setup), sweep_flops(lengths, runs, memory_lengths, swept)
     say(f"estimate: the sweep takes at least {duration(flops / rate)} ({flops / 1e12:.3g} TFLOP at this device's "
         f"{rate / 1e12:.3g} TFLOP/s of a bare matmul; refined after the first run)")
 
@@ -345,18 +365,32 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
             f"runs + {len(memory_lengths)} memory runs; one {first_length}-token run took {seconds:.2f} s, the others "
             f"scaled by their FLOPs)")
 
-    sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say, first=estimate)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        compute = fit_compute(sweep.lengths, sweep.seconds, statistic=args.statistic)
-    for w in caught:
-        say(f"warning: {w.message}")
-    if compute.mean_abs_error > FIT_ERROR_LIMIT:
-        _print_compute(compute, say)
-        noisy = (f"the compute fit's mean |relative error| is {compute.mean_abs_error:.1%} (max "
-                 f"{compute.max_abs_error:.1%}), above the {FIT_ERROR_LIMIT:.0%} limit: the timings are too noisy to "
-                 f"plan with ({'--threads 1 --clock cpu --statistic min, ' if not on_gpu else ''}more --repeats, an "
-                 f"idle machine)")
+    kinds, cause = None, "the timings are too noisy to plan with"
+    if _per_kind(spec):
+        compute, kinds = _kind_profile(args, spec, setup, lengths, say)
+        worst = max((k for k in kinds.kinds if k.points), key=lambda k: k.mean_abs_error)
+        error, what = max((compute.mean_abs_error, "compute fit"), (worst.mean_abs_error, f"{worst.name} layer fit"))
+        if what != "compute fit" and worst.mixer in ("window", "chunk"):
+            cause = (f"the timings are too noisy, or this device's {worst.mixer} kernel grows in a way neither its "
+                     f"pairs nor s^2 describe (the CPU's explicit window path slows past the cache); either way too "
+                     f"far off to plan with")
+    else:
+        sweep = compute_sweep(runner, lengths, repeats=args.repeats, warmup=args.warmup, progress=say, first=estimate)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compute = fit_compute(sweep.lengths, sweep.seconds, statistic=args.statistic)
+        for w in caught:
+            say(f"warning: {w.message}")
+        error, what = compute.mean_abs_error, "compute fit"
+    if error > FIT_ERROR_LIMIT:
+        if not args.force:       # printed here: the refusal below ends the run before the usual print
+            if kinds is not None:
+                _print_kinds(kinds, say)
+            _print_compute(compute, say)
+        noisy = (f"the {what}'s mean |relative error| is {error:.1%} (compute fit max "
+                 f"{compute.max_abs_error:.1%}), above the {FIT_ERROR_LIMIT:.0%} limit: {cause} "
+                 f"({'--threads 1 --clock cpu --statistic min, ' if not on_gpu else ''}more --repeats, an idle "
+                 f"machine)")
         if not args.force:
             raise CostModelError(f"{noisy}; --force writes it anyway")
         say(f"WARNING: {noisy}; written anyway (--force), marked in the JSON's meta")
@@ -370,7 +404,39 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
     if not on_gpu:
         estimates.append("device memory (CPU RAM stands in for GPU memory)" if not args.memory_gb
                          else "device memory (given, CPU run)")
-    return compute, mem, cap, estimates
+    return compute, mem, cap, estimates, kinds
+
+
+def _per_kind(spec) -> bool:
+    """Whether the model's layers differ in their mixer, so a layer of each kind is timed apart."""
+    return any(k.mixer != "full" for k in spec.kind_counts())
+
+
+def _kind_profile(args, spec, setup, lengths, say):
+    """A layer of each kind timed and fitted apart (``flexsp.profile.kinds``): (whole-model fit, KindsModel)."""
+    from flexsp.profile.compute import CLOCKS
+    from flexsp.profile.kinds import fit_sweep, hf_kind_builder, kind_sweep, timed_kinds, tiny_builder
+
+    blocks = max(1, args.run_layers or 2)
+    kinds = timed_kinds(spec)
+    if args.hf_config is None:
+        builders = {k: tiny_builder(spec, k) for k, _ in kinds}
+    else:
+        max_seqlen = max(lengths)
+        builders = {k: hf_kind_builder(args.hf_config, spec, k, max_seqlen=max_seqlen,
+                                       attn_implementation=args.hf_attn) for k, _ in kinds}
+    for kind, _ in kinds:
+        if kind.mixer in ("window", "chunk") and max(lengths) <= kind.size:
+            say(f"compute: no length above {kind.describe()}: beyond it the fit extrapolates its pair count (a kernel "
+                f"that skips what the {kind.mixer} masks; add longer --lengths to measure it)")
+    say(f"compute: a layer of each kind timed apart ({', '.join(f'{n} x {k.describe()}' for k, n in kinds)}): the "
+        f"model without layers and with {blocks} layer(s) of each kind, at every length")
+    sweep = kind_sweep(spec, setup, lengths, blocks=blocks, repeats=args.repeats, warmup=args.warmup,
+                       clock=CLOCKS[args.clock], seed=args.seed, builders=builders, progress=say)
+    for kind, count, why in sweep.untimed:
+        say(f"compute: NOT TIMED: {count} x {kind.describe()} layers: {why}")
+    model = fit_sweep(sweep, statistic=args.statistic)
+    return model.total, model
 
 
 def _check(args, cost, runner, pool, gpus_per_node, say):
@@ -439,6 +505,27 @@ def _print_compute(fit, say) -> None:
         say(f"  {int(p.x):>8} {p.measured * 1e3:>12.3f} {p.predicted * 1e3:>12.3f} {p.rel_error:>+8.2%}")
     say(f"  alpha1 = {fit.alpha1:.4e} s/token^2, alpha2 = {fit.alpha2:.4e} s/token, beta1 = {fit.beta1:.4e} s")
     say(f"  |relative error| mean {fit.mean_abs_error:.2%}, max {fit.max_abs_error:.2%}")
+
+
+def _print_kinds(model, say) -> None:
+    say("layer kinds: one layer's time(s) = alpha * work(s) + alpha2*s + beta1  (work: s^2, or the pairs its "
+        "window/chunk leaves, or none)")
+    say(f"  {'kind':>12} {'layers':>6} {'work':>6} {'alpha':>11} {'alpha2':>11} {'beta1':>11} {'mean err':>9} "
+        f"{'max err':>8}")
+    for k in model.kinds:
+        if k.estimated:
+            say(f"  {k.name:>12} {k.layers:>6}   ESTIMATE, {k.estimated}")
+            continue
+        say(f"  {k.name:>12} {k.layers:>6} {k.work:>6} {k.alpha:>11.4e} {k.alpha2:>11.4e} {k.beta1:>11.4e} "
+            f"{k.mean_abs_error:>9.2%} {k.max_abs_error:>8.2%}")
+    for k in model.kinds:
+        if k.mixer in ("window", "chunk") and k.work == "square":
+            say(f"  note: the {k.name} layers' kernel on this device computes the whole masked score matrix "
+                f"(their time grows as s^2): costed in alpha1, not {k.mixer}_alpha")
+    terms = [f"window_alpha[{w}] = {a:.4e}" for w, a in model.window_alpha.items()]
+    terms += [f"chunk_alpha[{c}] = {a:.4e}" for c, a in model.chunk_alpha.items()]
+    say(f"  summed over the model (with embedding, head and loss){': ' + ', '.join(terms) if terms else ''}; "
+        f"alpha1 below covers the s^2 kinds only:")
 
 
 def _print_comm(fits, gpus_per_node, say, link_kind) -> None:

@@ -81,8 +81,9 @@ def make_shard(lengths: Sequence[int], degree: int, local_rank: int, vocab: int,
     seqs = [torch.randint(1, vocab, (int(n),), generator=gen) for n in lengths]
     packed = pack(seqs, degree)
     shard = packed.shard(local_rank).to(device)
-    ctx = AttentionContext(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen, group=group, backend=backend)
-    return shard, ctx
+    # the runtime's own context: cu_seqlens on the device and as host ints (the per-sequence kernels and the
+    # linear-attention path read the host bounds; a tuple alone broke Gated DeltaNet layers)
+    return shard, packed.context(device, group=group, backend=backend)
 
 
 def forward_backward(model: nn.Module, shard: Shard, ctx: AttentionContext) -> None:

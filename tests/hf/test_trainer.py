@@ -17,25 +17,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("accelerate")
-from safetensors.torch import load_file  # noqa: E402
 from scripts import experiment  # noqa: E402
+
+from .example_runs import run_example, saved_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
-STEPS = ["--steps", "4", "--save-steps", "2", "--sequences", "32"]
 
 
 def _run(tmp_path, name, *argv, ranks=1):
-    launcher, env = experiment("launch").torchrun(ranks)
-    history = tmp_path / f"{name}.json"
-    proc = subprocess.run([*launcher, str(EXAMPLE), *STEPS, "--out", str(tmp_path / name), "--history", str(history),
-                           *argv], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return {int(k): v for k, v in json.loads(history.read_text())["losses"].items()}
-
-
-def _params(tmp_path, name, step):
-    return load_file(str(tmp_path / name / f"checkpoint-{step}" / "model.safetensors"))
+    return run_example(EXAMPLE, tmp_path, name, *argv, ranks=ranks)
 
 
 def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
@@ -45,7 +36,7 @@ def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
     for step in plain:
         assert flex[step] == pytest.approx(plain[step], rel=1e-6)
     assert plain[1] != pytest.approx(plain[4], rel=1e-6)   # the curve moves: the comparison is not vacuous
-    a, b = _params(tmp_path, "flex", 4), _params(tmp_path, "plain", 4)
+    a, b = saved_params(tmp_path, "flex", 4), saved_params(tmp_path, "plain", 4)
     for key in b:
         assert float((a[key] - b[key]).abs().max()) <= 1e-6 * float(b[key].abs().max()), key
     records = [json.loads(line) for line in (tmp_path / "telemetry" / "records.jsonl").read_text().splitlines()]
@@ -58,7 +49,7 @@ def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
     shutil.copytree(tmp_path / "flex" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(tmp_path, "resumed", "--resume", ranks=4)
     assert resumed[3] == flex[3] and resumed[4] == flex[4]
-    a, b = _params(tmp_path, "resumed", 4), _params(tmp_path, "flex", 4)
+    a, b = saved_params(tmp_path, "resumed", 4), saved_params(tmp_path, "flex", 4)
     assert all(torch.equal(a[key], b[key]) for key in b)
 
 

@@ -2,11 +2,10 @@
 one process on the same global batches, for prompt-completion data (completion-only loss) and conversational
 data (assistant-only loss through the chat template's generation markers), and a resumed FlexSP run against the
 uninterrupted one (bitwise). fp64 model; the logged losses pass through the Trainer's fp32 accumulator (1e-6
-relative), weights agree to 1e-6 of each tensor's largest entry."""
+relative), weights agree to 1e-6 of each tensor's largest entry. Each run is made once per module (``sft_runs``):
+the resume continues the compared conversational run."""
 import dataclasses
-import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,54 +14,56 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("trl")
-from safetensors.torch import load_file  # noqa: E402
-from scripts import experiment  # noqa: E402
+from .example_runs import run_example, saved_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft_trl.py"
-STEPS = ["--steps", "4", "--save-steps", "2", "--sequences", "32"]
-SGD = ["--optim", "sgd", "--lr", "0.5"]
+SGD = ["--optim", "sgd", "--lr", "0.5", "--optim-args", "momentum=0.9"]
 
 
 def _run(tmp_path, name, *argv, ranks=1):
-    launcher, env = experiment("launch").torchrun(ranks)
-    history = tmp_path / f"{name}.json"
-    proc = subprocess.run([*launcher, str(EXAMPLE), *STEPS, "--out", str(tmp_path / name), "--history", str(history),
-                           *argv], capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return {int(k): v for k, v in json.loads(history.read_text())["losses"].items()}
+    return run_example(EXAMPLE, tmp_path, name, *argv, ranks=ranks, timeout=400)
 
 
-def _params(tmp_path, name, step):
-    return load_file(str(tmp_path / name / f"checkpoint-{step}" / "model.safetensors"))
+@pytest.fixture(scope="module")
+def sft_runs(tmp_path_factory):
+    """``(folder, losses)`` of each run, made once for the module: ``(data, "trl")`` TRL's own trainer in one
+    process, ``(data, "flex")`` FlexSP on 4 ranks (the resume test continues the conversational one)."""
+    made = {}
+
+    def get(data, name):
+        if (data, name) not in made:
+            folder = tmp_path_factory.mktemp(f"{data}-{name}")
+            argv = ("--no-flexsp",) if name == "trl" else ()
+            made[data, name] = folder, _run(folder, name, *argv, "--data", data, *SGD, ranks=1 if name == "trl" else 4)
+        return made[data, name]
+    return get
 
 
-def _assert_same_training(tmp_path, flex, plain, a_name, b_name):
+@pytest.mark.parametrize("data", ["prompt-completion", "conversational"])
+def test_flexsp_equals_trls_own_trainer(sft_runs, data):
+    """SGD with momentum: the comparison measures the gradients. (TRL computes log-probabilities in fp32 even
+    for an fp64 model; under AdamW that rounding in near-zero gradients moved weights by 3.7e-6 of their scale.)"""
+    (trl_dir, plain), (flex_dir, flex) = sft_runs(data, "trl"), sft_runs(data, "flex")
     assert sorted(flex) == sorted(plain) == [1, 2, 3, 4]
     for step in plain:
         assert flex[step] == pytest.approx(plain[step], rel=1e-6)
     assert plain[1] != pytest.approx(plain[4], rel=1e-6)   # the curve moves: the comparison is not vacuous
-    a, b = _params(tmp_path, a_name, 4), _params(tmp_path, b_name, 4)
+    a, b = saved_params(flex_dir, "flex", 4), saved_params(trl_dir, "trl", 4)
     for key in b:
         assert float((a[key] - b[key]).abs().max()) <= 1e-6 * float(b[key].abs().max()), key
 
 
-@pytest.mark.parametrize("data", ["prompt-completion", "conversational"])
-def test_flexsp_equals_trls_own_trainer(tmp_path, data):
-    """SGD: the comparison measures the gradients. (TRL computes log-probabilities in fp32 even for an fp64
-    model; under AdamW that rounding in near-zero gradients moved weights by 3.7e-6 of their scale.)"""
-    plain = _run(tmp_path, "trl", "--no-flexsp", "--data", data, *SGD)
-    flex = _run(tmp_path, "flex", "--data", data, *SGD, ranks=4)
-    _assert_same_training(tmp_path, flex, plain, "flex", "trl")
-
-
-def test_resumed_sft_continues_bit_for_bit(tmp_path):
-    flex = _run(tmp_path, "flex", "--data", "conversational", ranks=4)       # AdamW: optimizer state resumes too
+def test_resumed_sft_continues_bit_for_bit(sft_runs, tmp_path):
+    """From the conversational FlexSP run's step-2 checkpoint: the momentum buffers (optimizer state), the
+    scheduler and the loader's position resume too (the momentum changes step 3's update, so step 4's loss and
+    the final weights differ if it were lost)."""
+    flex_dir, flex = sft_runs("conversational", "flex")
     (tmp_path / "resumed").mkdir()
-    shutil.copytree(tmp_path / "flex" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    resumed = _run(tmp_path, "resumed", "--data", "conversational", "--resume", ranks=4)
+    shutil.copytree(flex_dir / "flex" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = _run(tmp_path, "resumed", "--data", "conversational", *SGD, "--resume", ranks=4)
     assert resumed[3] == flex[3] and resumed[4] == flex[4]
-    a, b = _params(tmp_path, "resumed", 4), _params(tmp_path, "flex", 4)
+    a, b = saved_params(tmp_path, "resumed", 4), saved_params(flex_dir, "flex", 4)
     assert all(torch.equal(a[key], b[key]) for key in b)
 
 

@@ -47,9 +47,10 @@ def test_the_default_cuda_shape_is_a_two_layer_llama3_8b_with_its_full_vocabular
     assert need.forward_states == 2 * (spec.params - 2 * head) + 4 * head
 
 
-def _forwards(spec, tokens, scale):
-    """Allocator figures of one micro-batch whose forward keeps ``scale`` x the modelled activations."""
-    need = sm.budget(spec, tokens, half=True)
+def _forwards(spec, tokens, scale, head_grad_bytes=4):
+    """Allocator figures of one micro-batch whose forward keeps ``scale`` x the modelled activations, its
+    head gradient made at ``head_grad_bytes`` per element (4: FlexSP's fp32 loss, 2: liger-kernel's bf16)."""
+    need = sm.budget(spec, tokens, half=True, head_grad_bytes=head_grad_bytes)
     before = 5 * GIB
     return need, {0: [tokens, before, before + need.forward_states + scale * need.activation_per_token * tokens]}
 
@@ -69,9 +70,7 @@ def test_the_memory_check_compares_activations_with_activations(scale, status):
 def test_the_head_gradient_is_counted_at_the_loss_kernels_size(kept, assumed, status):
     """liger-kernel's forward keeps the head's gradient in bf16, FlexSP's own loss in fp32: counted at the
     wrong size, the head's 1 GiB at vocab 128,256 reads as 22% fewer activations (GPU run 2, an H200)."""
-    need = sm.budget(LLAMA, 8192, half=True, head_grad_bytes=kept)
-    before = 5 * GIB
-    forwards = {0: [8192, before, before + need.forward_states + need.activation_per_token * 8192]}
+    need, forwards = _forwards(LLAMA, 8192, 1.0, head_grad_bytes=kept)
     marks = {"other": GIB, "peak": GIB + need.states.total}
     row = st.memory_row(LLAMA, 8192, marks, forwards, 8 * GIB, head_grad_bytes=assumed)
     assert row["status"] == status, row

@@ -25,7 +25,9 @@ rule's kernel      with a window / softcap / sinks
 
 The log-sum-exp form (``attend_lse``, the ring) runs ``varlen`` only for a window with bottom-right
 positions (the backward op taking ``window_size``), never for a softcap, a chunk or explicit positions
-(the ring's zigzag blocks): those run the per-sequence ``sdpa`` form, on any device.
+(the ring's zigzag blocks): those run the per-sequence ``sdpa`` form, on any device, in query-row tiles
+of bounded memory (``sdpa.row_tiles``), each against the band of keys a window or chunk lets its rows see
+(``sdpa.key_band``, from host positions): about ``rows x window`` work, not ``rows x keys``.
 """
 from __future__ import annotations
 

@@ -99,6 +99,8 @@ class LseSpec:
     features: Any = None                      # ``features.Features`` of the layer (it imports this module); None: plain causal
     pos_q: torch.Tensor | None = None   # each query row's position in its sequence; None: from the bounds
     pos_k: torch.Tensor | None = None   # (bottom-right aligned); the ring's zigzag blocks give them
+    host_pos_q: Any = None              # the same positions as host int arrays (numpy): the per-sequence
+    host_pos_k: Any = None              # kernel bands its keys with them, never reading the device copies
 
     def host(self) -> tuple[list[int], list[int]]:
         """Host bounds of q and k for the per-sequence kernel (refuses to read a device tensor)."""

@@ -7,19 +7,27 @@ dispatch its fused kernels (cuDNN or flash on CUDA, the fused flash kernel on CP
 fall back to the math kernel). ``sdpa_each`` is the same without batching.
 
 The lse forms (``each_forward``/``each_backward``, the ring's kernels where ``varlen`` cannot run) call
-CPU's fused flash op directly where it applies, else an explicit softmax per sequence.
+CPU's fused flash op directly where it applies, else an explicit softmax per sequence, in query-row tiles
+of bounded memory (``row_tiles``: a ring block of a long context never builds its ``lq x lk`` scores).
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from flexsp.runtime.kernels.features import PLAIN
 from flexsp.runtime.kernels.layout import LseSpec
 from flexsp.runtime.kernels.reference import causal_seen
+
+# The explicit lse form works on query-row tiles whose fp32 scores take at most this many bytes, with
+# ``_TEMPORARIES`` tensors of that size alive at once (scores, probabilities, their gradient, the mask).
+TILE_BYTES = 256 * 2**20
+_TEMPORARIES = 4
+MIN_BAND_ROWS = 128   # banded tiles have at least this many rows (fewer Python steps for tiny windows)
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -117,31 +125,101 @@ def _four_d(x: torch.Tensor, a: int, b: int, heads: int) -> torch.Tensor:
     return part.transpose(0, 1).unsqueeze(0)
 
 
-def _seen(spec: LseSpec, qa: int, qb: int, ka: int, kb: int, device: torch.device) -> torch.Tensor | None:
-    """``[lq, lk]`` bool mask of one sequence, or None (every key seen). Positions are the spec's (the ring's
-    zigzag blocks) or bottom-right aligned ones; a window or chunk needs them even where ``causal`` is off."""
+def _seen(spec: LseSpec, seq: tuple[int, int, int, int], rows: tuple[int, int], keys: tuple[int, int],
+          device: torch.device) -> torch.Tensor | None:
+    """``[rows, keys]`` bool mask of query rows ``rows`` against key rows ``keys`` (absolute) of one sequence
+    ``seq``, or None (every key seen). Positions are the spec's (the ring's zigzag blocks) or bottom-right
+    aligned ones; a window or chunk needs them even where ``causal`` is off."""
     feats = spec.features
     positional = feats is not None and feats.positional
     if not (spec.causal or positional):
         return None
+    qa, qb, ka, kb = seq
+    ra, rb = rows
+    k0, k1 = keys
     lq, lk = qb - qa, kb - ka
-    if spec.pos_q is None and not positional:
+    if spec.pos_q is None and not positional and (ra, rb, k0, k1) == (qa, qb, ka, kb):
         return causal_seen(lq, lk, device)
-    pos_q = spec.pos_q[qa:qb] if spec.pos_q is not None else torch.arange(lk - lq, lk, device=device)
-    pos_k = spec.pos_k[ka:kb] if spec.pos_k is not None else torch.arange(lk, device=device)
+    pos_q = (spec.pos_q[ra:rb] if spec.pos_q is not None
+             else torch.arange(lk - lq + ra - qa, lk - lq + rb - qa, device=device))
+    pos_k = spec.pos_k[k0:k1] if spec.pos_k is not None else torch.arange(k0 - ka, k1 - ka, device=device)
     return (feats if feats is not None else PLAIN).seen(pos_q, pos_k)
 
 
-def _explicit_scores(q, k, spec: LseSpec, seq: tuple[int, int, int, int], ct):
-    """``([heads, lq, lk]`` scores of one sequence in ``ct``, soft-capped and masked; ``d capped / d raw`` or
-    None)."""
+def host_positions(spec: LseSpec, seq: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Query and key positions of one sequence as ascending host int arrays, for ``key_band``: aranges when
+    bottom-right aligned, the spec's host copies otherwise; None (no banding, the mask alone decides) for a
+    layer without window or chunk, positions only on the device, or positions not ascending."""
+    feats = spec.features
+    if feats is None or not feats.positional:
+        return None
     qa, qb, ka, kb = seq
-    group = q.shape[1] // k.shape[1]
-    scores = torch.einsum("qhd,khd->hqk", q[qa:qb].to(ct), k[ka:kb].repeat_interleave(group, dim=1).to(ct)) * spec.scale
+    if spec.pos_q is None:
+        return np.arange(kb - ka - (qb - qa), kb - ka), np.arange(kb - ka)
+    if spec.host_pos_q is None or spec.host_pos_k is None:
+        return None
+    pos_q, pos_k = np.asarray(spec.host_pos_q[qa:qb]), np.asarray(spec.host_pos_k[ka:kb])
+    if (np.diff(pos_q) < 0).any() or (np.diff(pos_k) < 0).any():
+        return None
+    return pos_q, pos_k
+
+
+def key_band(spec: LseSpec, seq: tuple[int, int, int, int], rows: tuple[int, int],
+             positions: tuple[np.ndarray, np.ndarray] | None) -> tuple[int, int]:
+    """Key rows ``[k0, k1)`` of sequence ``seq`` holding every key a query of ``rows`` can see: a window or
+    chunk bounds them below, causality above (``positions`` from ``host_positions``; None: every key), so a
+    windowed layer's explicit form costs about ``rows x window``, not ``rows x lk``."""
+    qa, qb, ka, kb = seq
+    ra, rb = rows
+    if positions is None or rb <= ra:
+        return ka, kb
+    pos_q, pos_k = positions
+    feats = spec.features
+    first, last = int(pos_q[ra - qa]), int(pos_q[rb - 1 - qa])
+    low = first - feats.window + 1 if feats.window is not None else first // feats.chunk * feats.chunk
+    if feats.chunk is not None:
+        low = max(low, first // feats.chunk * feats.chunk)
+    return ka + int(np.searchsorted(pos_k, low, "left")), ka + int(np.searchsorted(pos_k, last, "right"))
+
+
+def reach_span(spec: LseSpec) -> int | None:
+    """Most keys one query can see under the layer's window or chunk (None: unbounded)."""
+    feats = spec.features
+    spans = [x for x in ((feats.window, feats.chunk) if feats is not None else ()) if x is not None]
+    return min(spans) if spans else None
+
+
+def row_tiles(seq: tuple[int, int, int, int], heads: int, budget: int | None = None,
+              span: int | None = None) -> list[tuple[int, int]]:
+    """The query rows of one sequence in tiles whose ``[heads, rows, keys]`` fp32 scores (and the few
+    same-sized temporaries beside them) fit ``budget`` bytes (default ``TILE_BYTES``): the explicit
+    form's memory is bounded by the tile, not by ``lq x lk`` (a ring block of a 2M-token context has tens
+    of thousands of rows a side). ``span``: each row sees at most this many keys (banded by ``key_band``):
+    tiles of about ``span`` rows (at least ``MIN_BAND_ROWS``), each seeing at most ``rows + span`` keys, so
+    the work is at most about twice the window's pairs."""
+    qa, qb, ka, kb = seq
+    cap = max(1, (TILE_BYTES if budget is None else budget) // (heads * 4 * _TEMPORARIES))
+    lk = max(1, kb - ka)
+    step = max(1, cap // lk)
+    if span is not None:
+        step = max(MIN_BAND_ROWS, span)
+        if step * min(lk, step + span) > cap:
+            step = max(1, cap // min(lk, step + span))
+    return [(a, min(a + step, qb)) for a in range(qa, qb, step)]
+
+
+def _explicit_scores(q, kr, spec: LseSpec, seq: tuple[int, int, int, int], rows: tuple[int, int],
+                     keys: tuple[int, int], ct):
+    """``([heads, rows, keys]`` scores of query rows ``rows`` against key rows ``keys`` of one sequence in
+    ``ct``, soft-capped and masked; ``d capped / d raw`` or None). ``kr``: the sequence's keys, kv heads
+    repeated to the query heads, in ``ct``."""
+    ra, rb = rows
+    k0, k1 = (x - seq[2] for x in keys)
+    scores = torch.einsum("qhd,khd->hqk", q[ra:rb].to(ct), kr[k0:k1]) * spec.scale
     dcap = None
     if spec.features is not None:
         scores, dcap = spec.features.cap(scores)
-    seen = _seen(spec, qa, qb, ka, kb, q.device)
+    seen = _seen(spec, seq, rows, keys, q.device)
     if seen is not None:
         scores = scores.masked_fill(~seen, -math.inf)
     return scores, dcap
@@ -162,12 +240,19 @@ def each_forward(q, k, v, spec: LseSpec):
             out[qa:qb] = o[0].transpose(0, 1)
             lse[:, qa:qb] = l[0].to(ct)
             continue
-        scores, _ = _explicit_scores(q, k, spec, (qa, qb, ka, kb), ct)
-        row = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - finite(row)[..., None])
         group = heads // k.shape[1]
-        out[qa:qb] = torch.einsum("hqk,khd->qhd", probs, v[ka:kb].repeat_interleave(group, dim=1).to(ct)).to(q.dtype)
-        lse[:, qa:qb] = row
+        kr, vr = (t[ka:kb].repeat_interleave(group, dim=1).to(ct) for t in (k, v))
+        positions = host_positions(spec, (qa, qb, ka, kb))
+        span = reach_span(spec) if positions is not None else None
+        for ra, rb in row_tiles((qa, qb, ka, kb), heads, span=span):
+            k0, k1 = key_band(spec, (qa, qb, ka, kb), (ra, rb), positions)
+            if k1 <= k0:
+                continue                                   # no key in reach: rows stay (0, -inf)
+            scores, _ = _explicit_scores(q, kr, spec, (qa, qb, ka, kb), (ra, rb), (k0, k1), ct)
+            row = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - finite(row)[..., None])
+            out[ra:rb] = torch.einsum("hqk,khd->qhd", probs, vr[k0 - ka:k1 - ka]).to(q.dtype)
+            lse[:, ra:rb] = row
     return out, lse
 
 
@@ -193,19 +278,26 @@ def each_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):
             dk[ka:kb] += gk[0].transpose(0, 1).unflatten(1, (kv_heads, group)).sum(2).to(ct)
             dv[ka:kb] += gv[0].transpose(0, 1).unflatten(1, (kv_heads, group)).sum(2).to(ct)
             continue
-        scores, dcap = _explicit_scores(q, k, spec, (qa, qb, ka, kb), ct)
-        probs = torch.exp(scores - finite(lse[:, qa:qb].to(ct))[..., None])          # masked keys: 0
-        do = dout[qa:qb].to(ct)
         kr = k[ka:kb].repeat_interleave(group, dim=1).to(ct)
         vr = v[ka:kb].repeat_interleave(group, dim=1).to(ct)
-        delta = (do * out[qa:qb].to(ct)).sum(-1).t()                                    # [heads, lq]
-        if dlse is not None:
-            delta = delta - dlse[:, qa:qb].to(ct)
-        dscores = probs * (torch.einsum("qhd,khd->hqk", do, vr) - delta[..., None])
-        if dcap is not None:
-            dscores = dscores * dcap                                                    # through the softcap
-        dq[qa:qb] = torch.einsum("hqk,khd->qhd", dscores, kr) * spec.scale
-        dk[ka:kb] += (torch.einsum("hqk,qhd->khd", dscores, q[qa:qb].to(ct)) * spec.scale).unflatten(
-            1, (kv_heads, group)).sum(2)
-        dv[ka:kb] += torch.einsum("hqk,qhd->khd", probs, do).unflatten(1, (kv_heads, group)).sum(2)
+        positions = host_positions(spec, (qa, qb, ka, kb))
+        span = reach_span(spec) if positions is not None else None
+        for ra, rb in row_tiles((qa, qb, ka, kb), heads, span=span):
+            k0, k1 = key_band(spec, (qa, qb, ka, kb), (ra, rb), positions)
+            if k1 <= k0:
+                continue                                   # no key in reach: no gradient
+            band = slice(k0 - ka, k1 - ka)
+            scores, dcap = _explicit_scores(q, kr, spec, (qa, qb, ka, kb), (ra, rb), (k0, k1), ct)
+            probs = torch.exp(scores - finite(lse[:, ra:rb].to(ct))[..., None])          # masked keys: 0
+            do = dout[ra:rb].to(ct)
+            delta = (do * out[ra:rb].to(ct)).sum(-1).t()                                    # [heads, rows]
+            if dlse is not None:
+                delta = delta - dlse[:, ra:rb].to(ct)
+            dscores = probs * (torch.einsum("qhd,khd->hqk", do, vr[band]) - delta[..., None])
+            if dcap is not None:
+                dscores = dscores * dcap                                                    # through the softcap
+            dq[ra:rb] = torch.einsum("hqk,khd->qhd", dscores, kr[band]) * spec.scale
+            dk[k0:k1] += (torch.einsum("hqk,qhd->khd", dscores, q[ra:rb].to(ct)) * spec.scale).unflatten(
+                1, (kv_heads, group)).sum(2)
+            dv[k0:k1] += torch.einsum("hqk,qhd->khd", probs, do).unflatten(1, (kv_heads, group)).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -53,25 +53,32 @@ def _block(rt: RingTensors, j: int, kernel: str, scale: float, features: Feature
     positional = features is not None and features.positional
     if positional and j != i and rt.reach and features.unreachable(*rt.reach[j]):
         return None
-    pos = lambda q, k: dict(features=features, pos_q=q, pos_k=k) if positional else dict(features=features)  # noqa: E731
+    def pos(q, k, host_q, host_k) -> dict:
+        if not positional:
+            return dict(features=features)
+        return dict(features=features, pos_q=q, pos_k=k, host_pos_q=host_q, host_pos_k=host_k)
+
     if j == i:
         if not rt.local_tokens[i]:
             return None
         return None, None, LseSpec(rt.cu_local[i], rt.cu_local[i], rt.max_local[i], rt.max_local[i], True, scale, kernel,
                                    host(rt.host_local, i), host(rt.host_local, i),
-                                   **pos(_at(rt.pos_local, i), _at(rt.pos_local, i)))
+                                   **pos(_at(rt.pos_local, i), _at(rt.pos_local, i), _at(rt.host_pos_local, i),
+                                         _at(rt.host_pos_local, i)))
     if j < i:   # j's early chunks precede both of ours: all our queries, j's first chunks, no mask
         if not (rt.local_tokens[i] and rt.first_tokens[j]):
             return None
         return None, rt.first_rows[j], LseSpec(rt.cu_local[i], rt.cu_first[j], rt.max_local[i], rt.max_first[j],
                                                 False, scale, kernel, host(rt.host_local, i), host(rt.host_first, j),
-                                                **pos(_at(rt.pos_local, i), _at(rt.pos_first, j)))
+                                                **pos(_at(rt.pos_local, i), _at(rt.pos_first, j),
+                                                      _at(rt.host_pos_local, i), _at(rt.host_pos_first, j)))
     # j > i: both of j's chunks precede our late chunk and follow our early one
     if not (rt.second_tokens and rt.local_tokens[j]):
         return None
     return rt.second_rows, None, LseSpec(rt.cu_second, rt.cu_local[j], rt.max_second, rt.max_local[j], False, scale,
                                          kernel, rt.host_second or None, host(rt.host_local, j),
-                                         **pos(rt.pos_second, _at(rt.pos_local, j)))
+                                         **pos(rt.pos_second, _at(rt.pos_local, j), rt.host_pos_second,
+                                               _at(rt.host_pos_local, j)))
 
 
 def _at(parts: tuple, j: int):

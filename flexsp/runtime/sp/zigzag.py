@@ -21,7 +21,7 @@ once per micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -224,6 +224,9 @@ class RingTensors:
     pos_first: tuple[torch.Tensor, ...] = ()       # per j: the same for j's first chunks
     pos_second: torch.Tensor | None = None         # this rank's second chunks
     reach: tuple = ()                              # per j: ``ZigzagLayout.reach(index, j)`` (host; block skipping)
+    host_pos_local: tuple = ()                     # the positions above as host numpy arrays (the per-sequence
+    host_pos_first: tuple = ()                     # kernel's key bands read these)
+    host_pos_second: Any = None
 
     @classmethod
     def build(cls, layout: ZigzagLayout, index: int, device: torch.device | str) -> "RingTensors":
@@ -251,4 +254,5 @@ class RingTensors:
                    host_local=tuple(tuple(b) for b in bounds[:r]), host_first=tuple(tuple(b) for b in bounds[r:2 * r]),
                    host_second=tuple(bounds[2 * r]), pos_local=tuple(pos_parts[:r]),
                    pos_first=tuple(pos_parts[r:2 * r]), pos_second=pos_parts[2 * r],
-                   reach=tuple(layout.reach(index, j) for j in range(r)))
+                   reach=tuple(layout.reach(index, j) for j in range(r)),
+                   host_pos_local=tuple(pos[:r]), host_pos_first=tuple(pos[r:2 * r]), host_pos_second=pos[2 * r])
