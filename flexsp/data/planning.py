@@ -461,6 +461,7 @@ class _ProcessBackend:
         os.close(task_read)
         os.close(result_write)
         self.started_at, self.ready_at = time.perf_counter(), None   # ready: its first message arrived
+        self._pending: list = []   # tasks submitted before it was up
         self._tasks = Connection(task_write, readable=False)
         self._results = Connection(result_read, writable=False)
         self._closed_pipe = False
@@ -471,9 +472,21 @@ class _ProcessBackend:
             self._closed_pipe = True   # the worker died at once: dead() reports it
 
     def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver | None) -> None:
-        """Send a batch's lengths, (key None) a new solver, or (lengths None) "skip this batch"."""
+        """Send a batch's lengths, (key None) a new solver, or (lengths None) "skip this batch". Until the
+        worker is up they are kept here (a worker that is not reading yet would fill the pipe and block the
+        loop); "skip" then just drops the batch from them."""
+        task = (key, lengths if key is None or lengths is None else np.asarray(lengths, dtype=np.int64))
+        if self.ready_at is None:
+            if key is not None and lengths is None:
+                self._pending = [t for t in self._pending if t[0] != key]
+            else:
+                self._pending.append(task)
+            return
+        self._send(task)
+
+    def _send(self, task) -> None:
         try:
-            self._tasks.send((key, lengths if key is None or lengths is None else np.asarray(lengths, dtype=np.int64)))
+            self._tasks.send(task)
         except (BrokenPipeError, OSError):
             pass   # the worker is gone: dead() reports it
 
@@ -488,6 +501,9 @@ class _ProcessBackend:
             return None
         if reply is not None and reply[0] is None:   # READY
             self.ready_at = time.perf_counter()
+            pending, self._pending = self._pending, []
+            for task in pending:
+                self._send(task)
             return None
         return reply
 
