@@ -201,7 +201,7 @@ def main() -> None:
         ("  process: max wait / median solve time (target < 5%)", f"{100 * proc['waits'].max() / solve:.2f}%"),
         ("  thread: wait per step after the first", f"median {ms(np.median(thread['waits']))}, "
                                                     f"max {ms(thread['waits'].max())}"),
-        ("  first step's wait (the first plan, made in the loop while the planner process starts)", ms(proc["first_wait"])),
+        ("  first step's wait (its plan made in this process before the planner process is spawned)", ms(proc["first_wait"])),
         (f"loop waiting for the loader (plan + fetch + pack), next step prepared ahead (target <= {LOOP_WAIT:.0%})",
          f"{proc['loop_wait']:.2%} of the loop"),
         ("  the same with every step prepared in the loop (prefetch off)", f"{inline['loop_wait']:.2%} of the loop, "

@@ -9,7 +9,8 @@ shard; a data error on any rank (a bad item, a stale length, a read that hangs p
 agreed on the side group (``flexsp.runtime.failures``) so every rank raises it, none waits.
 While the caller trains on one step, the next one is prepared on a background thread
 (``flexsp.data.prefetch``: broadcast, fetch, pack, device copies on a side CUDA stream), so the loop
-waits only for what was not ready yet (``config.prefetch``; the first step is prepared in the loop).
+waits only for what was not ready yet (``config.prefetch``); ``start()`` sets the first step preparing
+the same way (while the model is built), else the first step is prepared in the loop.
 Plans use only the pool's degrees (and Ulysses x ring splits). Without a process group (or with one rank)
 the loader plans for ``cluster.num_gpus`` ranks and loads the share of ``rank``, which is how one
 process can stand in for one rank of a large cluster.
@@ -203,15 +204,23 @@ class FlexSPLoader:
         return self._planner
 
     def start(self) -> None:
-        """Start planning the next batches now (e.g. while the model is built); iterating does it anyway.
-
-        Local and non-blocking; errors (a too-long sequence) wait for the first step, where every rank sees them.
+        """Start preparing the first step now (e.g. while the model or the optimizer is built); iterating
+        does it anyway. Non-blocking: the planner process is started and, with ``config.prefetch``, the first
+        step is prepared on the loader thread like every later one (its plan made in this process while the
+        planner process starts, broadcast, fetched, packed), so the first ``next()`` waits only for what is
+        not ready by then. With several ranks, call it on every rank (or on none) at about the same point:
+        the preparation's broadcast and load agreement wait for the others (``config.failure_timeout``).
+        Errors (a too-long sequence, a bad item) are raised by the first step, on every rank.
         """
-        if self.plans_here and self.config.lookahead > 0 and self._ahead is None:
+        if self._ahead is not None:
+            return
+        if self.plans_here and self.config.lookahead > 0:
             try:
-                self._ensure_planner()
+                self._ensure_planner()   # the planner process starts now, on this thread
             except Exception:
                 pass   # raised again, on every rank, by the first step
+        if self.config.prefetch:
+            self._prefetch()
 
     def _planned(self) -> PlannedBatch:
         planner = self._ensure_planner()
@@ -268,7 +277,7 @@ class FlexSPLoader:
         counts only what was not ready yet (the load, which comes last, first)."""
         began = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        if ahead is None:   # the first step, after a resume or an error, or prefetch off: prepared here
+        if ahead is None:   # the first step without start(), after a resume or an error, or prefetch off: prepared here
             step = self._prepare()
         else:
             step = ahead.result()
@@ -286,10 +295,14 @@ class FlexSPLoader:
         s.max_plan_wait = max(s.max_plan_wait, step.plan_wait)
         s.load_seconds += step.load_seconds
         if self.config.prefetch:
-            if self._stream is None and self.device is not None and self.device.type == "cuda":
-                self._stream = torch.cuda.Stream(self.device)
-            self._ahead = Prefetch(self._prepare, self._stream)
+            self._prefetch()
         return step
+
+    def _prefetch(self) -> None:
+        """Prepare the step at the preparation cursor on the loader thread (on a GPU on a side stream)."""
+        if self._stream is None and self.device is not None and self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+        self._ahead = Prefetch(self._prepare, self._stream)
 
     def _prepare(self) -> Step:
         """Prepare the step at the preparation cursor (plan, broadcast, fetch, pack, device copies) and advance it."""

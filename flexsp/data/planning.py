@@ -18,9 +18,12 @@ that stopped (SIGSTOP), wedged or died is replaced by a fresh one (its in-flight
 so one stall costs one deadline, not one per step; up to ``max_restarts`` times, then ``PlannerError``.
 The deadline counts from the later of the loop's request and the worker being up (a fresh worker
 gets one deadline to start). A closed pipe is a dead worker, never a raw ``EOFError``/``BrokenPipeError``.
-No batch waits for the first worker's start (an interpreter and its imports, about as long as many
-small steps): until it is up, the loop's process plans each batch it asks for itself and the worker is
-told to skip it.
+No batch waits for the first worker's start (an interpreter and its imports, about half a CPU-second,
+as long as many small steps): the first batch is planned in the loop's process and only then is the
+worker spawned (on a busy host its start then does not compete with the plan the first step waits for);
+until it is up, the loop's process plans each batch it asks for itself and the worker is told to skip
+it (for at most one deadline from its spawn: a worker that never comes up is then replaced like a
+stalled one). Every plan is the same solver's on the same lengths, wherever it was made.
 """
 from __future__ import annotations
 
@@ -242,11 +245,14 @@ class AsyncPlanner:
                 raise LoaderError(f"mode='process' needs a picklable solver (a module-level function or "
                                   f"flexsp.data.PlanBatch), got {solve!r}; use mode='thread' for this one")
             self.mode = "process"
-        self._backend: _ProcessBackend | _ThreadBackend | None = None   # started with the first batch
+        self._backend: _ProcessBackend | _ThreadBackend | None = None   # a thread: with the first batch submitted;
+        # a process: once the first batch is planned here (_launch)
         self._inflight: collections.deque[GlobalBatch] = collections.deque()   # submitted, not yet taken
         self._abandoned: set[tuple[int, int]] = set()   # taken by the fallback while the worker solved them
         self._ended: PlannedBatch | None = None          # the batch iterator's error, after the in-flight ones
         self._exhausted = False
+        self._hold = self.mode == "process"   # the worker is spawned once the first batch is planned here
+        self._lock = threading.Lock()   # next() and wait_ready() may come from two threads (loader and caller)
         self._submit()
 
     # --- submitting ------------------------------------------------------------------------------
@@ -262,17 +268,34 @@ class AsyncPlanner:
                 self._exhausted = True
                 self._ended = PlannedBatch(None, error=f"{type(exc).__name__}: {exc}", exception=exc)
                 return
-            if self._backend is None:
-                self._backend = _ProcessBackend(self._solve) if self.mode == "process" else _ThreadBackend(self._solve)
-            self._backend.submit(batch.key, self._lengths[list(batch.indices)])
             self._inflight.append(batch)
             self._started += 1
             self.stats.max_ahead = max(self.stats.max_ahead, self._started - self._taken)
+            if self._hold:
+                continue   # sent when the worker is spawned (after the first batch: _launch)
+            if self._backend is None:
+                self._backend = _ProcessBackend(self._solve) if self.mode == "process" else _ThreadBackend(self._solve)
+            self._backend.submit(batch.key, self._lengths[list(batch.indices)])
 
     def wait_ready(self, timeout: float = 60.0) -> bool:
         """Wait up to ``timeout`` seconds for the worker to be up (benchmarks and tests that need every
         batch solved by the worker, the first one included); False if it was not."""
         deadline = time.perf_counter() + timeout
+        with self._lock:   # the loader's thread may be in next(): one reader of the worker's pipe at a time
+            return self._wait_ready(deadline)
+
+    def _launch(self) -> None:
+        """Spawn the worker and send it the batches submitted so far."""
+        self._hold = False
+        if self._closed or not self._inflight:
+            return
+        self._backend = _ProcessBackend(self._solve)
+        for batch in self._inflight:
+            self._backend.submit(batch.key, self._lengths[list(batch.indices)])
+
+    def _wait_ready(self, deadline: float) -> bool:
+        if self._hold:
+            self._launch()
         while self._backend is not None and self._backend.ready_at is None and time.perf_counter() < deadline:
             self._backend.receive(min(_POLL, max(0.0, deadline - time.perf_counter())))
         return self._backend is None or self._backend.ready_at is not None
@@ -282,6 +305,8 @@ class AsyncPlanner:
         cost model; the up to ``lookahead`` batches already submitted keep the solver they were sent to."""
         if self.mode == "process" and not picklable(solve):
             raise LoaderError(f"mode='process' needs a picklable solver, got {solve!r}")
+        if self._hold:
+            self._launch()   # the batches submitted so far go to the worker with the solver they were submitted under
         self._solve = solve
         if fallback is not None:
             self._fallback = fallback
@@ -292,6 +317,10 @@ class AsyncPlanner:
     def next(self) -> PlannedBatch:
         """The next batch's plan (or error), waiting only if the solver has not finished it yet."""
         started = time.perf_counter()
+        with self._lock:
+            return self._next(started)
+
+    def _next(self, started: float) -> PlannedBatch:
         if self.mode == "sync":
             try:
                 batch = next(self._batches)
@@ -305,11 +334,18 @@ class AsyncPlanner:
                 return self._account(self._ended, started)
             raise LoaderError(f"the planner {self.mode} has stopped (closed, or the batch iterator ended)")
         result = None
-        if self.mode == "process" and self._backend.ready_at is None and self.stats.restarts == 0:
+        if self._hold:   # the first batch: planned here, then the worker is spawned for the rest
+            due = self._inflight.popleft()
+            result = self._local(due, self._solve)
+            self._launch()
+        elif self.mode == "process" and self._backend.ready_at is None and self.stats.restarts == 0:
             self._backend.receive(0.0)   # its "up" message, if it came (sent before any plan)
-            if self._backend.ready_at is None and self._backend.dead() is None:
+            starting = (self._fallback_after is None
+                        or time.perf_counter() - self._backend.started_at < self._fallback_after)
+            if self._backend.ready_at is None and self._backend.dead() is None and starting:
                 # the first worker is still starting (an interpreter and its imports: as long as many small
-                # steps): plan this batch here instead of waiting (a replacement gets its deadline instead)
+                # steps): plan this batch here instead of waiting (a replacement gets its deadline instead);
+                # one not up within a deadline of its spawn is waited for below, then replaced like a stalled one
                 due = self._inflight.popleft()
                 self._abandoned.add(due.key)
                 self._backend.submit(due.key, None)   # the worker skips it
@@ -347,7 +383,7 @@ class AsyncPlanner:
                 self.stats.fallbacks += 1
                 warnings.warn(f"{what}: planned it with the fallback (greedy) instead ({self.stats.fallbacks} so far) "
                               f"and replaced the {self.mode} ({self.stats.restarts} of at most {self.max_restarts} "
-                              f"restarts)", RuntimeWarning, stacklevel=3)
+                              f"restarts)", RuntimeWarning, stacklevel=4)
         self._taken += 1
         self._submit()
         return self._account(result, started)
@@ -363,7 +399,7 @@ class AsyncPlanner:
         self.stats.restarts += 1
         if warn:
             warnings.warn(f"{problem}; restarting it ({self.stats.restarts} of at most {self.max_restarts})",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
         self._backend.close(0.0)
         self._abandoned.clear()   # a fresh worker never answers the old one's batches
         self._backend = _ProcessBackend(self._solve) if self.mode == "process" else _ThreadBackend(self._solve)
@@ -425,6 +461,7 @@ class _ProcessBackend:
         os.close(task_read)
         os.close(result_write)
         self.started_at, self.ready_at = time.perf_counter(), None   # ready: its first message arrived
+        self._pending: list = []   # tasks submitted before it was up
         self._tasks = Connection(task_write, readable=False)
         self._results = Connection(result_read, writable=False)
         self._closed_pipe = False
@@ -435,9 +472,21 @@ class _ProcessBackend:
             self._closed_pipe = True   # the worker died at once: dead() reports it
 
     def submit(self, key: tuple[int, int] | None, lengths: np.ndarray | Solver | None) -> None:
-        """Send a batch's lengths, (key None) a new solver, or (lengths None) "skip this batch"."""
+        """Send a batch's lengths, (key None) a new solver, or (lengths None) "skip this batch". Until the
+        worker is up they are kept here (a worker that is not reading yet would fill the pipe and block the
+        loop); "skip" then just drops the batch from them."""
+        task = (key, lengths if key is None or lengths is None else np.asarray(lengths, dtype=np.int64))
+        if self.ready_at is None:
+            if key is not None and lengths is None:
+                self._pending = [t for t in self._pending if t[0] != key]
+            else:
+                self._pending.append(task)
+            return
+        self._send(task)
+
+    def _send(self, task) -> None:
         try:
-            self._tasks.send((key, lengths if key is None or lengths is None else np.asarray(lengths, dtype=np.int64)))
+            self._tasks.send(task)
         except (BrokenPipeError, OSError):
             pass   # the worker is gone: dead() reports it
 
@@ -452,6 +501,9 @@ class _ProcessBackend:
             return None
         if reply is not None and reply[0] is None:   # READY
             self.ready_at = time.perf_counter()
+            pending, self._pending = self._pending, []
+            for task in pending:
+                self._send(task)
             return None
         return reply
 

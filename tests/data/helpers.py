@@ -50,3 +50,23 @@ class SlowSolver:
         time.sleep(self.seconds)
         plan = flexsp.plan_batch(lengths, cost_model(), cluster(), strategy="greedy")
         return dataclasses.replace(plan, meta={"pid": os.getpid()})
+
+
+class SlowStart:
+    """A picklable solver whose planner process is slow to come up: unpickling it (which only the planner
+    process does, before it says it is up) sleeps ``start_seconds``, standing in for an interpreter's start
+    on a busy host. It plans with ``solve`` (the same plan wherever it runs) and records where in ``meta``."""
+
+    def __init__(self, solve, start_seconds: float) -> None:
+        self.solve, self.start_seconds = solve, start_seconds
+
+    def __setstate__(self, state: dict) -> None:
+        import time
+        time.sleep(state["start_seconds"])
+        self.__dict__.update(state)
+
+    def __call__(self, lengths):
+        import dataclasses
+        import os
+        plan = self.solve(lengths)
+        return dataclasses.replace(plan, meta={**plan.meta, "pid": os.getpid()})

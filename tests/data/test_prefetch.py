@@ -73,7 +73,7 @@ def test_the_next_batch_is_read_while_the_step_trains():
     loop = spans[-1][1] - spans[1][0]
     waited = sum(s.plan_wait + s.load_seconds for s in steps[1:])
     assert waited < 0.25 * loop, (waited, loop)
-    assert stats.prefetched == STEPS - 1 and stats.steps == STEPS
+    assert stats.prefetched == STEPS and stats.steps == STEPS   # start() set the first step preparing too
     assert stats.prepare_load_seconds >= STEPS * BATCH * READ_S * 0.9   # the reads happened, off the loop
     assert (state["index"], state["step"]) == (STEPS, STEPS)   # the loop's position, not the prepared one
 
