@@ -26,8 +26,8 @@ def test_profile_times_the_hf_model_from_its_config_dir(tmp_path):
     out = tmp_path / "cost.json"
     rc = _run(["--hf-config", str(tmp_path / "model"), "--device", "cpu", "--clock", "cpu", "--statistic", "min",
                "--lengths", "128,256,384,512", "--memory-lengths", "128,256", "--memory-gb", "1", "--repeats", "2",
-               "--warmup", "0", "--quiet", "-o", str(out), "--report", str(tmp_path / "report.json")])
-    assert rc == 0
+               "--warmup", "0", "--quiet", "--force", "-o", str(out), "--report", str(tmp_path / "report.json")])
+    assert rc == 0   # --force: this test checks the shape read from the config, not the fit's noise (CI saw 11%)
     cost = CostModel.load(out)
     shape = cost.meta["model"]
     assert (shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["ffn"], shape["vocab"]) == \
