@@ -142,6 +142,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.cost is not None and args.check is None:
         raise CostModelError("--cost only makes sense with --check (validate a saved profile)")
+    if args.check not in (None, "auto") and args.check_lengths is None:   # before minutes of measuring, not after
+        raise CostModelError("--check PLAN.json needs --check-lengths FILE: the lengths the plan was made for")
     if args.interconnect not in ("auto", "none"):
         from flexsp.profile.interconnect import get_interconnect
         get_interconnect(args.interconnect)          # a bad name fails before any measuring
