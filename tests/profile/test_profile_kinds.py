@@ -201,13 +201,18 @@ def test_corrupt_kind_field_is_one_line_error(tmp_path, capsys, field, value, me
         measured_presets.read_preset(path)
 
 
-def test_cli_profiles_each_kind(tmp_path, capsys):
-    out = tmp_path / "g.json"
-    rc = main(["profile", "--model", "gemma-3-27b", "--layers", "6", "--hidden", "32", "--heads", "2", "--kv-heads",
+def _cli_profile(model: str, layers: int, out, capsys):
+    """``flexsp profile`` of a tiny ``model`` preset (one layer of each kind run): (exit code, captured output)."""
+    rc = main(["profile", "--model", model, "--layers", str(layers), "--hidden", "32", "--heads", "2", "--kv-heads",
                "1", "--ffn", "64", "--vocab", "64", "--lengths", "32,64,128,192,256", "--memory-lengths", "32,64",
                "--memory-gb", "1", "--repeats", "2", "--warmup", "1", "--statistic", "min", "--force",
                "--run-layers", "1", "-o", str(out)])
-    captured = capsys.readouterr()
+    return rc, capsys.readouterr()
+
+
+def test_cli_profiles_each_kind(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    rc, captured = _cli_profile("gemma-3-27b", 6, out, capsys)
     text = captured.out
     assert rc == 0, captured.err
     assert "a layer of each kind timed apart (5 x window 1024, 1 x full)" in text
@@ -239,11 +244,7 @@ def test_transformers_hybrid_times_its_linear_attention_layers():
 
 def test_cli_says_plainly_which_kinds_it_could_not_time(tmp_path, capsys):
     out = tmp_path / "q.json"
-    rc = main(["profile", "--model", "qwen3.5-27b", "--layers", "4", "--hidden", "32", "--heads", "2", "--kv-heads",
-               "1", "--ffn", "64", "--vocab", "64", "--lengths", "32,64,128,192,256", "--memory-lengths", "32,64",
-               "--memory-gb", "1", "--repeats", "2", "--warmup", "1", "--statistic", "min", "--force",
-               "--run-layers", "1", "-o", str(out)])
-    captured = capsys.readouterr()
+    rc, captured = _cli_profile("qwen3.5-27b", 4, out, capsys)
     assert rc == 0, captured.err
     assert "NOT TIMED: 3 x linear layers: the runtime's TinyLM has no linear-attention layer" in captured.out
     profile = json.loads(out.read_text())
