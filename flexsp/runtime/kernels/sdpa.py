@@ -176,7 +176,7 @@ def key_band(spec: LseSpec, seq: tuple[int, int, int, int], rows: tuple[int, int
     pos_q, pos_k = positions
     feats = spec.features
     first, last = int(pos_q[ra - qa]), int(pos_q[rb - 1 - qa])
-    low = first - feats.window + 1 if feats.window is not None else first // feats.chunk * feats.chunk
+    low = first - feats.window + 1 if feats.window is not None else 0
     if feats.chunk is not None:
         low = max(low, first // feats.chunk * feats.chunk)
     return ka + int(np.searchsorted(pos_k, low, "left")), ka + int(np.searchsorted(pos_k, last, "right"))
