@@ -121,6 +121,12 @@ class MicroBatchPacker:
         ``stretch``: a sequence slower than ``makespan`` even alone at its best degree gets a group
         of its own time instead of failing (used to pack a whole batch, where such a group will
         set the pace of its own micro-batch)."""
+        classes = self._pack_classes(counts, makespan, max_gpus, stretch)
+        return None if classes is None else self._expand(classes, len(counts))
+
+    def _pack_classes(self, counts: np.ndarray, makespan: float, max_gpus: float | None = None,
+                      stretch: bool = False) -> list[_GroupClass] | None:
+        """``pack`` as group classes, before they become arrays (a bisection expands only its last)."""
         max_gpus = self.num_gpus if max_gpus is None else max_gpus
         target = makespan - self.costs.beta1
         if target <= 0:
@@ -184,7 +190,7 @@ class MicroBatchPacker:
         classes = [c for c in classes if c.mult]
         if self.costs.placeable is not None and max_gpus <= self.num_gpus and not self._places(classes):
             return None
-        return self._expand(classes, len(counts))
+        return classes
 
     def _places(self, classes: list[_GroupClass]) -> bool:
         """Whether groups of these classes get ranks in one micro-batch (``DegreeCosts.placeable``), cached."""
@@ -239,14 +245,14 @@ class MicroBatchPacker:
         best = self.pack_memory(counts)      # memory alone decides whether any makespan works
         if best is None:
             return None
-        hi = best.makespan
+        hi, found = best.makespan, None
         for _ in range(max_iter):
             if hi - lo <= rel_tol * hi:
                 break
             mid = 0.5 * (lo + hi)
-            got = self.pack(counts, mid)
+            got = self._pack_classes(counts, mid)
             if got is None:
                 lo = mid
             else:
-                best, hi = got, min(mid, got.makespan)
-        return best
+                found, hi = got, min(mid, max(c.time for c in got) + self.costs.beta1)
+        return best if found is None else self._expand(found, len(counts))

@@ -47,3 +47,30 @@ def test_group_classes_scale_with_gpus_not_sequences():
     counts = np.array([40_000, 10_000, 2_000])
     packing = packer.solve(counts)
     assert packing is not None and (packing.total_counts() == counts).all()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_distinct_rows_matches_numpy_unique(seed):
+    """``evaluate``'s row dedup: the same distinct rows and mapping as ``np.unique(axis=0)``, in order
+    of first appearance."""
+    from solver.search import distinct_rows
+    rng = np.random.default_rng(seed)
+    matrix = rng.integers(0, 3, size=(int(rng.integers(1, 30)), 4))
+    rows, inverse = distinct_rows(matrix)
+    assert (rows[inverse] == matrix).all()
+    expected = np.unique(matrix, axis=0)
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, expected.tolist()))
+    assert list(inverse[np.sort(np.unique(inverse, return_index=True)[1])]) == list(range(len(rows)))
+
+
+def test_solve_returns_the_last_packing_the_bisection_found():
+    """``solve`` expands only the bisection's last success: its makespan is the smallest one found and
+    the packing holds every sequence."""
+    lengths = np.array([300.0, 120.0, 40.0, 10.0])
+    counts = np.array([1, 1, 3, 6])
+    packer = MicroBatchPacker(lengths, COSTS, num_gpus=8)
+    packing = packer.solve(counts)
+    check(packer, counts, packing)
+    assert packing.makespan < packer.pack_memory(counts).makespan
+    again = packer.pack(counts, packing.makespan * (1 + 1e-12))
+    assert again is not None and again.makespan == pytest.approx(packing.makespan)
