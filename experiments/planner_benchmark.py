@@ -19,6 +19,7 @@ run appends both medians to ``experiments/results/solve_time_history.md``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from pathlib import Path
@@ -61,21 +62,46 @@ PACE_COSTS = {
     "llama-7b / a100-80gb (analytic)": lambda n: analytic_cost_model("llama-7b", "a100-80gb", num_gpus=n),
 }
 HISTORY = Path(__file__).parent / "results" / "solve_time_history.md"
-HISTORY_HEADER = ("| date (UTC) | commit | benchmark | setting | solve median wall (s) | solve median CPU (s) | load |\n"
-                  "|---|---|---|---|---|---|---|\n")
+HISTORY_HEADER = ("| date (UTC) | commit | benchmark | setting | solve median wall (s) | solve median CPU (s) | load | "
+                  "reference loop (s) |\n|---|---|---|---|---|---|---|---|\n")
+# ``reference_loop``'s work: 10 million integer additions in the interpreter, the kind of work the planner's
+# search does. The same code took 1.77 s on this project's machine on 2026-11-27 and takes about 0.4-0.6 s
+# on a current desktop core: solve times here are comparable across days only next to this figure.
+REFERENCE_ITERATIONS = 10_000_000
 
 
-def append_history(setting: str, benchmark: str, wall: float, cpu: float, load: float, path: Path = HISTORY) -> None:
+def reference_loop(repeats: int = 3) -> float:
+    """Seconds of a fixed pure-Python loop, best of ``repeats``: how fast this machine runs the planner's
+    kind of work right now (the shared 2-core machine's speed has varied about 3x between days)."""
+    best = math.inf
+    for _ in range(repeats):
+        started, total = time.perf_counter(), 0
+        for i in range(REFERENCE_ITERATIONS):
+            total += i
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def machine_line(started: float, load: float, reference: float) -> str:
+    """The footer every solve-time report ends with: elapsed time, load and the reference loop."""
+    return (f"(measured on this 2-core machine in {time.time() - started:.0f} s; load average {load:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end; the reference loop (`planner_benchmark.reference_loop`, "
+            f"{REFERENCE_ITERATIONS:,} interpreted additions) took {reference:.2f} s: solve times scale with both)")
+
+
+def append_history(setting: str, benchmark: str, wall: float, cpu: float, load: float, reference: float,
+                   path: Path = HISTORY) -> None:
     """One row per full run: how the solve time moved, commit by commit (never written by --quick)."""
     import subprocess
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip() or "?"
     if not path.exists():
         path.write_text("Solve-time history of the planner benchmarks (wall and CPU medians, this project's 2-core "
-                        "shared machine; the load average says how shared).\n\n" + HISTORY_HEADER)
+                        "shared machine; the load average says how shared, the reference loop how fast the machine "
+                        "ran that day).\n\n" + HISTORY_HEADER)
     with path.open("a") as f:
         f.write(f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} | {commit} | {benchmark} | {setting} | "
-                f"{wall:.3f} | {cpu:.3f} | {load:.1f} |\n")
+                f"{wall:.3f} | {cpu:.3f} | {load:.1f} | {reference:.2f} |\n")
 LABEL = ("Plan and iteration times are **simulated** with the paper's gpt-7b cost model (`flexsp.cost_from_preset`, "
          "64 x A100-40GB constants); solve times are **measured** on this project's 2-core shared CPU.")
 
@@ -272,7 +298,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out = resolve_out(args.out, args.quick, Path(__file__).parent / "results" / "planner_benchmark.md")
     started = time.time()
-    load = os.getloadavg()[0]
+    load, reference = os.getloadavg()[0], reference_loop(1 if args.quick else 3)
     if args.quick:
         table, summary = paper_setting(2, 128, args.time_limit)
         scale = scaling([16, 32], [128], reps=1, time_limit=args.time_limit)
@@ -283,8 +309,7 @@ def main() -> None:
                         time_limit=args.time_limit)
         pace, _ = small_batches([4, 8, 16], [8, 16, 32, 64], reps=5)
     limits = "(time-limit table: full mode only)" if args.quick else past_the_limit()
-    text = (f"{LABEL} time_limit {args.time_limit:g} s (the wall-clock safety net; searches are bounded in work).\n\n{table}\n\n{scale}\n\n{pace}\n\n{limits}\n\n(measured on this 2-core machine in {time.time() - started:.0f} s; load average "
-            f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: solve times scale with it)\n\n"
+    text = (f"{LABEL} time_limit {args.time_limit:g} s (the wall-clock safety net; searches are bounded in work).\n\n{table}\n\n{scale}\n\n{pace}\n\n{limits}\n\n{machine_line(started, load, reference)}\n\n"
             f"<!-- generated: readme -->\n{readme_block(summary, load)}<!-- end: readme -->\n")
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -292,7 +317,7 @@ def main() -> None:
     if not args.quick:
         append_history(f"gpt-7b, 64 GPUs, batch 512, time_limit {args.time_limit:g} s", "planner_benchmark",
                        summary["median_solve"],
-                       summary["median_cpu"], load)
+                       summary["median_cpu"], load, reference)
 
 
 if __name__ == "__main__":

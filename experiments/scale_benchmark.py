@@ -36,6 +36,7 @@ from flexsp.plan.bounds import coupled_lower_bound, lower_bound
 from flexsp.plan.lengths import get_distribution, preprocess
 from flexsp.plan.strategies import names as strategy_names
 from outputs import resolve_out  # noqa: E402
+from planner_benchmark import append_history, machine_line, reference_loop  # noqa: E402
 
 CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
@@ -159,7 +160,7 @@ def main() -> None:
     sizes = [64, 256] if args.quick else [64, 256, 1024, 4096, 16384]
     reps = 1 if args.quick else args.reps
     started = time.time()
-    load = os.getloadavg()[0]
+    load, reference = os.getloadavg()[0], reference_loop(1 if args.quick else 3)
     limit = "default 2 s" if args.time_limit is None else f"{args.time_limit:g} s"
     header = ["| setting | GPUs | batch | solve median / max, wall (s) | solve median, CPU (s) | plan / lower bound | "
               "plan / coupled bound | vs batchada | vs static | vs dynamic-cp | "
@@ -171,19 +172,17 @@ def main() -> None:
     rows = [line for line, _ in results]
     lines = [LABEL, "", f"### FlexSP at scale: batch 8 x N, context 2M, time_limit {limit}", "", *header, *rows]
     text = "\n".join(lines) + "\n\n" + overrun(sizes[-1]) + "\n\n" + restrictions(256 if args.quick else 4096, reps, args.time_limit)
-    text += (f"\n\n(measured on this 2-core machine in {time.time() - started:.0f} s; load average "
-             f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: solve times scale with it)\n")
+    text += f"\n\n{machine_line(started, load, reference)}\n"
     text += f"\n<!-- generated: readme -->\n{readme_block(header, rows, [n for _, n in points], load)}<!-- end: readme -->\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     if not args.quick:
-        from planner_benchmark import append_history
         for _, result in results:
             if result["gpus"] == sizes[-1]:
                 append_history(f"{result['mix']}, {sizes[-1]:,} GPUs, batch {8 * sizes[-1]:,}, time_limit {limit}",
                                "scale_benchmark",
-                               result["median_solve"], result["median_cpu"], load)
+                               result["median_solve"], result["median_cpu"], load, reference)
 
 
 if __name__ == "__main__":

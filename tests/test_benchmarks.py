@@ -58,10 +58,22 @@ def test_planner_readme_block_marks_missed_targets():
 def test_history_rows_append(tmp_path):
     bench = _script("planner_benchmark")
     path = tmp_path / "history.md"
-    bench.append_history("64 GPUs", "planner_benchmark", 0.16, 0.12, 1.0, path)
-    bench.append_history("16,384 GPUs", "scale_benchmark", 1.4, 1.1, 2.0, path)
-    rows = [line for line in path.read_text().splitlines() if line.startswith("| 20")]
-    assert [r.split(" | ")[3:6] for r in rows] == [["64 GPUs", "0.160", "0.120"], ["16,384 GPUs", "1.400", "1.100"]]
+    bench.append_history("64 GPUs", "planner_benchmark", 0.16, 0.12, 1.0, 1.77, path)
+    bench.append_history("16,384 GPUs", "scale_benchmark", 1.4, 1.1, 2.0, 0.5, path)
+    lines = path.read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| 20")]
+    assert [r.split(" | ")[3:8] for r in rows] == [["64 GPUs", "0.160", "0.120", "1.0", "1.77 |"],
+                                                   ["16,384 GPUs", "1.400", "1.100", "2.0", "0.50 |"]]
+    header = next(line for line in lines if line.startswith("| date"))
+    assert header.count("|") == rows[0].count("|") and "reference loop" in header
+
+
+def test_reference_loop_and_machine_line():
+    bench = _script("planner_benchmark")
+    seconds = bench.reference_loop(repeats=1)
+    assert 0.01 < seconds < 60
+    line = bench.machine_line(0.0, 1.5, seconds)
+    assert f"{seconds:.2f} s" in line and "load average 1.5" in line
 
 
 def test_scale_readme_block_keeps_the_target_sizes():
