@@ -65,8 +65,8 @@ HISTORY = Path(__file__).parent / "results" / "solve_time_history.md"
 HISTORY_HEADER = ("| date (UTC) | commit | benchmark | setting | solve median wall (s) | solve median CPU (s) | load | "
                   "reference loop (s) |\n|---|---|---|---|---|---|---|---|\n")
 # ``reference_loop``'s work: 10 million integer additions in the interpreter, the kind of work the planner's
-# search does. The same code took 1.77 s on this project's machine on 2026-11-27 and takes about 0.4-0.6 s
-# on a current desktop core: solve times here are comparable across days only next to this figure.
+# search does, inside a function as the planner's loops are. It took 0.52-0.63 s on this project's machine on
+# 2026-11-27: solve times here are comparable across days only next to this figure.
 REFERENCE_ITERATIONS = 10_000_000
 
 
