@@ -61,16 +61,17 @@ MAX_FALLBACK_SEQUENCES = 16384
 REFINE_VARIANTS = ((16, "mean"), (48, "upper"))
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
 MAX_PER_SEQUENCE_SPLITS = 8192
-# ``apart_candidate``: sequences needing more than APART_DEGREE GPUs' memory planned on their own, on
-# batches of more than APART_SEQUENCES[0] sequences whose long ones carry at least APART_SHARE of the
-# batch's cheapest area (GPU-seconds). Rules measured in experiments/scale_benchmark.py (batches of 8 x N):
-# long-mix's long sequences carry 0.24-0.80 of the area (1,024-16,384 GPUs) and apart planning won every
-# batch there (16,384 GPUs: 1.186 -> 1.028 of the bound); Wikipedia's and the gpt-7b constants' carry at
-# most 0.11 and it lost every batch (4,096 GPUs: 1.28 against 1.09). Up to APART_SEQUENCES[1] both plans
-# are made and the faster kept; above it the joint search is skipped (two searches would double the
-# 16,384-GPU solve time). Below APART_SEQUENCES[0] it hardly ever won (1 of 20 paper-setting batches, by 0.3%).
+# ``apart_candidate``: sequences needing more than APART_DEGREE GPUs' memory planned on their own, then
+# the rest, on batches of more than APART_SEQUENCES[0] sequences where some sequence needs more than
+# APART_TRIGGER_DEGREE GPUs' memory. Rules measured in experiments/scale_benchmark.py (batches of 8 x N):
+# with such a sequence (long-mix; or a single 1.5M-token sequence among Wikipedia's) the joint search
+# left 1.18-1.21 of the lower bound at 16,384 GPUs and the apart plan 1.03-1.07, never worse; without
+# one (Wikipedia, the gpt-7b constants: longest 10-33 GPUs) the apart plan lost every batch (4,096 and
+# 16,384 GPUs: about 1.28 against 1.08-1.10). Up to APART_SEQUENCES[1] both plans are made and the
+# faster kept; above it the joint search is skipped (two searches would double the 16,384-GPU solve).
+# Below APART_SEQUENCES[0] it hardly ever won (1 of 20 paper-setting batches, by 0.3%).
 APART_DEGREE = 8
-APART_SHARE = 0.2
+APART_TRIGGER_DEGREE = 64
 APART_SEQUENCES = (MAX_PER_SEQUENCE_SPLITS, 4 * MAX_PER_SEQUENCE_SPLITS)
 # ``search_plan`` on batches above MAX_PER_SEQUENCE_SPLITS refines the greedy split only when its
 # bucketed makespan is within this of the searched splits' (the benchmarks' flips were within 0.3%).
@@ -717,17 +718,14 @@ def apart_candidate(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, opti
     return Schedule(tuple(parts))
 
 
-def long_share(lengths: np.ndarray, costs: DegreeCosts) -> float:
-    """The share of the batch's cheapest area (each sequence at its least GPU-seconds) in sequences needing
-    more than ``APART_DEGREE`` GPUs' memory; 0 when there are none, or only those."""
-    fits = [k for k, d in enumerate(costs.degrees) if d <= APART_DEGREE]
-    if not fits:
-        return 0.0
-    is_long = lengths > costs.capacity[fits[-1]]
-    if not is_long.any() or is_long.all():
-        return 0.0
-    area = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
-    return float(area[is_long].sum() / area.sum())
+def needs_apart(lengths: np.ndarray, costs: DegreeCosts) -> bool:
+    """Whether some sequence needs more than ``APART_TRIGGER_DEGREE`` GPUs' memory while some other fits
+    ``APART_DEGREE`` GPUs (else there is nothing to plan apart)."""
+    short = [k for k, d in enumerate(costs.degrees) if d <= APART_DEGREE]
+    trigger = [k for k, d in enumerate(costs.degrees) if d <= APART_TRIGGER_DEGREE]
+    if not short or not trigger:
+        return False
+    return bool(lengths.max() > costs.capacity[trigger[-1]] and lengths.min() <= costs.capacity[short[-1]])
 
 
 def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),
@@ -741,9 +739,9 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     are turned into real groups and refined, and compared on their real times (bucketed estimates can
     rank splits wrongly by a few percent); group objects are built for the winner only. Every step is
     bounded in work; the ``deadline`` only cuts it short (safety net), returning the best plan so far.
-    ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``. Long sequences carrying at least
-    ``APART_SHARE`` of a big batch's work are also planned apart (``apart_candidate``): beside the joint
-    search up to ``APART_SEQUENCES[1]`` sequences, instead of it above.
+    ``fallbacks`` run on batches of at most ``MAX_FALLBACK_SEQUENCES``. A big batch with a sequence needing
+    more than ``APART_TRIGGER_DEGREE`` GPUs is also planned with its long sequences apart
+    (``apart_candidate``): beside the joint search up to ``APART_SEQUENCES[1]`` sequences, instead of it above.
     """
     proven = one_gpu_plan(lengths, costs, num_gpus)
     if proven is not None:
@@ -752,7 +750,7 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         proven = exact_plan(np.asarray(lengths), costs, num_gpus)
         if proven is not None:
             return proven                    # the optimum (subset DP): nothing can beat it
-    planned_apart = apart and len(lengths) > APART_SEQUENCES[0] and long_share(np.asarray(lengths), costs) >= APART_SHARE
+    planned_apart = apart and len(lengths) > APART_SEQUENCES[0] and needs_apart(np.asarray(lengths), costs)
     if planned_apart and len(lengths) > APART_SEQUENCES[1]:
         candidate = apart_candidate(np.asarray(lengths), costs, num_gpus, options, deadline)
         if candidate is not None:
