@@ -64,10 +64,14 @@ def brute_force_optimum(lengths, cost, num_gpus: int) -> float:
     n = len(lengths)
     degrees = [d for d in (1, 2, 4, 8, 16, 32) if d <= num_gpus]
 
+    times: dict[tuple[tuple[int, ...], int], float] = {}    # the enumeration meets each (group, degree) many times
+
     def group_time(members, d):
-        if sum(lengths[i] for i in members) > cost.token_capacity * d:
-            return math.inf
-        return cost.group_time([lengths[i] for i in members], d)
+        key = (tuple(members), d)
+        if key not in times:
+            times[key] = (math.inf if sum(lengths[i] for i in members) > cost.token_capacity * d
+                          else cost.group_time([lengths[i] for i in members], d))
+        return times[key]
 
     def partitions(items):
         if not items:
