@@ -121,9 +121,12 @@ def group_times(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Micro-batches run one after another; the groups of one micro-batch run side by side."""
+    """Micro-batches run one after another; the groups of one micro-batch run side by side.
+    ``cut_short``: the search that made it stopped at a wall-clock deadline (its plan may depend on the
+    machine's speed); not compared."""
 
     micro_batches: tuple[tuple[GroupAssignment, ...], ...]
+    cut_short: bool = field(default=False, compare=False)
 
     def micro_batch_times(self, lengths: np.ndarray, costs: DegreeCosts) -> list[float]:
         """Slowest group of each micro-batch; one vectorised pass over every group of the plan."""

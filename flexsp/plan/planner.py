@@ -243,10 +243,15 @@ def _plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: C
     strategy = config.strategy
     meta: dict[str, Any] = {}
 
+    cut_short = False                       # a search stopped at its deadline (its own share of the limit too)
+
     def run(with_costs: DegreeCosts, name: str = strategy) -> Schedule:
-        return registry.run_strategy(name, registry.PlanRequest(
+        nonlocal cut_short
+        schedule = registry.run_strategy(name, registry.PlanRequest(
             lengths, with_costs, cluster.num_gpus, options, started + config.time_limit, config.sp_degree,
             fallback=fallback if with_costs is costs else None))
+        cut_short |= schedule.cut_short
+        return schedule
     try:
         schedule = run(costs)
     except (InfeasibleDegree, Infeasible) as exc:
@@ -275,12 +280,15 @@ def _plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: C
                     schedule, costs = other, with_costs
                     meta.update({"fallback": list(fallback.degrees)} if with_costs is fallback else {"candidate": name})
     searched = time.perf_counter() - started
-    hit = searched > config.time_limit
+    hit = searched > config.time_limit or cut_short
     if hit:
+        when = (f"the time limit of {config.time_limit:g} s passed while planning ({searched:.2f} s)"
+                if searched > config.time_limit else
+                f"the search for splits reached its share of the time limit of {config.time_limit:g} s (the rest "
+                f"refines its plan; {searched:.2f} s in all)")
         warnings.warn(TimeLimitWarning(
-            f"{strategy}: the time limit of {config.time_limit:g} s passed while planning ({searched:.2f} s); the "
-            f"search was cut short and the plan may depend on machine load (raise time_limit to reproduce it)"),
-            stacklevel=3)
+            f"{strategy}: {when}; the search was cut short and the plan may depend on machine load (raise "
+            f"time_limit to reproduce it)"), stacklevel=3)
     micro_batches = place(schedule, cost, cluster)
     if hit:
         meta["time_limit_hit"] = True

@@ -84,3 +84,30 @@ def test_a_search_cut_short_is_no_worse_than_its_candidates(preset, seed):
         cut = flexsp.plan_batch(lengths, cost, cluster, "flexsp", time_limit=1e-9)
     for other in ("batchada", "dynamic-cp"):
         assert cut.predicted_time <= flexsp.plan_batch(lengths, cost, cluster, other).predicted_time * (1 + 1e-9)
+
+
+def test_a_search_stopped_at_its_share_of_the_limit_still_refines_its_plan(monkeypatch):
+    """The split search stops at ``SEARCH_SHARE`` of the time left so the plan is still refined on real
+    lengths: with no share at all, the plan is the refined first split, no worse than the plan of a
+    search whose deadline had passed before it began (nothing refined), flagged as cut short; the
+    unlimited search is not flagged. ``plan_batch`` warns and records it."""
+    import solver.search as search
+    from solver.types import DegreeCosts
+    costs = DegreeCosts(degrees=(1, 2, 4, 8), quad=(1e-6, 5e-7, 2.5e-7, 1.25e-7),
+                        lin=(1e-3, 6e-4, 3.5e-4, 2e-4), capacity=(100.0, 200.0, 400.0, 800.0), beta1=0.05)
+    lengths = np.random.default_rng(3).integers(1, 700, size=300)
+    full = search.search_plan(lengths, costs, 8)
+    monkeypatch.setattr(search, "SEARCH_SHARE", 0.0)
+    shared = search.search_plan(lengths, costs, 8, deadline=time.perf_counter() + 120)
+    expired = search.search_plan(lengths, costs, 8, deadline=time.perf_counter() - 1)
+    assert shared.cut_short and expired.cut_short and not full.cut_short
+    assert sorted(np.concatenate([g.seq_ids for mb in shared.micro_batches for g in mb]).tolist()) == list(range(300))
+    assert full.time(lengths, costs) <= shared.time(lengths, costs) <= expired.time(lengths, costs)
+    assert shared.time(lengths, costs) < expired.time(lengths, costs)      # the refinement ran and helped
+
+    cost = flexsp.CostModel(alpha1=1e-9, alpha2=1e-5, beta1=1e-3, comm_bytes_per_token=1e4,
+                            alltoall_bandwidth={d: 1e10 for d in (2, 4, 8)}, token_capacity=4096)
+    with pytest.warns(TimeLimitWarning, match="reached its share of the time limit"):
+        plan = flexsp.plan_batch(np.random.default_rng(4).integers(100, 9000, size=200), cost, flexsp.Cluster(8),
+                                 "flexsp", time_limit=120)
+    assert plan.meta["time_limit_hit"]
