@@ -36,7 +36,7 @@ from flexsp.plan.bounds import coupled_lower_bound, lower_bound
 from flexsp.plan.lengths import get_distribution, preprocess
 from flexsp.plan.strategies import names as strategy_names
 from outputs import resolve_out  # noqa: E402
-from planner_benchmark import append_history, machine_line, reference_loop  # noqa: E402
+from planner_benchmark import append_history, machine_line, reference_loop, speed_note  # noqa: E402
 
 CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
@@ -49,10 +49,11 @@ LABEL = ("Plan times are **simulated**: an analytic LLaMA-7B on H100-80GB nodes 
 README_FROM = 1024   # the README shows the sizes the targets are about
 
 
-def readme_block(header: list[str], lines: list[str], gpus: list[int], load: float) -> str:
+def readme_block(header: list[str], lines: list[str], gpus: list[int], load: float,
+                 reference: float | None = None) -> str:
     """The README's table (``<!-- generated: readme -->``): rows from ``README_FROM`` GPUs (all in --quick)."""
     keep = [line for line, n in zip(lines, gpus) if n >= README_FROM] or lines
-    return "\n".join([f"{LABEL} Load average {load:.1f} at the start of the run.", "", *header, *keep, ""])
+    return "\n".join([f"{LABEL} {speed_note(load, reference)}", "", *header, *keep, ""])
 
 
 def setting(mix: str, num_gpus: int) -> tuple[flexsp.CostModel, flexsp.Cluster]:
@@ -173,7 +174,7 @@ def main() -> None:
     lines = [LABEL, "", f"### FlexSP at scale: batch 8 x N, context 2M, time_limit {limit}", "", *header, *rows]
     text = "\n".join(lines) + "\n\n" + overrun(sizes[-1]) + "\n\n" + restrictions(256 if args.quick else 4096, reps, args.time_limit)
     text += f"\n\n{machine_line(started, load, reference)}\n"
-    text += f"\n<!-- generated: readme -->\n{readme_block(header, rows, [n for _, n in points], load)}<!-- end: readme -->\n"
+    text += f"\n<!-- generated: readme -->\n{readme_block(header, rows, [n for _, n in points], load, reference)}<!-- end: readme -->\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

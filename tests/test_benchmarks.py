@@ -82,3 +82,5 @@ def test_scale_readme_block_keeps_the_target_sizes():
     text = bench.readme_block(["| h |", "|---|"], rows, [64, 1024, 16384], 2.0)
     assert "| wikipedia | 64 |" not in text and "| wikipedia | 1,024 |" in text and "**simulated**" in text
     assert "| wikipedia | 64 |" in bench.readme_block(["| h |"], rows[:1], [64], 2.0)   # --quick: nothing >= 1,024
+    assert "reference loop (`planner_benchmark.reference_loop`) took 0.52 s" in bench.readme_block(
+        ["| h |"], rows, [64, 1024, 16384], 2.0, 0.52)
