@@ -52,11 +52,12 @@ def run(label: str, ranks: int, flexsp: bool, workdir: Path, argv: list[str]) ->
         raise SystemExit(f"{label} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     out = json.loads(history.read_text())
     losses = out["losses"]
+    steps = read_records(records) if flexsp else []
     return {"label": label, "ranks": ranks, "flexsp": flexsp, "tokens": out["tokens"], "seconds": out["seconds"],
             "tok_s": out["tokens"] / out["seconds"], "final_loss": losses[max(losses, key=int)], "load": load,
-            "parts": breakdown(read_records(records), out["seconds"]) if flexsp else None,
-            **({"waits": [r["plan_wait"] + r["load_seconds"] for r in read_records(records)],
-                "loops": [r["loop_seconds"] for r in read_records(records)]} if flexsp else {})}
+            "parts": breakdown(steps, out["seconds"]) if flexsp else None,
+            **({"waits": [r["plan_wait"] + r["load_seconds"] for r in steps],
+                "loops": [r["loop_seconds"] for r in steps]} if flexsp else {})}
 
 
 PARTS = (("loader wait, first step (its plan made in this process before the planner process is spawned)", "first_wait"),

@@ -212,7 +212,11 @@ class MicroBatchPacker:
             rows.append(row)
         per_class = np.array(rows, dtype=np.int64).reshape(len(classes), num_buckets)
         return BinPacking(degree_idx=np.array([c.k for c in classes], dtype=np.int64), counts=per_class,
-                          makespan=max(c.time for c in classes) + self.costs.beta1, mult=mult)
+                          makespan=self._makespan(classes), mult=mult)
+
+    def _makespan(self, classes: list[_GroupClass]) -> float:
+        """The slowest group's bucketed time, beta1 included."""
+        return max(c.time for c in classes) + self.costs.beta1
 
     def group_times(self, packing: BinPacking) -> np.ndarray:
         """Bucketed seconds of each group (of each class: no beta1)."""
@@ -254,5 +258,5 @@ class MicroBatchPacker:
             if got is None:
                 lo = mid
             else:
-                found, hi = got, min(mid, max(c.time for c in got) + self.costs.beta1)
+                found, hi = got, min(mid, self._makespan(got))
         return best if found is None else self._expand(found, len(counts))

@@ -712,10 +712,10 @@ def apart_candidate(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, opti
     with thousands of short ones that then idle or run at needlessly high degrees; planning them apart
     took the worst 4,096-GPU long-mix batch from 1.285 to 1.053 of the coupled bound (all three
     batches to <= 1.053), while on the paper's 64-GPU setting it won once in 20 batches, by 0.3%."""
-    fits = [k for k, d in enumerate(costs.degrees) if d <= APART_DEGREE]
-    if not fits:
+    held = held_within(costs, APART_DEGREE)
+    if held is None:
         return None
-    is_long = lengths > costs.capacity[fits[-1]]
+    is_long = lengths > held
     if not is_long.any() or is_long.all():
         return None
     parts, cut = [], False
@@ -726,14 +726,19 @@ def apart_candidate(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, opti
     return Schedule(tuple(parts), cut_short=cut)
 
 
+def held_within(costs: DegreeCosts, degree: int) -> float | None:
+    """Tokens the largest group of at most ``degree`` GPUs holds (None: no degree that small)."""
+    fits = [k for k, d in enumerate(costs.degrees) if d <= degree]
+    return costs.capacity[fits[-1]] if fits else None
+
+
 def needs_apart(lengths: np.ndarray, costs: DegreeCosts) -> bool:
     """Whether some sequence needs more than ``APART_TRIGGER_DEGREE`` GPUs' memory while some other fits
     ``APART_DEGREE`` GPUs (else there is nothing to plan apart)."""
-    short = [k for k, d in enumerate(costs.degrees) if d <= APART_DEGREE]
-    trigger = [k for k, d in enumerate(costs.degrees) if d <= APART_TRIGGER_DEGREE]
-    if not short or not trigger:
+    short, trigger = held_within(costs, APART_DEGREE), held_within(costs, APART_TRIGGER_DEGREE)
+    if short is None or trigger is None:
         return False
-    return bool(lengths.max() > costs.capacity[trigger[-1]] and lengths.min() <= costs.capacity[short[-1]])
+    return bool(lengths.max() > trigger and lengths.min() <= short)
 
 
 def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions = SearchOptions(),

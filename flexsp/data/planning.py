@@ -290,6 +290,10 @@ class AsyncPlanner:
         if self._closed or not self._inflight:
             return
         self._backend = _ProcessBackend(self._solve)
+        self._resubmit()
+
+    def _resubmit(self) -> None:
+        """Send every batch submitted and not yet taken to the (fresh) worker."""
         for batch in self._inflight:
             self._backend.submit(batch.key, self._lengths[list(batch.indices)])
 
@@ -403,8 +407,7 @@ class AsyncPlanner:
         self._backend.close(0.0)
         self._abandoned.clear()   # a fresh worker never answers the old one's batches
         self._backend = _ProcessBackend(self._solve) if self.mode == "process" else _ThreadBackend(self._solve)
-        for batch in self._inflight:
-            self._backend.submit(batch.key, self._lengths[list(batch.indices)])
+        self._resubmit()
 
     def _local(self, batch: GlobalBatch, solve: Solver, fallback: bool = False) -> PlannedBatch:
         plan, error, exc, seconds = _solve(solve, self._lengths[list(batch.indices)])
