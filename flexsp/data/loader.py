@@ -17,9 +17,12 @@ process can stand in for one rank of a large cluster.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
+import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -43,6 +46,7 @@ from flexsp.runtime.pool import GroupPool
 from flexsp.runtime.step import Step
 
 STATE_VERSION = 1
+_log = logging.getLogger("flexsp.loader")
 
 
 @dataclass
@@ -133,6 +137,10 @@ class FlexSPLoader:
         self._stream = None                           # its CUDA side stream (made on first use)
         self._new_solver = False                      # set_cost's solver, not yet sent to the planner
         self.stats = LoaderStats()
+        # a script may end with a step still being prepared (its gloo broadcast in flight on the loader thread):
+        # left to interpreter shutdown, that aborted the process now and then ("terminate called without an
+        # active exception"). Registered after the pool's own handler, so this one runs first.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # --- planning (rank 0) ----------------------------------------------------------------------
     def _plan_with(self, strategy: str) -> Solver:
@@ -466,3 +474,15 @@ class FlexSPLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_at_exit(loader: "weakref.ref[FlexSPLoader]") -> None:
+    """At interpreter exit: close a loader still alive (its prefetch finishes first, then its planner and
+    side group go down). Errors are logged, never raised: there is no caller left to handle them."""
+    live = loader()
+    if live is None:
+        return
+    try:
+        live.close()
+    except Exception as exc:
+        _log.warning("flexsp: closing the loader at exit failed: %s: %s", type(exc).__name__, exc)

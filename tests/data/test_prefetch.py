@@ -5,11 +5,16 @@ to prepare as a step takes to train) and a step that sleeps as long: with prefet
 batch k+1 begin before step k ends (recorded events, not wall-clock thresholds) and the loop hardly
 waits; without it, every batch is read after the previous step, and the loop waits about half its time.
 The position handed out (``state_dict``) is the loop's, not the preparation's."""
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers import cost_model, token_lists
+from runtime.distributed import free_port
 
 import flexsp
 from flexsp import PlanConfig
@@ -108,3 +113,17 @@ def test_a_resumed_loader_continues_at_the_loops_position_not_the_prepared_one()
 def test_prefetch_setting_is_a_bool(value):
     with pytest.raises(flexsp.data.LoaderError, match="prefetch must be True or False"):
         LoaderConfig(batch_size=4, prefetch=value)
+
+
+def test_a_script_ending_mid_preparation_exits_cleanly_after_it(tmp_path):
+    """A script may end while the loader thread still prepares a step; left to interpreter shutdown, that
+    aborted the process now and then ("terminate called without an active exception": the thread was
+    importing the solver as the world went down). The loader closes at exit: the step's eight reads finish
+    first, then the process exits with 0."""
+    log = tmp_path / "reads.txt"
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "exit_while_preparing.py"), str(log)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "leaving" in proc.stdout
+    assert len(log.read_text().split()) == 8   # the whole first batch was read before the exit
