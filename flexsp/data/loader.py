@@ -222,6 +222,10 @@ class FlexSPLoader:
         """
         if self._ahead is not None:
             return
+        if self.plans_here:
+            warm = getattr(self._solve, "warm", None)
+            if callable(warm):
+                warm()   # the solver's first-call imports here, not on the loader thread (see PlanBatch.warm)
         if self.plans_here and self.config.lookahead > 0:
             try:
                 self._ensure_planner()   # the planner process starts now, on this thread

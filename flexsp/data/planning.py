@@ -101,8 +101,15 @@ class PlanBatch:
         return plan_batch(lengths, self.cost, self.cluster, config=self.config)
 
     def warm(self) -> None:
-        """Import the solver now (the planner process does, before it says it is up)."""
-        import flexsp.plan.planner  # noqa: F401
+        """Pay the solver's first-call costs now: its imports and the lazy ones inside numpy (``np.unique``
+        imports ``numpy.ma``, 13 ms) on a two-sequence plan. The planner process does this before it says it
+        is up; the loader's ``start()`` on the thread that calls it, because on the loader thread these imports
+        waited for the training thread's own (a Trainer setting up: 12 ms of work took 0.4-0.5 s)."""
+        from flexsp.plan.planner import plan_batch
+        try:
+            plan_batch(np.ones(2, dtype=np.int64), self.cost, self.cluster, config=self.config)
+        except Exception:
+            pass   # a warm-up only: whatever is wrong is raised by the first real batch's plan
 
 
 # --- compact plans ----------------------------------------------------------------------------------

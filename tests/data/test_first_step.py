@@ -86,3 +86,38 @@ def test_a_planner_process_that_never_comes_up_is_replaced_then_a_named_error():
         assert time.perf_counter() - began < 10   # one deadline to come up, one more waited for: then the error
     finally:
         planner.close(timeout=0.1)
+
+
+class RecordsWarm:
+    """A solver recording which thread warmed it and when, relative to its first plan."""
+
+    def __init__(self, solve) -> None:
+        self.solve, self.events = solve, []
+
+    def warm(self) -> None:
+        import threading
+        self.events.append(("warm", threading.current_thread().name))
+
+    def __call__(self, lengths):
+        import threading
+        self.events.append(("plan", threading.current_thread().name))
+        return self.solve(lengths)
+
+
+def test_start_warms_the_solver_on_the_calling_thread_before_the_first_plan():
+    """The solver's first-call imports run where start() is called, not on the loader thread, where they
+    waited for the training thread (a Trainer setting up: a plan of 12 ms of work took 0.4-0.5 s)."""
+    import threading
+    solver = RecordsWarm(PlanBatch(cost_model(), cluster(), PlanConfig(strategy="greedy")))
+    config = LoaderConfig(batch_size=8, seed=0, lookahead=0)
+    with FlexSPLoader(DATA, cost_model(), cluster(), config, planner=solver) as loader:
+        loader.start()
+        next(iter(loader))
+    assert solver.events[0] == ("warm", threading.current_thread().name)
+    assert solver.events[1] == ("plan", "flexsp-loader-prefetch")
+
+
+def test_plan_batch_warms_on_a_tiny_plan_and_never_raises():
+    PlanBatch(cost_model(), cluster(), PlanConfig(strategy="flexsp")).warm()
+    # a setting no plan can meet (a degree the cost model lacks) is the first real plan's error, not the warm-up's
+    PlanBatch(cost_model(), cluster(), PlanConfig(strategy="static", sp_degree=8)).warm()
