@@ -137,9 +137,9 @@ class FlexSPLoader:
         self._stream = None                           # its CUDA side stream (made on first use)
         self._new_solver = False                      # set_cost's solver, not yet sent to the planner
         self.stats = LoaderStats()
-        # a script may end with a step still being prepared (its gloo broadcast in flight on the loader thread):
-        # left to interpreter shutdown, that aborted the process now and then ("terminate called without an
-        # active exception"). Registered after the pool's own handler, so this one runs first.
+        # a script may end while the loader thread still prepares a step (seen: importing the solver as the gloo
+        # world went down): left to interpreter shutdown, that aborted about one exit in four ("terminate called
+        # without an active exception"). Registered after the pool's own handler, so this one runs first.
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # --- planning (rank 0) ----------------------------------------------------------------------
