@@ -47,6 +47,7 @@ from flexsp.runtime.step import Step
 
 STATE_VERSION = 1
 _log = logging.getLogger("flexsp.loader")
+EXIT_WAIT_S = 30.0   # the longest an exit waits for a step in preparation (see _close_at_exit)
 
 
 @dataclass
@@ -482,9 +483,16 @@ class FlexSPLoader:
 
 def _close_at_exit(loader: "weakref.ref[FlexSPLoader]") -> None:
     """At interpreter exit: close a loader still alive (its prefetch finishes first, then its planner and
-    side group go down). Errors are logged, never raised: there is no caller left to handle them."""
+    side group go down). A preparation still running after ``EXIT_WAIT_S`` (a peer gone: its collectives
+    would wait ``failure_timeout``) is left as it is, so a failed job's exit never waits on a dead rank.
+    Errors are logged, never raised: there is no caller left to handle them."""
     live = loader()
     if live is None:
+        return
+    ahead = live._ahead
+    if ahead is not None and not ahead.wait(EXIT_WAIT_S):
+        _log.warning("flexsp: the loader's next step was still being prepared %s s into the exit; left as it is",
+                     EXIT_WAIT_S)
         return
     try:
         live.close()

@@ -127,3 +127,30 @@ def test_a_script_ending_mid_preparation_exits_cleanly_after_it(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "leaving" in proc.stdout
     assert len(log.read_text().split()) == 8   # the whole first batch was read before the exit
+
+
+def test_the_exit_handler_does_not_wait_past_its_bound_for_a_stuck_preparation(monkeypatch, caplog):
+    """A read that never returns (a peer gone, a hung file system) must not hold a failing job's exit for
+    ``failure_timeout``: the handler waits ``EXIT_WAIT_S``, warns and leaves the preparation as it is."""
+    import weakref
+
+    from flexsp.data import loader as loader_module
+    release = threading.Event()
+
+    class StuckReads(SlowReads):
+        def __getitem__(self, i):
+            release.wait(30)
+            return super().__getitem__(i)
+
+    monkeypatch.setattr(loader_module, "EXIT_WAIT_S", 0.2)
+    loader = FlexSPLoader(StuckReads(16), cost_model(), flexsp.Cluster(4, 4), LoaderConfig(batch_size=BATCH, seed=0))
+    try:
+        loader.start()
+        began = time.perf_counter()
+        with caplog.at_level("WARNING", logger="flexsp.loader"):
+            loader_module._close_at_exit(weakref.ref(loader))
+        assert time.perf_counter() - began < 5
+        assert "still being prepared 0.2 s into the exit" in caplog.text
+    finally:
+        release.set()
+        loader.close()
