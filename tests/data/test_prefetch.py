@@ -143,7 +143,9 @@ def test_the_exit_handler_does_not_wait_past_its_bound_for_a_stuck_preparation(m
             return super().__getitem__(i)
 
     monkeypatch.setattr(loader_module, "EXIT_WAIT_S", 0.2)
-    loader = FlexSPLoader(StuckReads(16), cost_model(), flexsp.Cluster(4, 4), LoaderConfig(batch_size=BATCH, seed=0))
+    data = StuckReads(16)
+    loader = FlexSPLoader(data, cost_model(), flexsp.Cluster(4, 4), LoaderConfig(batch_size=BATCH, seed=0),
+                          lengths=[len(x) for x in data.items])   # only the loader thread's reads get stuck
     try:
         loader.start()
         began = time.perf_counter()
