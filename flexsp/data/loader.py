@@ -225,13 +225,13 @@ class FlexSPLoader:
             return
         if self.plans_here:
             warm = getattr(self._solve, "warm", None)
-            if callable(warm):
+            if self.config.prefetch and callable(warm):
                 warm()   # the solver's first-call imports here, not on the loader thread (see PlanBatch.warm)
-        if self.plans_here and self.config.lookahead > 0:
-            try:
-                self._ensure_planner()   # the planner process starts now, on this thread
-            except Exception:
-                pass   # raised again, on every rank, by the first step
+            if self.config.lookahead > 0:
+                try:
+                    self._ensure_planner()   # the planner process starts now, on this thread
+                except Exception:
+                    pass   # raised again, on every rank, by the first step
         if self.config.prefetch:
             self._prefetch()
 

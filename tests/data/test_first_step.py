@@ -6,6 +6,7 @@ the process gives (the same deterministic solver on the same lengths), and ``sta
 step ahead, so a loop that builds its model after ``start()`` does not wait for it at all. A worker that
 never comes up is replaced after its deadline, and past the restarts it is a named ``PlannerError``."""
 import os
+import threading
 import time
 
 import numpy as np
@@ -95,11 +96,9 @@ class RecordsWarm:
         self.solve, self.events = solve, []
 
     def warm(self) -> None:
-        import threading
         self.events.append(("warm", threading.current_thread().name))
 
     def __call__(self, lengths):
-        import threading
         self.events.append(("plan", threading.current_thread().name))
         return self.solve(lengths)
 
@@ -107,7 +106,6 @@ class RecordsWarm:
 def test_start_warms_the_solver_on_the_calling_thread_before_the_first_plan():
     """The solver's first-call imports run where start() is called, not on the loader thread, where they
     waited for the training thread (a Trainer setting up: a plan of 12 ms of work took 0.4-0.5 s)."""
-    import threading
     solver = RecordsWarm(PlanBatch(cost_model(), cluster(), PlanConfig(strategy="greedy")))
     config = LoaderConfig(batch_size=8, seed=0, lookahead=0)
     with FlexSPLoader(DATA, cost_model(), cluster(), config, planner=solver) as loader:
