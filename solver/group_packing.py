@@ -232,24 +232,40 @@ class MicroBatchPacker:
             self._cache[key] = self.pack(counts, math.inf)
         return self._cache[key]
 
-    def solve(self, counts: np.ndarray, rel_tol: float = 2e-3, max_iter: int = 40) -> BinPacking | None:
+    def solve(self, counts: np.ndarray, rel_tol: float = 2e-3, max_iter: int = 40,
+              below: float = math.inf) -> BinPacking | None:
         """Bisect the makespan; None when no makespan fits the micro-batch into N GPUs (memory).
+
+        ``below``: the makespan of a packing of these counts the caller already has. The bisection
+        starts there instead of at the memory-only packing (fewer steps), and None means none was
+        found below it (that answer is not cached: without the hint a packing exists).
 
         Results are cached by ``counts``: the local search asks for the same micro-batch often.
         """
         key = np.asarray(counts, dtype=np.int64).tobytes()
         if key not in self._cache:
-            self._cache[key] = self._solve(counts, rel_tol, max_iter)
+            got = self._solve(counts, rel_tol, max_iter, below)
+            if got is None and below < math.inf:
+                return None
+            self._cache[key] = got
         return self._cache[key]
 
-    def _solve(self, counts: np.ndarray, rel_tol: float, max_iter: int) -> BinPacking | None:
+    def _solve(self, counts: np.ndarray, rel_tol: float, max_iter: int, below: float = math.inf) -> BinPacking | None:
         lo = self.lower_bound(counts)
         if lo == 0.0:
             return None
-        best = self.pack_memory(counts)      # memory alone decides whether any makespan works
-        if best is None:
-            return None
-        hi, found = best.makespan, None
+        if below < math.inf:
+            # one packing at ``below`` first: most callers' packings are already as good as the packer
+            # finds, and then this one step answers (None) instead of a whole bisection
+            best, found = None, self._pack_classes(counts, below)
+            if found is None:
+                return None
+            hi = min(below, self._makespan(found))
+        else:
+            best, found = self.pack_memory(counts), None     # memory alone decides whether any makespan works
+            if best is None:
+                return None
+            hi = best.makespan
         for _ in range(max_iter):
             if hi - lo <= rel_tol * hi:
                 break

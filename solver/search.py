@@ -59,6 +59,7 @@ MAX_FALLBACK_SEQUENCES = 16384
 # Per-micro-batch re-packing in ``refine``: (buckets at the default num_buckets=16, estimate).
 # Measured on the scale settings: 48 buckets with upper times fix most long-sequence groups.
 REFINE_VARIANTS = ((16, "mean"), (48, "upper"))
+REFINE_MARGIN = 0.0
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
 MAX_PER_SEQUENCE_SPLITS = 8192
 # ``apart_candidate``: sequences needing more than APART_DEGREE GPUs' memory planned on their own, then
@@ -328,7 +329,7 @@ class BatchSearch:
             late = self.out_of_time()
             if late and not must_finish:
                 return None
-            resolved = None if late else self.packer.solve(row)
+            resolved = None if late else self.packer.solve(row, below=arranged.makespan)
             packings.append(resolved if resolved is not None and resolved.makespan < arranged.makespan else arranged)
             if beat < math.inf:
                 total += packings[-1].makespan
@@ -404,12 +405,13 @@ class BatchSearch:
                 before = packings[src].makespan + packings[dst].makespan
                 if self.bound(new_dst) + self.bound(new_src) >= before * (1 - 1e-9):
                     continue                   # cannot be kept: skip packing it (the trial still counts)
-                p_dst = self.packer.solve(new_dst)
+                # each packing is asked only for a makespan that could still be kept (None: none is)
+                p_dst = self.packer.solve(new_dst, below=before - self.bound(new_src))
                 if p_dst is None:
                     continue
                 if p_dst.makespan + self.bound(new_src) >= before * (1 - 1e-9):
                     continue                   # cannot be kept whatever the source packs to
-                p_src = self.packer.solve(new_src) if new_src.any() else None
+                p_src = self.packer.solve(new_src, below=before - p_dst.makespan) if new_src.any() else None
                 if new_src.any() and p_src is None:
                     continue
                 after = p_dst.makespan + (p_src.makespan if p_src is not None else 0.0)
@@ -463,10 +465,11 @@ class BatchSearch:
             # the rest reach ``before`` (the step cannot be kept: same outcome, fewer packings)
             trial, after, left = {}, 0.0, sum(self.bound(new[m]) for m in changed)
             for m in changed:
-                trial[m] = self.packer.solve(new[m]) if new[m].any() else None
+                left -= self.bound(new[m])
+                # asked only for a makespan that could still be kept (None: none is)
+                trial[m] = self.packer.solve(new[m], below=before - after - left) if new[m].any() else None
                 if trial[m] is None and new[m].any():
                     break
-                left -= self.bound(new[m])
                 after += trial[m].makespan if trial[m] is not None else 0.0
                 if after + left >= before * (1 - 1e-9):
                     break
@@ -504,7 +507,7 @@ class BatchSearch:
                 union = counts[a] + counts[b]
                 if self.bound(union) >= packings[a].makespan + packings[b].makespan:
                     continue
-                packed = self.packer.solve(union)
+                packed = self.packer.solve(union, below=packings[a].makespan + packings[b].makespan)
                 if packed is not None and packed.makespan < (packings[a].makespan + packings[b].makespan) * (1 - 1e-9):
                     counts[a], packings[a] = union, packed
                     del counts[b], packings[b]
@@ -631,7 +634,8 @@ class BatchSearch:
                     tried = (local.upper, local.counts, bucket_times)
                     if same:
                         continue
-                    packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, bucket_times).solve(local.counts)
+                    packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, bucket_times).solve(
+                        local.counts, below=(float(loads.max()) + self.costs.beta1) * (1 + REFINE_MARGIN))
                     if packing is None:
                         continue
                     bucket_of = np.zeros(len(self.lengths), dtype=np.int64)

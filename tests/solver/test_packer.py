@@ -74,3 +74,25 @@ def test_solve_returns_the_last_packing_the_bisection_found():
     assert packing.makespan < packer.pack_memory(counts).makespan
     again = packer.pack(counts, packing.makespan * (1 + 1e-12))
     assert again is not None and again.makespan == pytest.approx(packing.makespan)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_solve_below_a_known_makespan_finds_one_under_it_or_says_none(seed):
+    """``solve(counts, below=X)``: a valid packing no slower than X, or None when the packer finds none under
+    X; that None is not cached, so a later plain ``solve`` of the same counts still packs them."""
+    rng = np.random.default_rng(seed)
+    lengths = np.unique(rng.integers(1, 800, size=rng.integers(2, 8)))
+    counts = rng.integers(1, 6, size=len(lengths))
+    plain = MicroBatchPacker(lengths, COSTS, num_gpus=8).solve(counts)
+    if plain is None:
+        return
+    above = MicroBatchPacker(lengths, COSTS, num_gpus=8)
+    got = above.solve(counts, below=plain.makespan * 1.5)
+    check(above, counts, got)
+    assert got.makespan <= plain.makespan * 1.5
+    assert got.makespan <= plain.makespan * (1 + 2e-3) + 1e-12     # as good as the plain bisection, to its tolerance
+    under = MicroBatchPacker(lengths, COSTS, num_gpus=8)
+    assert under.solve(counts, below=under.lower_bound(counts) * 0.5) is None
+    again = under.solve(counts)
+    check(under, counts, again)
+    assert again.makespan == plain.makespan
