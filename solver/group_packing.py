@@ -100,6 +100,10 @@ class MicroBatchPacker:
         # per bucket: (degree index, most of its sequences one group of that degree holds) where it runs
         self._held = [[(k, math.floor(self._capacity[k] / length)) for k in fits]
                       for fits, length in zip(self._fits, self._lengths)]
+        # the same with each degree's seconds and charge, as the packing loop reads them
+        self._choices = [[(k, held, row[k], self._charge[k]) for k, held in choices]
+                         for choices, row in zip(self._held, self._times)]
+        self._stretched = [t * (1 + 1e-9) for t in self._min_time]   # a lone sequence's budget (``stretch``)
         self._cache: dict[bytes, BinPacking | None] = {}
         self._placeable: dict[bytes, bool] = {}
 
@@ -131,7 +135,7 @@ class MicroBatchPacker:
         target = makespan - self.costs.beta1
         if target <= 0:
             return None
-        degrees, capacity, charge = self._degrees, self._capacity, self._charge
+        degrees, capacity, choices, stretched = self._degrees, self._capacity, self._choices, self._stretched
         counts = counts.tolist() if isinstance(counts, np.ndarray) else [int(c) for c in counts]
         classes: list[_GroupClass] = []
         gpus = 0
@@ -140,20 +144,26 @@ class MicroBatchPacker:
             if left == 0:
                 continue
             length, t_b = self._lengths[b], self._times[b]
-            budget = max(target, self._min_time[b] * (1 + 1e-9)) if stretch else target
+            budget = target
+            if stretch and stretched[b] > target:
+                budget = stretched[b]
             # the degree that needs the fewest GPUs for the whole bucket (ties -> smallest degree)
             k_new, best_gpus, per_new = -1, math.inf, 0
-            for k, held in self._held[b]:       # floor(min(x, y)) = min(floor(x), floor(y)); no int(inf)
-                x = budget / t_b[k]
+            for k, held, t, ch in choices[b]:   # floor(min(x, y)) = min(floor(x), floor(y)); no int(inf)
+                x = budget / t
                 per = held if x >= held else int(x)
-                if per > 0 and -(-left // per) * charge[k] < best_gpus:
-                    k_new, best_gpus, per_new = k, -(-left // per) * charge[k], per
+                if per > 0:
+                    needed = -(-left // per) * ch
+                    if needed < best_gpus:
+                        k_new, best_gpus, per_new = k, needed, per
             if k_new < 0:
                 return None                   # this bucket alone exceeds the budget everywhere
             # classes that may take this bucket, longest first (ties keep their order: a stable sort)
-            open_classes = [c for c in classes if c.k >= k_new] if classes else classes
-            if len(open_classes) > 1:
-                open_classes.sort(key=_time, reverse=True)
+            if len(classes) < 2:
+                open_classes = [c for c in classes if c.k >= k_new]
+            else:
+                open_classes = sorted(classes if k_new == 0 else [c for c in classes if c.k >= k_new],
+                                      key=_time, reverse=True)
             for cls in open_classes:
                 t = t_b[cls.k]
                 by_time = ((budget if budget > cls.limit else cls.limit) - cls.time) / t
@@ -174,8 +184,10 @@ class MicroBatchPacker:
                     if cls.mult:              # the remaining `full` groups take `fit` each
                         cls.add(b, fit, t, length)
                     left = 0
-                else:
-                    cls.add(b, fit, t, length)
+                else:                         # every group of the class takes ``fit`` (``add``, inlined)
+                    cls.time += fit * t
+                    cls.tokens += fit * length
+                    cls.items.append((b, fit))
                     left -= cls.mult * fit
                 if left <= 0:
                     break
