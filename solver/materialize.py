@@ -1,6 +1,7 @@
 """Turn bucket-count groups back into real sequences, then rebalance on the real lengths."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,6 +13,8 @@ from .types import DegreeCosts, GroupAssignment, group_loads
 # where many sequences per group make the dealt version balanced anyway.
 MAX_REBALANCE_PAIRS = 1_000_000
 MAX_REBALANCE_SEQUENCES = 1024
+# Up to this many groups ``rebalance`` loops in plain Python (``_lpt_plain``), above it over numpy arrays.
+PLAIN_REBALANCE_GROUPS = 64
 
 
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
@@ -95,10 +98,16 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
     if len(seq_ids) * num_groups > MAX_REBALANCE_PAIRS or len(seq_ids) > MAX_REBALANCE_SEQUENCES:
         return None
     caps = np.asarray(costs.capacity)[degree_idx]
+    order = np.argsort(-lengths[seq_ids], kind="stable")
+    if num_groups <= PLAIN_REBALANCE_GROUPS:
+        owner = _lpt_plain(lengths[seq_ids], order, degree_idx, caps, costs)
+        if owner is None:
+            return None
+        order = np.argsort(owner, kind="stable")
+        return split_at(seq_ids[order], np.bincount(owner, minlength=num_groups))
     load = np.zeros(num_groups)
     tokens = np.zeros(num_groups)
     owner = np.empty(len(seq_ids), dtype=np.int64)
-    order = np.argsort(-lengths[seq_ids], kind="stable")
     for pos in order:
         s = float(lengths[seq_ids[pos]])
         finish = load + costs.seconds(s, degree_idx)
@@ -111,6 +120,31 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
         tokens[j] += s
     order = np.argsort(owner, kind="stable")
     return split_at(seq_ids[order], np.bincount(owner, minlength=num_groups))
+
+
+def _lpt_plain(seq_lengths: np.ndarray, order: np.ndarray, degree_idx: np.ndarray, caps: np.ndarray,
+               costs: DegreeCosts) -> np.ndarray | None:
+    """``rebalance``'s loop in plain Python over a table of each sequence's seconds in each group: on a few
+    groups numpy's per-call overhead is most of the work. The same sums and comparisons, so the same owners."""
+    seconds = costs.seconds(seq_lengths[:, None], np.asarray(degree_idx)[None, :]).tolist()
+    sizes, room = seq_lengths.astype(np.float64).tolist(), caps.astype(np.float64).tolist()
+    groups = range(len(room))
+    load, tokens = [0.0] * len(room), [0.0] * len(room)
+    owner = np.empty(len(sizes), dtype=np.int64)
+    for pos in order.tolist():
+        s, row, best, finish = sizes[pos], seconds[pos], -1, math.inf
+        for j in groups:
+            if tokens[j] + s > room[j]:
+                continue
+            f = load[j] + row[j]
+            if f < finish:                  # strict: the first least finish, as argmin
+                best, finish = j, f
+        if best < 0:
+            return None
+        owner[pos] = best
+        load[best] = finish
+        tokens[best] += s
+    return owner
 
 
 def to_members(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,

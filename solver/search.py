@@ -174,6 +174,7 @@ class BatchSearch:
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
                       else np.arange(len(self.lengths)))
         self.fastest = self.packer.times.min(axis=1)           # per bucket, seconds at its fastest degree
+        self._bound_terms = list(zip(self.packer.min_area.tolist(), self.fastest.tolist()))   # ``bound``'s, as floats
         self.seq_area = self.packer.min_area[self.buckets.index]
         self.seq_critical = self.packer.min_time[self.buckets.index]
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
@@ -227,11 +228,16 @@ class BatchSearch:
         times, plus beta1; shaved by ``BOUND_SLACK`` so float rounding never prunes a tie. (The
         packer's ``lower_bound`` takes upper-length times for the critical path, which a packing on
         mean times may undercut.)"""
-        present = row > 0
-        if not present.any():
+        area, slowest = 0.0, -1.0          # a plain loop: the search asks for thousands of 16-bucket bounds
+        for count, (min_area, fastest) in zip(row.tolist(), self._bound_terms):
+            if count > 0:
+                area += count * min_area
+                if fastest > slowest:
+                    slowest = fastest
+        if slowest < 0:
             return 0.0
-        spread = float(row[present] @ self.packer.min_area[present]) / self.num_gpus
-        return (max(spread, float(self.fastest[present].max())) + self.costs.beta1) * (1 - BOUND_SLACK)
+        spread = area / self.num_gpus
+        return ((spread if spread > slowest else slowest) + self.costs.beta1) * (1 - BOUND_SLACK)
 
     def bound_sum(self, rows: np.ndarray, inverse: np.ndarray | None = None) -> float:
         """``bound`` summed over micro-batches (``rows``, repeated as ``inverse`` says): a split
