@@ -13,8 +13,9 @@ from .types import DegreeCosts, GroupAssignment, group_loads
 # where many sequences per group make the dealt version balanced anyway.
 MAX_REBALANCE_PAIRS = 1_000_000
 MAX_REBALANCE_SEQUENCES = 1024
-# Up to this many groups ``rebalance`` loops in plain Python (``_lpt_plain``), above it over numpy arrays.
-PLAIN_REBALANCE_GROUPS = 64
+# Up to this many groups ``fill_groups`` and ``rebalance`` loop in plain Python (``_fill_plain``, ``_lpt_plain``),
+# above it over numpy arrays.
+PLAIN_MAX_GROUPS = 64
 
 
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
@@ -23,6 +24,9 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
     least-loaded group first, so the rounding-up of bucketing is spread evenly. Vectorised per bucket.
     ``with_loads``: also each group's seconds on real lengths (the dealing computes them anyway)."""
     num_groups = len(packing.degree_idx)
+    if num_groups <= PLAIN_MAX_GROUPS:
+        groups, load = _fill_plain(packing, seq_ids, bucket_of, lengths, costs)
+        return (groups, load) if with_loads else list(groups)
     load = np.zeros(num_groups)
     buckets = bucket_of[seq_ids]
     by_bucket = seq_ids[np.lexsort((-lengths[seq_ids], buckets))]        # bucket, then longest first
@@ -45,6 +49,34 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
     order = np.argsort(owner, kind="stable")
     groups = Groups(member[order], np.bincount(owner, minlength=num_groups))
     return (groups, load) if with_loads else list(groups)
+
+
+def _fill_plain(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
+                costs: DegreeCosts) -> tuple["Groups", np.ndarray]:
+    """``fill_groups``'s dealing in plain Python (numpy's per-call overhead was most of the work on a few
+    groups): the same orders, sorts and sums in the same sequence, so the same groups and loads."""
+    num_groups = len(packing.degree_idx)
+    ids, sizes, buckets = seq_ids.tolist(), lengths[seq_ids].tolist(), bucket_of[seq_ids].tolist()
+    seconds = costs.seconds(lengths[seq_ids][:, None], np.arange(costs.num_degrees)[None, :]).tolist()
+    degree_of = packing.degree_idx.tolist()
+    per_bucket: dict[int, list[int]] = {}                           # positions, longest first (stable)
+    for pos in sorted(range(len(ids)), key=lambda p: (buckets[p], -sizes[p])):
+        per_bucket.setdefault(buckets[pos], []).append(pos)
+    columns = packing.counts.T.tolist()                            # [bucket][group]
+    load = [0.0] * num_groups
+    members: list[list[int]] = [[] for _ in range(num_groups)]
+    for b in sorted(per_bucket, reverse=True):                       # longest bucket first
+        positions, column = per_bucket[b], columns[b]
+        slots = [(rank, g) for g in range(num_groups) if column[g] for rank in range(column[g])]
+        slots.sort(key=lambda slot: (slot[0], load[slot[1]]))      # k-th of each group, least loaded first
+        assert len(slots) == len(positions), "packing counts must match the micro-batch's sequences"
+        added = [0.0] * num_groups
+        for (_, g), pos in zip(slots, positions):
+            added[g] += seconds[pos][degree_of[g]]
+            members[g].append(ids[pos])
+        load = [a + b for a, b in zip(load, added)]
+    flat = np.fromiter((i for group in members for i in group), dtype=np.int64, count=len(ids))
+    return Groups(flat, np.array([len(group) for group in members], dtype=np.int64)), np.array(load)
 
 
 class Groups(Sequence):
@@ -99,7 +131,7 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
         return None
     caps = np.asarray(costs.capacity)[degree_idx]
     order = np.argsort(-lengths[seq_ids], kind="stable")
-    if num_groups <= PLAIN_REBALANCE_GROUPS:
+    if num_groups <= PLAIN_MAX_GROUPS:
         owner = _lpt_plain(lengths[seq_ids], order, degree_idx, caps, costs)
         if owner is None:
             return None

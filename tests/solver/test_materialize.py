@@ -1,8 +1,9 @@
-"""``rebalance``'s two loops (plain Python on a few groups, numpy on many) give the same groups."""
+"""``rebalance`` and ``fill_groups`` loop in plain Python on a few groups and over numpy arrays on many: both give the same groups."""
 import numpy as np
 import pytest
 
 from solver import materialize
+from solver.group_packing import BinPacking
 from solver.types import DegreeCosts
 
 COSTS = DegreeCosts(degrees=(1, 2, 4, 8), quad=(1e-9, 5e-10, 2.5e-10, 1.25e-10), lin=(1e-5, 6e-6, 3.5e-6, 2e-6),
@@ -18,7 +19,7 @@ def test_plain_and_numpy_rebalance_give_the_same_groups(seed, monkeypatch):
     lengths = rng.integers(1, 6000, size=int(rng.integers(1, 60)))
     seq_ids = rng.permutation(len(lengths))[: int(rng.integers(1, len(lengths) + 1))]
     plain = materialize.rebalance(seq_ids, degree_idx, lengths, COSTS)
-    monkeypatch.setattr(materialize, "PLAIN_REBALANCE_GROUPS", 0)
+    monkeypatch.setattr(materialize, "PLAIN_MAX_GROUPS", 0)
     vectorised = materialize.rebalance(seq_ids, degree_idx, lengths, COSTS)
     assert (plain is None) == (vectorised is None)
     if plain is not None:
@@ -26,3 +27,23 @@ def test_plain_and_numpy_rebalance_give_the_same_groups(seed, monkeypatch):
         for a, b in zip(plain, vectorised):
             assert np.array_equal(a, b)
         assert sorted(np.concatenate(plain).tolist()) == sorted(seq_ids.tolist())
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_plain_and_numpy_dealing_give_the_same_groups_and_loads(seed, monkeypatch):
+    """``fill_groups``: bucket counts per group dealt to real sequences, both loops alike."""
+    rng = np.random.default_rng(seed)
+    num_groups, num_buckets = int(rng.integers(1, 10)), int(rng.integers(1, 8))
+    counts = rng.integers(0, 4, size=(num_groups, num_buckets)) * (rng.random((num_groups, num_buckets)) < 0.6)
+    per_bucket = counts.sum(axis=0)
+    bucket_of = np.repeat(np.arange(num_buckets), per_bucket)
+    lengths = 500 * bucket_of + rng.integers(1, 500, size=len(bucket_of))     # longer buckets, longer sequences
+    lengths[rng.random(len(lengths)) < 0.3] = 500 * bucket_of[:1].max(initial=0) + 7   # some equal lengths
+    seq_ids = rng.permutation(len(lengths))
+    packing = BinPacking(rng.integers(0, 4, size=num_groups), counts, makespan=0.0)
+    plain, plain_load = materialize.fill_groups(packing, seq_ids, bucket_of, lengths, COSTS, with_loads=True)
+    monkeypatch.setattr(materialize, "PLAIN_MAX_GROUPS", 0)
+    vectorised, load = materialize.fill_groups(packing, seq_ids, bucket_of, lengths, COSTS, with_loads=True)
+    assert np.array_equal(plain.flat, vectorised.flat) and np.array_equal(plain.sizes, vectorised.sizes)
+    assert np.array_equal(plain_load, load)
+    assert np.array_equal(plain.sizes, counts.sum(axis=1))
