@@ -14,8 +14,10 @@ from .types import DegreeCosts, GroupAssignment, group_loads
 MAX_REBALANCE_PAIRS = 1_000_000
 MAX_REBALANCE_SEQUENCES = 1024
 # Up to this many groups ``fill_groups`` and ``rebalance`` loop in plain Python (``_fill_plain``, ``_lpt_plain``),
-# above it over numpy arrays.
+# above it over numpy arrays; ``fill_groups`` only up to PLAIN_MAX_SEQUENCES too (its numpy loop runs per bucket,
+# the plain one per sequence).
 PLAIN_MAX_GROUPS = 64
+PLAIN_MAX_SEQUENCES = 256
 
 
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
@@ -24,7 +26,7 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
     least-loaded group first, so the rounding-up of bucketing is spread evenly. Vectorised per bucket.
     ``with_loads``: also each group's seconds on real lengths (the dealing computes them anyway)."""
     num_groups = len(packing.degree_idx)
-    if num_groups <= PLAIN_MAX_GROUPS:
+    if num_groups <= PLAIN_MAX_GROUPS and len(seq_ids) <= PLAIN_MAX_SEQUENCES:
         groups, load = _fill_plain(packing, seq_ids, bucket_of, lengths, costs)
         return (groups, load) if with_loads else list(groups)
     load = np.zeros(num_groups)
