@@ -59,7 +59,6 @@ MAX_FALLBACK_SEQUENCES = 16384
 # Per-micro-batch re-packing in ``refine``: (buckets at the default num_buckets=16, estimate).
 # Measured on the scale settings: 48 buckets with upper times fix most long-sequence groups.
 REFINE_VARIANTS = ((16, "mean"), (48, "upper"))
-REFINE_MARGIN = 0.0
 # Blaster splits that loop over sequences in Python are skipped above this batch size.
 MAX_PER_SEQUENCE_SPLITS = 8192
 # ``apart_candidate``: sequences needing more than APART_DEGREE GPUs' memory planned on their own, then
@@ -640,8 +639,9 @@ class BatchSearch:
                     tried = (local.upper, local.counts, bucket_times)
                     if same:
                         continue
+                    # only a packing below the groups it has could be kept (a margin above it measured no better)
                     packing = MicroBatchPacker(local.upper, self.costs, self.num_gpus, bucket_times).solve(
-                        local.counts, below=(float(loads.max()) + self.costs.beta1) * (1 + REFINE_MARGIN))
+                        local.counts, below=float(loads.max()) + self.costs.beta1)
                     if packing is None:
                         continue
                     bucket_of = np.zeros(len(self.lengths), dtype=np.int64)
