@@ -90,20 +90,17 @@ class MicroBatchPacker:
         # GPUs a group is charged when choosing its degree: its degree, or where tiles do not nest the
         # share of the cluster one tile takes (N / tiles: a 5 in a node of 8 leaves 3 GPUs only small
         # groups can use, so it is charged 8); the budget itself still counts degrees, plus placement
-        self._charge = (self._degrees if costs.placeable is None or not costs.tiles
-                        else [num_gpus / max(1, int(t)) for t in costs.tiles])
+        charge = (self._degrees if costs.placeable is None or not costs.tiles
+                  else [num_gpus / max(1, int(t)) for t in costs.tiles])
         self._capacity = [float(c) for c in costs.capacity]
         self._lengths = self.lengths.tolist()
         self._times = self.times.tolist()
-        self._min_time = self.min_time.tolist()
-        self._fits = [[k for k in range(len(degrees)) if math.isfinite(row[k])] for row in self._times]
-        # per bucket: (degree index, most of its sequences one group of that degree holds) where it runs
-        self._held = [[(k, math.floor(self._capacity[k] / length)) for k in fits]
-                      for fits, length in zip(self._fits, self._lengths)]
-        # the same with each degree's seconds and charge, as the packing loop reads them
-        self._choices = [[(k, held, row[k], self._charge[k]) for k, held in choices]
-                         for choices, row in zip(self._held, self._times)]
-        self._stretched = [t * (1 + 1e-9) for t in self._min_time]   # a lone sequence's budget (``stretch``)
+        # per bucket, where it runs: (degree index, most of its sequences one group of that degree holds,
+        # seconds of one there, GPUs charged), as the packing loop reads them
+        self._choices = [[(k, math.floor(self._capacity[k] / length), t, charge[k])
+                          for k, t in enumerate(row) if math.isfinite(t)]
+                         for row, length in zip(self._times, self._lengths)]
+        self._stretched = [t * (1 + 1e-9) for t in self.min_time.tolist()]   # a lone sequence's budget (``stretch``)
         self._cache: dict[bytes, BinPacking | None] = {}
         self._placeable: dict[bytes, bool] = {}
 
@@ -184,10 +181,8 @@ class MicroBatchPacker:
                     if cls.mult:              # the remaining `full` groups take `fit` each
                         cls.add(b, fit, t, length)
                     left = 0
-                else:                         # every group of the class takes ``fit`` (``add``, inlined)
-                    cls.time += fit * t
-                    cls.tokens += fit * length
-                    cls.items.append((b, fit))
+                else:
+                    cls.add(b, fit, t, length)
                     left -= cls.mult * fit
                 if left <= 0:
                     break

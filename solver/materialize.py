@@ -23,12 +23,18 @@ PLAIN_MAX_SEQUENCES = 256
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
                 costs: DegreeCosts, with_loads: bool = False):
     """Deal each bucket's real sequences (longest first) round-robin over the groups that hold it,
-    least-loaded group first, so the rounding-up of bucketing is spread evenly. Vectorised per bucket.
+    least-loaded group first, so the rounding-up of bucketing is spread evenly: in plain Python on small
+    micro-batches (``_fill_plain``), else with numpy per bucket; both deal alike.
     ``with_loads``: also each group's seconds on real lengths (the dealing computes them anyway)."""
+    small = len(packing.degree_idx) <= PLAIN_MAX_GROUPS and len(seq_ids) <= PLAIN_MAX_SEQUENCES
+    groups, load = (_fill_plain if small else _fill_vectorised)(packing, seq_ids, bucket_of, lengths, costs)
+    return (groups, load) if with_loads else list(groups)
+
+
+def _fill_vectorised(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
+                     costs: DegreeCosts) -> tuple["Groups", np.ndarray]:
+    """``fill_groups``'s dealing with numpy, one pass per bucket."""
     num_groups = len(packing.degree_idx)
-    if num_groups <= PLAIN_MAX_GROUPS and len(seq_ids) <= PLAIN_MAX_SEQUENCES:
-        groups, load = _fill_plain(packing, seq_ids, bucket_of, lengths, costs)
-        return (groups, load) if with_loads else list(groups)
     load = np.zeros(num_groups)
     buckets = bucket_of[seq_ids]
     by_bucket = seq_ids[np.lexsort((-lengths[seq_ids], buckets))]        # bucket, then longest first
@@ -49,8 +55,7 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
         members.append(ids)
     owner, member = np.concatenate(owners), np.concatenate(members)
     order = np.argsort(owner, kind="stable")
-    groups = Groups(member[order], np.bincount(owner, minlength=num_groups))
-    return (groups, load) if with_loads else list(groups)
+    return Groups(member[order], np.bincount(owner, minlength=num_groups)), load
 
 
 def _fill_plain(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
@@ -58,8 +63,9 @@ def _fill_plain(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
     """``fill_groups``'s dealing in plain Python (numpy's per-call overhead was most of the work on a few
     groups): the same orders, sorts and sums in the same sequence, so the same groups and loads."""
     num_groups = len(packing.degree_idx)
-    ids, sizes, buckets = seq_ids.tolist(), lengths[seq_ids].tolist(), bucket_of[seq_ids].tolist()
-    seconds = costs.seconds(lengths[seq_ids][:, None], np.arange(costs.num_degrees)[None, :]).tolist()
+    seq_lengths = lengths[seq_ids]
+    ids, sizes, buckets = seq_ids.tolist(), seq_lengths.tolist(), bucket_of[seq_ids].tolist()
+    seconds = costs.seconds(seq_lengths[:, None], np.arange(costs.num_degrees)[None, :]).tolist()
     degree_of = packing.degree_idx.tolist()
     per_bucket: dict[int, list[int]] = {}                           # positions, longest first (stable)
     for pos in sorted(range(len(ids)), key=lambda p: (buckets[p], -sizes[p])):
@@ -133,17 +139,23 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
         return None
     caps = np.asarray(costs.capacity)[degree_idx]
     order = np.argsort(-lengths[seq_ids], kind="stable")
-    if num_groups <= PLAIN_MAX_GROUPS:
-        owner = _lpt_plain(lengths[seq_ids], order, degree_idx, caps, costs)
-        if owner is None:
-            return None
-        order = np.argsort(owner, kind="stable")
-        return split_at(seq_ids[order], np.bincount(owner, minlength=num_groups))
-    load = np.zeros(num_groups)
-    tokens = np.zeros(num_groups)
-    owner = np.empty(len(seq_ids), dtype=np.int64)
+    lpt = _lpt_plain if num_groups <= PLAIN_MAX_GROUPS else _lpt_vectorised
+    owner = lpt(lengths[seq_ids], order, degree_idx, caps, costs)
+    if owner is None:
+        return None
+    order = np.argsort(owner, kind="stable")
+    return split_at(seq_ids[order], np.bincount(owner, minlength=num_groups))
+
+
+def _lpt_vectorised(seq_lengths: np.ndarray, order: np.ndarray, degree_idx: np.ndarray, caps: np.ndarray,
+                    costs: DegreeCosts) -> np.ndarray | None:
+    """``rebalance``'s loop over numpy arrays of the groups: each sequence's owner, or None when one finds
+    no group with room."""
+    load = np.zeros(len(degree_idx))
+    tokens = np.zeros(len(degree_idx))
+    owner = np.empty(len(seq_lengths), dtype=np.int64)
     for pos in order:
-        s = float(lengths[seq_ids[pos]])
+        s = float(seq_lengths[pos])
         finish = load + costs.seconds(s, degree_idx)
         finish[tokens + s > caps] = np.inf
         j = int(finish.argmin())
@@ -152,8 +164,7 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
         owner[pos] = j
         load[j] = finish[j]
         tokens[j] += s
-    order = np.argsort(owner, kind="stable")
-    return split_at(seq_ids[order], np.bincount(owner, minlength=num_groups))
+    return owner
 
 
 def _lpt_plain(seq_lengths: np.ndarray, order: np.ndarray, degree_idx: np.ndarray, caps: np.ndarray,
