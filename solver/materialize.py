@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
 from .group_packing import BinPacking
-from .types import DegreeCosts, GroupAssignment, group_loads
+from .types import DegreeCosts, GroupAssignment, Groups, flat_ids, group_loads, split_at  # noqa: F401 (re-exported)
 
 # LPT rebalancing loops over sequences in Python at O(groups) each: skip it on big micro-batches,
 # where many sequences per group make the dealt version balanced anyway.
@@ -85,48 +84,6 @@ def _fill_plain(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
         load = [a + b for a, b in zip(load, added)]
     flat = np.fromiter((i for group in members for i in group), dtype=np.int64, count=len(ids))
     return Groups(flat, np.array([len(group) for group in members], dtype=np.int64)), np.array(load)
-
-
-class Groups(Sequence):
-    """Each group's ids as one flat array cut by ``sizes``, split into per-group arrays only when a
-    group is first asked for: a caller comparing packings by their loads (``refine``) never pays for
-    the thousands of slices of the packing it drops."""
-
-    def __init__(self, flat: np.ndarray, sizes: np.ndarray):
-        self.flat, self.sizes = flat, np.asarray(sizes, dtype=np.int64)
-        self._groups: list[np.ndarray] | None = None
-
-    def _split(self) -> list[np.ndarray]:
-        if self._groups is None:
-            self._groups = split_at(self.flat, self.sizes)
-        return self._groups
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def __getitem__(self, i):
-        return self._split()[i]
-
-    def __iter__(self):
-        return iter(self._split())
-
-    def nonempty(self) -> tuple["Groups", np.ndarray]:
-        """The groups that hold a sequence, and their positions."""
-        used = np.flatnonzero(self.sizes)
-        return (self, used) if used.size == len(self.sizes) else (Groups(self.flat, self.sizes[used]), used)
-
-
-def flat_ids(members) -> np.ndarray:
-    """All ids of ``members`` (a list of arrays or ``Groups``) in group order."""
-    return members.flat if isinstance(members, Groups) else np.concatenate(members)
-
-
-def split_at(values: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
-    """``values`` cut into consecutive pieces of ``sizes`` (``np.split`` without its per-piece
-    overhead, which dominates with tens of thousands of groups)."""
-    ends = np.cumsum(sizes).tolist()
-    starts = [0] + ends[:-1]
-    return [values[a:b] for a, b in zip(starts, ends)]
 
 
 def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> list[np.ndarray] | None:

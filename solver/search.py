@@ -48,7 +48,7 @@ from .exact import exact_plan
 from .milp import solve_milp
 from .one_gpu import one_gpu_plan
 from .tighten import tighten_members
-from .types import DegreeCosts, GroupAssignment, Infeasible, Schedule, group_loads
+from .types import DegreeCosts, GroupAssignment, Infeasible, Schedule, group_loads, group_sizes
 
 # Other strategies' plans (``fallbacks``) are tried on batches up to this many sequences. Above it
 # the search has the most room and their plans never won in experiments/scale_benchmark.py (FlexSP
@@ -668,9 +668,7 @@ class BatchSearch:
     @staticmethod
     def _members_key(members, deg) -> bytes:
         """The groups of a micro-batch as bytes (ids in group order, group sizes, degrees): equal keys, equal input."""
-        sizes = (members.sizes if isinstance(members, Groups)
-                 else np.fromiter(map(len, members), dtype=np.int64, count=len(members)))
-        return b"|".join((flat_ids(members).astype(np.int64).tobytes(), np.asarray(sizes, dtype=np.int64).tobytes(),
+        return b"|".join((flat_ids(members).astype(np.int64).tobytes(), group_sizes(members).astype(np.int64).tobytes(),
                           np.asarray(deg, dtype=np.int64).tobytes()))
 
     def real_bound(self, split: Split) -> float:

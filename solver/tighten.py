@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from .materialize import as_groups, split_at
-from .types import DegreeCosts, GroupAssignment, group_loads
+from .materialize import as_groups
+from .types import DegreeCosts, GroupAssignment, Groups, flat_ids, group_loads, group_sizes
 
 MAX_STEPS = 256             # steps per micro-batch (each O(groups x moved candidates))
 MAX_MOVE_CANDIDATES = 16    # longest sequences of the slowest group considered for a move
@@ -35,49 +35,63 @@ def tighten(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: Deg
     return as_groups(*tighten_members(members, deg, lengths, costs, num_gpus, deadline), costs)
 
 
-def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndarray, costs: DegreeCosts,
+def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: DegreeCosts,
                     num_gpus: int, deadline: float | None = None,
                     loads: np.ndarray | None = None, with_loads: bool = False):
-    """``tighten`` on each group's ids and degree index (``loads``: their seconds, if known);
-    returns the new ids (each sorted) and degree indices (and, ``with_loads``, their seconds)."""
-    members, deg = list(members), np.array(deg, dtype=np.int64)
+    """``tighten`` on each group's ids (a list of arrays or ``Groups``) and degree index (``loads``: their
+    seconds, if known); returns the new ids as ``Groups`` (each group's sorted) and degree indices (and,
+    ``with_loads``, their seconds).
+
+    The groups stay one flat array: a step reads the few groups it changes as slices and keeps their new
+    ids apart (``changed``), and a merged-away group is marked dead instead of deleted, so a micro-batch
+    of thousands of groups is never split into thousands of arrays."""
+    flat, sizes = flat_ids(members), group_sizes(members)
+    starts = np.cumsum(sizes) - sizes
+    changed: dict[int, np.ndarray] = {}
+
+    def ids(j: int) -> np.ndarray:
+        got = changed.get(j)
+        return flat[starts[j]:starts[j] + sizes[j]] if got is None else got
+
+    deg = np.array(deg, dtype=np.int64)
+    alive = np.ones(len(sizes), dtype=bool)
     degrees = np.asarray(costs.degrees)
     capacity = np.asarray(costs.capacity)
     loads = group_loads(members, deg, lengths, costs) if loads is None else np.array(loads, dtype=np.float64)
-    owner = np.repeat(np.arange(len(members)), np.fromiter(map(len, members), dtype=np.int64, count=len(members)))
-    tokens = np.bincount(owner, weights=lengths[np.concatenate(members)].astype(np.float64), minlength=len(members))
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    tokens = np.bincount(owner, weights=lengths[flat].astype(np.float64), minlength=len(sizes))
     for step in range(MAX_STEPS):
         if deadline is not None and time.perf_counter() > deadline:
             break
-        s = int(loads.argmax())
+        s = int(loads.argmax())                                # a dead group's load is -inf
         worst = loads[s] * (1 - 1e-9)
         # A step takes at most two groups (a merge) off the slowest load; when more groups tie at it
         # than the steps left can take off, the makespan cannot drop: stop (same makespan, less work)
         if int(np.count_nonzero(loads >= worst)) > 2 * (MAX_STEPS - step):
             break
         best = None                                            # (new max of changed groups, action)
-        free = num_gpus - int(degrees[deg].sum())
+        free = num_gpus - int(degrees[deg[alive]].sum())
         k = deg[s]
+        mine = ids(s)
         if k + 1 < len(degrees) and free >= degrees[k + 1] - degrees[k]:
-            t = float(costs.seconds(lengths[members[s]], k + 1).sum())
+            t = float(costs.seconds(lengths[mine], k + 1).sum())
             if t < worst:
                 best = (t, ("promote", s))
         if k + 1 < len(degrees) and degrees[k + 1] == 2 * degrees[k]:
-            same = np.flatnonzero(deg == k)
+            same = np.flatnonzero((deg == k) & alive)
             same = same[same != s]
             if same.size:
                 h = int(same[loads[same].argmin()])
-                t = float(costs.seconds(lengths[np.concatenate([members[s], members[h]])], k + 1).sum())
+                t = float(costs.seconds(lengths[np.concatenate([mine, ids(h)])], k + 1).sum())
                 if t < worst and (best is None or t < best[0]):
                     best = (t, ("merge", s, h))
-        mine = members[s]
-        if len(members) > 1 and len(mine) > 1:
+        if alive.sum() > 1 and len(mine) > 1:
             cand = mine[np.argsort(-lengths[mine], kind="stable")[:MAX_MOVE_CANDIDATES]]
             # only groups that could take the shortest candidate and still end before the slowest
             # one did can be a destination (the rest score >= worst): usually a few, as packed
             # groups end close to the makespan, so the [C, G] scores shrink to [C, few]
             least = costs.seconds(np.full(len(degrees), float(lengths[cand].min())), np.arange(len(degrees)))
-            dest = np.flatnonzero(loads + least[deg] < worst)
+            dest = np.flatnonzero((loads + least[deg] < worst) & alive)
             dest = dest[dest != s]
             if dest.size:
                 add = costs.seconds(lengths[cand][:, None].astype(np.float64), deg[dest][None, :])   # [C, dest]
@@ -97,26 +111,30 @@ def tighten_members(members: list[np.ndarray], deg: np.ndarray, lengths: np.ndar
             loads[s] = best[0]
         elif action[0] == "merge":
             h = action[2]
-            members[s] = np.concatenate([members[s], members[h]])
+            changed[s] = np.concatenate([mine, ids(h)])
             deg[s], loads[s], tokens[s] = k + 1, best[0], tokens[s] + tokens[h]
-            del members[h]
-            deg, loads, tokens = np.delete(deg, h), np.delete(loads, h), np.delete(tokens, h)
+            alive[h], loads[h] = False, -np.inf
         else:
             _, s, j, seq = action
-            members[s] = members[s][members[s] != seq]
-            members[j] = np.append(members[j], seq)
+            changed[s] = mine[mine != seq]
+            changed[j] = np.append(ids(j), seq)
             length = float(lengths[seq])
             loads[s] -= float(costs.seconds(length, deg[s]))
             loads[j] += float(costs.seconds(length, deg[j]))
             tokens[s] -= length
             tokens[j] += length
-    # every group's ids sorted in one vectorised pass (a sort per group costs more with thousands):
+    # every live group's ids sorted in one vectorised pass (a sort per group costs more with thousands):
     # one sort of group x batch size + id, a single int64 key (cheaper than a two-key lexsort)
-    sizes = np.fromiter(map(len, members), dtype=np.int64, count=len(members))
+    kept = alive.copy()
+    kept[list(changed)] = False                               # groups whose ids are the input's slice
+    touched = [j for j in changed if alive[j]]
+    new_ids = np.concatenate([flat[kept[owner]], *(changed[j] for j in touched)])
+    new_owner = np.concatenate([owner[kept[owner]], *(np.full(len(changed[j]), j) for j in touched)])
     span = len(lengths)
-    key = np.repeat(np.arange(len(members), dtype=np.int64) * span, sizes) + np.concatenate(members)
+    position = np.cumsum(alive) - 1                            # a live group's index among the live ones
+    key = position[new_owner] * span + new_ids
     key.sort()
-    flat = key % span
-    keep = sizes > 0
-    out = [m for m, k in zip(split_at(flat, sizes), keep) if k], deg[keep]
-    return (*out, loads[keep]) if with_loads else out
+    new_sizes = np.bincount(position[new_owner], minlength=int(alive.sum()))
+    keep = new_sizes > 0
+    out = Groups(key % span, new_sizes[keep]), deg[alive][keep]
+    return (*out, loads[alive][keep]) if with_loads else out

@@ -21,6 +21,7 @@ sequence does not fit one group of the degree a baseline insists on).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -105,11 +106,59 @@ class GroupAssignment(NamedTuple):
         return costs.group_time(lengths[self.seq_ids], costs.index(self.degree))
 
 
-def group_loads(members: list[np.ndarray], degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
-    """Seconds of sequences in each group (no beta1); ``degree_idx`` indexes ``costs.degrees``.
-    Vectorised over all sequences at once."""
-    owner = np.repeat(np.arange(len(members)), np.fromiter(map(len, members), dtype=np.int64, count=len(members)))
-    per_seq = costs.seconds(lengths[np.concatenate(members)], np.asarray(degree_idx)[owner])
+class Groups(Sequence):
+    """Each group's ids as one flat array cut by ``sizes``, split into per-group arrays only when a
+    group is first asked for: a caller comparing packings by their loads (``refine``) never pays for
+    the thousands of slices of the packing it drops."""
+
+    def __init__(self, flat: np.ndarray, sizes: np.ndarray):
+        self.flat, self.sizes = flat, np.asarray(sizes, dtype=np.int64)
+        self._groups: list[np.ndarray] | None = None
+
+    def _split(self) -> list[np.ndarray]:
+        if self._groups is None:
+            self._groups = split_at(self.flat, self.sizes)
+        return self._groups
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        return self._split()[i]
+
+    def __iter__(self):
+        return iter(self._split())
+
+    def nonempty(self) -> tuple["Groups", np.ndarray]:
+        """The groups that hold a sequence, and their positions."""
+        used = np.flatnonzero(self.sizes)
+        return (self, used) if used.size == len(self.sizes) else (Groups(self.flat, self.sizes[used]), used)
+
+
+def flat_ids(members) -> np.ndarray:
+    """All ids of ``members`` (a list of arrays or ``Groups``) in group order."""
+    return members.flat if isinstance(members, Groups) else np.concatenate(members)
+
+
+def split_at(values: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
+    """``values`` cut into consecutive pieces of ``sizes`` (``np.split`` without its per-piece
+    overhead, which dominates with tens of thousands of groups)."""
+    ends = np.cumsum(sizes).tolist()
+    starts = [0] + ends[:-1]
+    return [values[a:b] for a, b in zip(starts, ends)]
+
+
+def group_sizes(members) -> np.ndarray:
+    """How many ids each group of ``members`` (a list of arrays or ``Groups``) holds."""
+    return members.sizes if isinstance(members, Groups) else np.fromiter(map(len, members), dtype=np.int64,
+                                                                           count=len(members))
+
+
+def group_loads(members, degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
+    """Seconds of sequences in each group of ``members`` (a list of arrays or ``Groups``; no beta1);
+    ``degree_idx`` indexes ``costs.degrees``. Vectorised over all sequences at once."""
+    owner = np.repeat(np.arange(len(members)), group_sizes(members))
+    per_seq = costs.seconds(lengths[flat_ids(members)], np.asarray(degree_idx)[owner])
     return np.bincount(owner, weights=per_seq, minlength=len(members))
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import time
 import warnings
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -46,29 +47,46 @@ def _ordered(groups) -> list[GroupAssignment]:
 
 def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | None = None) -> tuple[MicroBatch, ...]:
     """Each micro-batch's groups on tiles (``place_groups``; default cluster: one node of N GPUs, where
-    powers of two land on the aligned blocks ``[k*d, (k+1)*d)``). With ``cost``, each group records its
-    Ulysses x ring split. A ``PlanError`` if a micro-batch does not place (``repair`` first)."""
+    powers of two land on the aligned blocks ``[k*d, (k+1)*d)``), in ``_ordered``'s order. With ``cost``,
+    each group records its Ulysses x ring split. A ``PlanError`` if a micro-batch does not place (``repair``
+    first). The order and the ids are worked out on arrays per micro-batch; per group only its ``Group`` is
+    built (a 16,384-GPU plan has 131,072)."""
     n = schedule_gpus(schedule) if cluster is None else cluster.num_gpus
     per_node = n if cluster is None else cluster.gpus_per_node
     micro_batches = []
     rings = {d: 1 if cost is None else cost.split(d)[1] for d in {g.degree for mb in schedule.micro_batches for g in mb}}
     rank_tuples: dict[tuple[int, int], tuple[int, ...]] = {}     # (first rank, degree): tiles recur across micro-batches
+    new = object.__new__
     for m, groups in enumerate(schedule.micro_batches):
-        ordered = _ordered(groups)
-        starts = place_groups([g.degree for g in ordered], n, per_node)
+        count = len(groups)
+        degrees = np.fromiter(map(_degree, groups), dtype=np.int64, count=count)
+        members = list(map(_seq_ids, groups))
+        sizes = np.fromiter(map(len, members), dtype=np.int64, count=count)
+        flat = np.concatenate(members).astype(np.int64) if count else np.zeros(0, dtype=np.int64)
+        offsets = np.cumsum(sizes) - sizes
+        first = np.where(sizes > 0, flat[np.minimum(offsets, max(0, len(flat) - 1))] if len(flat) else 0, 0)
+        order = np.lexsort((first, -degrees))                    # _ordered: largest first, then first id
+        degrees, sizes, offsets = degrees[order], sizes[order], offsets[order]
+        starts = place_groups(degrees.tolist(), n, per_node)
         if starts is None:
-            raise PlanError(f"micro-batch {m}: groups of degrees {[g.degree for g in ordered]} do not place on "
+            raise PlanError(f"micro-batch {m}: groups of degrees {degrees.tolist()} do not place on "
                             f"{n} GPUs in nodes of {per_node}")
-        ids = np.concatenate([g.seq_ids for g in ordered]).astype(np.int64).tolist() if ordered else []
-        built, at = [], 0
-        for g, start in zip(ordered, starts.tolist()):
-            ranks = rank_tuples.get((start, g.degree))
+        ends = np.cumsum(sizes)
+        ids = flat[np.repeat(offsets - (ends - sizes), sizes) + np.arange(len(flat))].tolist()
+        built = []
+        for start, degree, at, end in zip(starts.tolist(), degrees.tolist(), (ends - sizes).tolist(), ends.tolist()):
+            ranks = rank_tuples.get((start, degree))
             if ranks is None:
-                ranks = rank_tuples[(start, g.degree)] = tuple(range(start, start + g.degree))
-            built.append(Group.built(ranks, tuple(ids[at:at + len(g.seq_ids)]), rings[g.degree]))
-            at += len(g.seq_ids)
+                ranks = rank_tuples[(start, degree)] = tuple(range(start, start + degree))
+            group = new(Group)                                   # Group.built, inlined: once per group
+            fields = group.__dict__
+            fields["ranks"], fields["seq_ids"], fields["ring"] = ranks, tuple(ids[at:end]), rings[degree]
+            built.append(group)
         micro_batches.append(MicroBatch(tuple(built)))
     return tuple(micro_batches)
+
+
+_degree, _seq_ids = attrgetter("degree"), attrgetter("seq_ids")
 
 
 def schedule_gpus(schedule: Schedule) -> int:

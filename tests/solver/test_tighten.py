@@ -3,8 +3,8 @@ cases it is for (free GPUs -> promote, a fast sibling -> merge, an unbalanced pa
 import numpy as np
 import pytest
 
-from solver.tighten import tighten
-from solver.types import DegreeCosts, GroupAssignment, group_times
+from solver.tighten import tighten, tighten_members
+from solver.types import DegreeCosts, GroupAssignment, Groups, flat_ids, group_loads, group_times
 
 COSTS = DegreeCosts(degrees=(1, 2, 4, 8), quad=(1e-6, 5e-7, 2.5e-7, 1.25e-7),
                     lin=(1e-3, 6e-4, 3.5e-4, 2e-4), capacity=(100.0, 200.0, 400.0, 800.0), beta1=0.05)
@@ -74,3 +74,25 @@ def test_random_micro_batches_stay_valid_and_never_slower(seed):
         groups, lengths = [GroupAssignment(1, np.array([0]))], [5]
     lengths = np.array(lengths)
     check(tuple(groups), tighten(tuple(groups), lengths, COSTS, num_gpus), lengths, num_gpus)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_flat_groups_in_give_the_same_groups_out_as_a_list_and_merged_groups_leave(seed):
+    """``tighten_members`` reads a micro-batch as one flat array (``Groups``) without splitting it: the
+    same micro-batch given as a list of arrays tightens to the same groups, each sorted, and a group merged
+    away is gone from ids, degrees and loads alike."""
+    rng = np.random.default_rng(seed)
+    n, num_groups = int(rng.integers(4, 40)), int(rng.integers(2, 9))
+    lengths = rng.integers(1, 40, size=n)
+    owner = np.concatenate([np.arange(num_groups), rng.integers(0, num_groups, size=n - num_groups)])
+    members = [rng.permutation(np.flatnonzero(owner == g)) for g in range(num_groups)]
+    deg = np.zeros(num_groups, dtype=np.int64)
+    flat = Groups(np.concatenate(members), np.array([len(m) for m in members]))
+    from_list = tighten_members(members, deg, lengths, COSTS, num_gpus=num_groups + 2, with_loads=True)
+    from_flat = tighten_members(flat, deg, lengths, COSTS, num_gpus=num_groups + 2, with_loads=True)
+    assert isinstance(from_flat[0], Groups) and len(from_flat[0]) == len(from_flat[1]) == len(from_flat[2])
+    assert [g.tolist() for g in from_flat[0]] == [g.tolist() for g in from_list[0]]
+    assert all(np.all(np.diff(g) > 0) for g in from_flat[0])
+    assert np.array_equal(from_flat[1], from_list[1]) and np.array_equal(from_flat[2], from_list[2])
+    assert np.allclose(from_flat[2], group_loads(from_flat[0], from_flat[1], lengths, COSTS))
+    assert sorted(flat_ids(from_flat[0]).tolist()) == list(range(n))
