@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -168,6 +169,9 @@ def group_times(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs:
     return group_loads([g.seq_ids for g in groups], degree_idx, lengths, costs) + costs.beta1
 
 
+_degree, _seq_ids = attrgetter("degree"), attrgetter("seq_ids")
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Micro-batches run one after another; the groups of one micro-batch run side by side.
@@ -183,7 +187,8 @@ class Schedule:
         if not groups:
             return []
         index = {d: k for k, d in enumerate(costs.degrees)}
-        loads = group_loads([g.seq_ids for g in groups], [index[g.degree] for g in groups], lengths, costs) + costs.beta1
+        degree_idx = np.fromiter(map(index.__getitem__, map(_degree, groups)), dtype=np.int64, count=len(groups))
+        loads = group_loads(list(map(_seq_ids, groups)), degree_idx, lengths, costs) + costs.beta1
         owner = np.repeat(np.arange(len(self.micro_batches)), [len(mb) for mb in self.micro_batches])
         slowest = np.full(len(self.micro_batches), -np.inf)
         np.maximum.at(slowest, owner, loads)
