@@ -89,6 +89,8 @@ MAX_REFINED_LARGE = 3
 SEARCH_SHARE = 0.6
 # Relative shave of ``BatchSearch.bound`` (float rounding must never prune a split that ties).
 BOUND_SLACK = 1e-9
+# ``BatchSearch.bounds`` takes numpy from this many rows on (below, numpy's per-call overhead is most of it).
+BOUNDS_VECTORISED_FROM = 16
 
 
 @dataclass(frozen=True)
@@ -238,10 +240,25 @@ class BatchSearch:
         spread = area / self.num_gpus
         return ((spread if spread > slowest else slowest) + self.costs.beta1) * (1 - BOUND_SLACK)
 
+    def bounds(self, rows: np.ndarray) -> np.ndarray:
+        """``bound`` of every row of ``rows`` at once, bit for bit: the area is summed bucket by bucket in
+        the same order (a cumulative sum; a bucket a row lacks adds an exact 0.0), so a split pruned here
+        is one ``bound`` would prune."""
+        rows = np.asarray(rows)
+        if len(rows) < BOUNDS_VECTORISED_FROM:
+            return np.array([self.bound(row) for row in rows], dtype=np.float64)
+        present = rows > 0
+        area = np.cumsum(np.where(present, rows * self.packer.min_area, 0.0), axis=1)[:, -1]
+        slowest = np.where(present, self.fastest, -1.0).max(axis=1)
+        spread = area / self.num_gpus
+        out = (np.maximum(spread, slowest) + self.costs.beta1) * (1 - BOUND_SLACK)
+        out[slowest < 0] = 0.0
+        return out
+
     def bound_sum(self, rows: np.ndarray, inverse: np.ndarray | None = None) -> float:
         """``bound`` summed over micro-batches (``rows``, repeated as ``inverse`` says): a split
         whose sum reaches a plan's makespan cannot beat it, so it need not be packed."""
-        bounds = np.array([self.bound(row) for row in rows])
+        bounds = self.bounds(rows)
         return float(bounds.sum() if inverse is None else bounds[np.asarray(inverse).ravel()].sum())
 
     def candidates(self, num_mb: int):
@@ -319,18 +336,21 @@ class BatchSearch:
                 pieces[m].append((int(c), take))
                 left -= take
             first_with_room[d] = m
-        dealt = []
-        for mine in pieces:
-            cls = np.array([c for c, _ in mine])
-            mult = np.array([q for _, q in mine])
-            arranged = BinPacking(packing.degree_idx[cls], packing.counts[cls], float(times[cls].max()) + self.costs.beta1, mult)
-            dealt.append(arranged)
-        rows = np.array([arranged.total_counts() for arranged in dealt])
+        # each micro-batch's bucket counts: its classes' multiplicities times their counts, one product
+        # for all (a dealt packing is built only for the micro-batches looked at before ``beat`` stops it)
+        weights = np.zeros((len(pieces), len(times)), dtype=np.int64)
+        for m, mine in enumerate(pieces):
+            for c, q in mine:
+                weights[m, c] = q
+        rows = weights @ packing.counts
         left = self.bound_sum(rows) if beat < math.inf else 0.0      # bounds of the micro-batches not yet packed
         if left >= beat:
             return None
         packings, total = [], 0.0
-        for arranged, row in zip(dealt, rows):
+        for mine, row in zip(pieces, rows):
+            cls = np.array([c for c, _ in mine])
+            arranged = BinPacking(packing.degree_idx[cls], packing.counts[cls], float(times[cls].max()) + self.costs.beta1,
+                                  np.array([q for _, q in mine]))
             late = self.out_of_time()
             if late and not must_finish:
                 return None
