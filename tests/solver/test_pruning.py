@@ -47,3 +47,19 @@ def test_a_reused_refinement_is_a_fresh_one(seed, monkeypatch):
         for (a_members, a_deg), (f_members, f_deg) in zip(again.micro_batches, fresh.micro_batches):
             assert np.array_equal(a_deg, f_deg)
             assert all(np.array_equal(a, f) for a, f in zip(a_members, f_members))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bounds_on_arrays_are_bound_bit_for_bit(seed):
+    """``bounds`` (numpy, from 16 rows) prunes exactly what ``bound`` (a plain loop) would: the same
+    floats, for rows with missing buckets, an empty row and rows of one bucket."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 800, size=int(rng.integers(20, 200)))
+    search = BatchSearch(lengths, COSTS, 8, SearchOptions())
+    rows = rng.integers(0, 6, size=(40, search.num_buckets)) * (rng.random((40, search.num_buckets)) < 0.5)
+    rows[0] = 0
+    rows[1] = 0
+    rows[1, -1] = 3
+    got = search.bounds(rows)
+    assert got.tolist() == [search.bound(row) for row in rows]
+    assert got[0] == 0.0 and search.bound_sum(rows) == float(np.array([search.bound(r) for r in rows]).sum())
