@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import numpy as np
 
 from .group_packing import BinPacking
-from .types import DegreeCosts, GroupAssignment, Groups, flat_ids, group_loads, split_at  # noqa: F401 (re-exported)
+from .types import DegreeCosts, GroupAssignment, Groups, assignment, flat_ids, group_loads, split_at  # noqa: F401 (re-exported)
 
 # LPT rebalancing loops over sequences in Python at O(groups) each: skip it on big micro-batches,
 # where many sequences per group make the dealt version balanced anyway.
@@ -179,10 +178,8 @@ def as_groups(members, degree_idx: np.ndarray, costs: DegreeCosts) -> tuple[Grou
     straight from (degree, ids) pairs, without the named tuple's keyword-handling ``__new__`` (the final
     plan of a 16,384-GPU batch has 131,072 groups)."""
     degrees = costs.degrees
-    return tuple(map(_assignment, zip([degrees[k] for k in np.asarray(degree_idx).tolist()], members)))
+    return tuple(map(assignment, zip([degrees[k] for k in np.asarray(degree_idx).tolist()], members)))
 
-
-_assignment = partial(tuple.__new__, GroupAssignment)    # GroupAssignment from a (degree, seq_ids) pair
 
 
 def to_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,

@@ -43,12 +43,12 @@ from . import blaster
 from .bucketing import RULES, Buckets, exact_buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
-from .materialize import Groups, as_groups, flat_ids, to_groups, to_members
+from .materialize import as_groups, flat_ids, to_groups, to_members
 from .exact import exact_plan
 from .milp import solve_milp
 from .one_gpu import one_gpu_plan
 from .tighten import tighten_members
-from .types import DegreeCosts, GroupAssignment, Infeasible, Schedule, group_loads, group_sizes
+from .types import DegreeCosts, GroupAssignment, GroupColumns, Groups, Infeasible, Schedule, group_loads, group_sizes
 
 # Other strategies' plans (``fallbacks``) are tried on batches up to this many sequences. Above it
 # the search has the most room and their plans never won in experiments/scale_benchmark.py (FlexSP
@@ -702,7 +702,7 @@ class BatchSearch:
         return float((np.maximum(area, slowest) + self.costs.beta1).sum()) * (1 - BOUND_SLACK)
 
     def as_schedule(self, refined: Refined) -> Schedule:
-        return Schedule(tuple(as_groups(members, deg, self.costs) for members, deg in refined.micro_batches))
+        return Schedule(tuple(GroupColumns.of(members, deg, self.costs) for members, deg in refined.micro_batches))
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
@@ -749,7 +749,8 @@ def apart_candidate(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, opti
     parts, cut = [], False
     for ids in (np.flatnonzero(is_long), np.flatnonzero(~is_long)):
         part = search_plan(lengths[ids], costs, num_gpus, options, deadline=deadline, apart=False)
-        parts.extend(tuple(GroupAssignment(g.degree, ids[g.seq_ids]) for g in mb) for mb in part.micro_batches)
+        parts.extend(GroupColumns(mb.degrees, Groups(ids[mb.ids.flat], mb.ids.sizes)) if isinstance(mb, GroupColumns)
+                     else tuple(GroupAssignment(g.degree, ids[g.seq_ids]) for g in mb) for mb in part.micro_batches)
         cut |= part.cut_short
     return Schedule(tuple(parts), cut_short=cut)
 

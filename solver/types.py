@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from operator import attrgetter
 from typing import Callable, NamedTuple
 
@@ -107,6 +108,10 @@ class GroupAssignment(NamedTuple):
         return costs.group_time(lengths[self.seq_ids], costs.index(self.degree))
 
 
+
+assignment = partial(tuple.__new__, GroupAssignment)     # a GroupAssignment from a (degree, seq_ids) pair, no keywords
+
+
 class Groups(Sequence):
     """Each group's ids as one flat array cut by ``sizes``, split into per-group arrays only when a
     group is first asked for: a caller comparing packings by their loads (``refine``) never pays for
@@ -149,6 +154,41 @@ def split_at(values: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
     return [values[a:b] for a, b in zip(starts, ends)]
 
 
+
+class GroupColumns(Sequence):
+    """One micro-batch's groups as columns: each group's degree, and all their ids as ``Groups`` (one flat
+    array cut by sizes). It reads as a tuple of ``GroupAssignment`` (built on first access, once), so any
+    caller works on it; the planner's own steps (placing, timing, renumbering a part's ids) read the columns,
+    and a 16,384-GPU plan's 131,072 groups are not built twice on the way to its ``Plan``."""
+
+    __slots__ = ("degrees", "ids", "_groups")
+
+    def __init__(self, degrees: np.ndarray, ids: "Groups"):
+        self.degrees, self.ids = np.asarray(degrees, dtype=np.int64), ids
+        self._groups: tuple[GroupAssignment, ...] | None = None
+
+    @classmethod
+    def of(cls, members, degree_idx: np.ndarray, costs: "DegreeCosts") -> "GroupColumns":
+        """Columns of groups given as ids (a list of arrays or ``Groups``) and degree indices."""
+        ids = members if isinstance(members, Groups) else Groups(
+            flat_ids(members) if len(members) else np.zeros(0, dtype=np.int64), group_sizes(members))
+        return cls(np.asarray(costs.degrees, dtype=np.int64)[np.asarray(degree_idx, dtype=np.int64)], ids)
+
+    def _built(self) -> tuple[GroupAssignment, ...]:
+        if self._groups is None:
+            self._groups = tuple(map(assignment, zip(self.degrees.tolist(), self.ids)))
+        return self._groups
+
+    def __len__(self) -> int:
+        return len(self.degrees)
+
+    def __getitem__(self, i):
+        return self._built()[i]
+
+    def __iter__(self):
+        return iter(self._built())
+
+
 def group_sizes(members) -> np.ndarray:
     """How many ids each group of ``members`` (a list of arrays or ``Groups``) holds."""
     return members.sizes if isinstance(members, Groups) else np.fromiter(map(len, members), dtype=np.int64,
@@ -183,12 +223,18 @@ class Schedule:
 
     def micro_batch_times(self, lengths: np.ndarray, costs: DegreeCosts) -> list[float]:
         """Slowest group of each micro-batch; one vectorised pass over every group of the plan."""
-        groups = [g for mb in self.micro_batches for g in mb]
-        if not groups:
-            return []
-        index = {d: k for k, d in enumerate(costs.degrees)}
-        degree_idx = np.fromiter(map(index.__getitem__, map(_degree, groups)), dtype=np.int64, count=len(groups))
-        loads = group_loads(list(map(_seq_ids, groups)), degree_idx, lengths, costs) + costs.beta1
+        if self.micro_batches and all(isinstance(mb, GroupColumns) for mb in self.micro_batches):
+            columns = self.micro_batches                  # the same loads, read off the columns
+            ids = Groups(np.concatenate([mb.ids.flat for mb in columns]), np.concatenate([mb.ids.sizes for mb in columns]))
+            degree_idx = np.searchsorted(np.asarray(costs.degrees), np.concatenate([mb.degrees for mb in columns]))
+            loads = group_loads(ids, degree_idx, lengths, costs) + costs.beta1
+        else:
+            groups = [g for mb in self.micro_batches for g in mb]
+            if not groups:
+                return []
+            index = {d: k for k, d in enumerate(costs.degrees)}
+            degree_idx = np.fromiter(map(index.__getitem__, map(_degree, groups)), dtype=np.int64, count=len(groups))
+            loads = group_loads(list(map(_seq_ids, groups)), degree_idx, lengths, costs) + costs.beta1
         owner = np.repeat(np.arange(len(self.micro_batches)), [len(mb) for mb in self.micro_batches])
         slowest = np.full(len(self.micro_batches), -np.inf)
         np.maximum.at(slowest, owner, loads)

@@ -32,7 +32,7 @@ from flexsp.plan.cost import CostModel
 from flexsp.plan.lengths import as_lengths
 from flexsp.plan.types import Group, MicroBatch, Plan
 from solver.search import SearchOptions
-from solver.types import DegreeCosts, GroupAssignment, Infeasible, InfeasibleDegree, Schedule
+from solver.types import DegreeCosts, GroupAssignment, GroupColumns, Infeasible, InfeasibleDegree, Schedule
 
 
 def _ordered(groups) -> list[GroupAssignment]:
@@ -54,19 +54,24 @@ def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | 
     n = schedule_gpus(schedule) if cluster is None else cluster.num_gpus
     per_node = n if cluster is None else cluster.gpus_per_node
     micro_batches = []
-    rings = {d: 1 if cost is None else cost.split(d)[1] for d in {g.degree for mb in schedule.micro_batches for g in mb}}
+    rings: dict[int, int] = {}                                  # degree: its ring axis (cost.split)
     rank_tuples: dict[tuple[int, int], tuple[int, ...]] = {}     # (first rank, degree): tiles recur across micro-batches
     new = object.__new__
     for m, groups in enumerate(schedule.micro_batches):
         count = len(groups)
-        degrees = np.fromiter(map(_degree, groups), dtype=np.int64, count=count)
-        members = list(map(_seq_ids, groups))
-        sizes = np.fromiter(map(len, members), dtype=np.int64, count=count)
-        flat = np.concatenate(members).astype(np.int64) if count else np.zeros(0, dtype=np.int64)
+        if isinstance(groups, GroupColumns):                    # the search's micro-batches: read the columns
+            degrees, sizes, flat = groups.degrees, groups.ids.sizes, groups.ids.flat.astype(np.int64)
+        else:
+            degrees = np.fromiter(map(_degree, groups), dtype=np.int64, count=count)
+            members = list(map(_seq_ids, groups))
+            sizes = np.fromiter(map(len, members), dtype=np.int64, count=count)
+            flat = np.concatenate(members).astype(np.int64) if count else np.zeros(0, dtype=np.int64)
         offsets = np.cumsum(sizes) - sizes
         first = np.where(sizes > 0, flat[np.minimum(offsets, max(0, len(flat) - 1))] if len(flat) else 0, 0)
         order = np.lexsort((first, -degrees))                    # _ordered: largest first, then first id
         degrees, sizes, offsets = degrees[order], sizes[order], offsets[order]
+        for d in set(degrees.tolist()) - rings.keys():
+            rings[d] = 1 if cost is None else cost.split(d)[1]
         starts = place_groups(degrees.tolist(), n, per_node)
         if starts is None:
             raise PlanError(f"micro-batch {m}: groups of degrees {degrees.tolist()} do not place on "
