@@ -1,9 +1,11 @@
+import dataclasses
 import json
 
 import pytest
 
 import flexsp
 from flexsp import Group, MicroBatch, Plan
+from flexsp.plan.types import PlacedGroups
 
 COST = flexsp.CostModel(alpha1=1e-9, alpha2=1e-4, beta1=0.1, comm_bytes_per_token=1e6,
                         alltoall_bandwidth={2: 1e11, 4: 1e11, 8: 1e11, 16: 1e10}, token_capacity=1000)
@@ -41,10 +43,32 @@ def test_a_good_plan_validates_and_round_trips():
     ([[(range(0, 2), (1,)), (range(2, 3), (0,)), (range(3, 4), (2, 3, 7))]], r"sequence ids \[7\] do not exist"),
     ([[(range(0, 2), (1,)), (range(2, 3), (0,)), (range(3, 4), ())]], "group has no sequences"),
 ])
-def test_each_broken_rule_is_named(micro_batches, message):
+@pytest.mark.parametrize("form", ["tuples", "columns"])
+def test_each_broken_rule_is_named(micro_batches, message, form):
     plan = plan_of(*micro_batches, predicted=1.0)
     with pytest.raises(flexsp.PlanError, match=message):
-        plan.validate(LENGTHS, COST, CLUSTER)
+        (plan if form == "tuples" else as_columns(plan)).validate(LENGTHS, COST, CLUSTER)
+
+
+def as_columns(plan: Plan) -> Plan:
+    """``plan`` with every micro-batch's groups as ``PlacedGroups`` (what ``plan_batch`` returns); contiguous ranks."""
+    def columns(groups):
+        return PlacedGroups([g.ranks[0] for g in groups], [g.degree for g in groups], [g.ring for g in groups],
+                            [s for g in groups for s in g.seq_ids], [len(g.seq_ids) for g in groups])
+    return dataclasses.replace(plan, micro_batches=tuple(MicroBatch(columns(mb.groups)) for mb in plan.micro_batches))
+
+
+def test_columns_read_compare_and_pickle_as_their_groups():
+    import pickle
+    plan = plan_of(*GOOD)
+    columns = as_columns(plan)
+    assert columns == plan and plan == columns and hash(columns) == hash(plan)
+    assert columns.to_dict() == plan.to_dict() and columns.degree_histogram() == plan.degree_histogram() == {1: 2, 2: 1}
+    assert columns.num_sequences == 4 and columns.micro_batches[0].groups[2] == Group((3,), (2, 3))
+    assert columns.time(LENGTHS, COST) == plan.time(LENGTHS, COST)
+    columns.validate(LENGTHS, COST, CLUSTER)
+    back = pickle.loads(pickle.dumps(columns))
+    assert back == plan and isinstance(back.micro_batches[0].groups, tuple)
 
 
 def test_node_crossing_and_wrong_prediction_and_cluster_size():
@@ -76,3 +100,11 @@ def test_contract_keys():
     data = json.loads(plan_of(*GOOD).to_json())
     assert {"num_gpus", "predicted_time", "micro_batches"} <= set(data)
     assert set(data["micro_batches"][0]["groups"][0]) == {"ranks", "seq_ids"}
+
+
+def test_a_ring_that_does_not_divide_its_group_is_named_in_columns_too():
+    groups = (Group((0, 1, 2, 3), (0, 1, 2, 3), ring=3),)
+    plan = Plan(num_gpus=16, micro_batches=(MicroBatch(groups),), predicted_time=1.0)
+    for form in (plan, as_columns(plan)):
+        with pytest.raises(flexsp.PlanError, match="micro-batch 0 group 0: ring degree 3 must be a whole number"):
+            form.validate(LENGTHS, COST, CLUSTER)

@@ -45,7 +45,7 @@ import numpy as np
 from flexsp.data.batching import GlobalBatch
 from flexsp.data.errors import LoaderError, PlannerError
 from flexsp.plan.config import PlanConfig
-from flexsp.plan.types import Group, MicroBatch, Plan
+from flexsp.plan.types import Group, MicroBatch, PlacedGroups, Plan
 
 if TYPE_CHECKING:
     from flexsp.plan.cluster import Cluster
@@ -119,6 +119,8 @@ def pack_plan(plan: Plan) -> dict[str, Any]:
     counts) in the narrowest integer types: about half the bytes of the pickled ``Plan`` or its JSON, and
     ``unpack_plan`` rebuilds it without parsing. Groups on contiguous ranks (every planner strategy)
     store only their first rank."""
+    if plan.micro_batches and all(isinstance(mb.groups, PlacedGroups) for mb in plan.micro_batches):
+        return _pack_columns(plan)
     groups = [g for mb in plan.micro_batches for g in mb.groups]
     contiguous = all(g.ranks == tuple(range(g.ranks[0], g.ranks[0] + len(g.ranks))) for g in groups if g.ranks)
     ranks = ([g.ranks[0] if g.ranks else 0 for g in groups] if contiguous
@@ -136,23 +138,43 @@ def pack_plan(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _small(values: list[int]) -> np.ndarray:
+def _pack_columns(plan: Plan) -> dict[str, Any]:
+    """``pack_plan`` of a plan whose groups are ``PlacedGroups`` (what ``plan_batch`` makes): the columns
+    joined, no group object built."""
+    columns = [mb.groups for mb in plan.micro_batches]
+    joined = {name: np.concatenate([getattr(c, name) for c in columns]) for name in ("first_ranks", "degrees", "rings", "ids", "sizes")}
+    return {
+        "num_gpus": plan.num_gpus, "predicted_time": plan.predicted_time, "strategy": plan.strategy,
+        "gpus_per_node": plan.gpus_per_node, "solve_time": plan.solve_time, "meta": dict(plan.meta),
+        "groups_per_mb": _small([len(c) for c in columns]), "ring": _small(joined["rings"]),
+        "rank_counts": _small(joined["degrees"]), "ranks": _small(joined["first_ranks"]), "contiguous": True,
+        "seq_counts": _small(joined["sizes"]), "seq_ids": _small(joined["ids"]),
+    }
+
+
+def _small(values: list[int] | np.ndarray) -> np.ndarray:
     """Non-negative integers in the narrowest unsigned type that holds them."""
-    top = max(values, default=0)
+    top = (int(values.max()) if len(values) else 0) if isinstance(values, np.ndarray) else max(values, default=0)
     return np.asarray(values, dtype=next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64)
                                          if top <= np.iinfo(t).max))
 
 
 def unpack_plan(packed: dict[str, Any]) -> Plan:
     counts, seq_counts = packed["rank_counts"], packed["seq_counts"]
-    if packed["contiguous"]:
-        ranks = [range(a, a + n) for a, n in zip(packed["ranks"].tolist(), counts.tolist())]
-    else:
-        ranks = np.split(packed["ranks"], np.cumsum(counts, dtype=np.int64)[:-1]) if len(counts) else []
+    bounds = [0, *np.cumsum(packed["groups_per_mb"], dtype=np.int64).tolist()]
+    if packed["contiguous"]:     # as columns (``PlacedGroups``): groups built only if a caller walks them
+        seq_bounds = np.concatenate([[0], np.cumsum(seq_counts, dtype=np.int64)])
+        micro_batches = tuple(
+            MicroBatch(PlacedGroups(packed["ranks"][a:b], counts[a:b], packed["ring"][a:b],
+                                    packed["seq_ids"][seq_bounds[a]:seq_bounds[b]], seq_counts[a:b]))
+            for a, b in zip(bounds[:-1], bounds[1:]))
+        return Plan(num_gpus=packed["num_gpus"], micro_batches=micro_batches, predicted_time=packed["predicted_time"],
+                    strategy=packed["strategy"], gpus_per_node=packed["gpus_per_node"],
+                    solve_time=packed["solve_time"], meta=packed["meta"])
+    ranks = np.split(packed["ranks"], np.cumsum(counts, dtype=np.int64)[:-1]) if len(counts) else []
     seqs = np.split(packed["seq_ids"], np.cumsum(seq_counts, dtype=np.int64)[:-1]) if len(counts) else []
     groups = [Group(ranks=tuple(int(r) for r in rk), seq_ids=tuple(s.tolist()), ring=int(ring))
               for rk, s, ring in zip(ranks, seqs, packed["ring"].tolist())]
-    bounds = [0, *np.cumsum(packed["groups_per_mb"], dtype=np.int64).tolist()]
     micro_batches = tuple(MicroBatch(tuple(groups[a:b])) for a, b in zip(bounds[:-1], bounds[1:]))
     return Plan(num_gpus=packed["num_gpus"], micro_batches=micro_batches, predicted_time=packed["predicted_time"],
                 strategy=packed["strategy"], gpus_per_node=packed["gpus_per_node"],

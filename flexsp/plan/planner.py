@@ -30,7 +30,7 @@ from flexsp.plan.cluster import Cluster, Placement, nesting_subset, place_groups
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel
 from flexsp.plan.lengths import as_lengths
-from flexsp.plan.types import Group, MicroBatch, Plan
+from flexsp.plan.types import MicroBatch, PlacedGroups, Plan
 from solver.search import SearchOptions
 from solver.types import DegreeCosts, GroupAssignment, GroupColumns, Infeasible, InfeasibleDegree, Schedule
 
@@ -49,14 +49,12 @@ def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | 
     """Each micro-batch's groups on tiles (``place_groups``; default cluster: one node of N GPUs, where
     powers of two land on the aligned blocks ``[k*d, (k+1)*d)``), in ``_ordered``'s order. With ``cost``,
     each group records its Ulysses x ring split. A ``PlanError`` if a micro-batch does not place (``repair``
-    first). The order and the ids are worked out on arrays per micro-batch; per group only its ``Group`` is
-    built (a 16,384-GPU plan has 131,072)."""
+    first). Works on arrays per micro-batch and returns the groups as ``PlacedGroups`` (columns that read as
+    ``Group`` tuples, built on first access): a 16,384-GPU plan has 131,072 groups."""
     n = schedule_gpus(schedule) if cluster is None else cluster.num_gpus
     per_node = n if cluster is None else cluster.gpus_per_node
     micro_batches = []
     rings: dict[int, int] = {}                                  # degree: its ring axis (cost.split)
-    rank_tuples: dict[tuple[int, int], tuple[int, ...]] = {}     # (first rank, degree): tiles recur across micro-batches
-    new = object.__new__
     for m, groups in enumerate(schedule.micro_batches):
         count = len(groups)
         if isinstance(groups, GroupColumns):                    # the search's micro-batches: read the columns
@@ -77,17 +75,11 @@ def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | 
             raise PlanError(f"micro-batch {m}: groups of degrees {degrees.tolist()} do not place on "
                             f"{n} GPUs in nodes of {per_node}")
         ends = np.cumsum(sizes)
-        ids = flat[np.repeat(offsets - (ends - sizes), sizes) + np.arange(len(flat))].tolist()
-        built = []
-        for start, degree, at, end in zip(starts.tolist(), degrees.tolist(), (ends - sizes).tolist(), ends.tolist()):
-            ranks = rank_tuples.get((start, degree))
-            if ranks is None:
-                ranks = rank_tuples[(start, degree)] = tuple(range(start, start + degree))
-            group = new(Group)                                   # Group.built, inlined: once per group
-            fields = group.__dict__
-            fields["ranks"], fields["seq_ids"], fields["ring"] = ranks, tuple(ids[at:end]), rings[degree]
-            built.append(group)
-        micro_batches.append(MicroBatch(tuple(built)))
+        ids = flat[np.repeat(offsets - (ends - sizes), sizes) + np.arange(len(flat))]
+        ring = np.ones(len(degrees), dtype=np.int64)
+        for d in set(degrees.tolist()):
+            ring[degrees == d] = rings[d]
+        micro_batches.append(MicroBatch(PlacedGroups(starts, degrees, ring, ids, sizes)))
     return tuple(micro_batches)
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -33,14 +34,6 @@ class Group:
     seq_ids: tuple[int, ...]
     ring: int = 1    # ranks of the ring-attention axis; degree / ring run Ulysses (1: pure Ulysses)
 
-    @classmethod
-    def built(cls, ranks: tuple[int, ...], seq_ids: tuple[int, ...], ring: int = 1) -> "Group":
-        """The same group without the frozen ``__init__``'s per-field ``object.__setattr__`` (3x the cost):
-        placement builds one per group, 131,072 for a 16,384-GPU plan. Fields as given: tuples of ints."""
-        group = object.__new__(cls)
-        group.__dict__.update(ranks=ranks, seq_ids=seq_ids, ring=ring)
-        return group
-
     @property
     def degree(self) -> int:
         return len(self.ranks)
@@ -50,11 +43,64 @@ class Group:
         return self.degree // self.ring
 
 
+class PlacedGroups(Sequence):
+    """A micro-batch's groups as columns (first rank, degree and ring of each, all ids as one flat array cut
+    by sizes) that reads as a tuple of ``Group``, built on first access, once. ``place`` returns these: the
+    planner's own checks (``Plan.validate``, ``Plan.group_times``) and the loader's compact form read the
+    columns, so a 16,384-GPU plan's 131,072 groups become objects only when a caller walks them. Equal to,
+    hashed and pickled as the tuple of its groups. Groups on contiguous ranks only (what placement gives)."""
+
+    __slots__ = ("first_ranks", "degrees", "rings", "ids", "sizes", "_groups")
+
+    def __init__(self, first_ranks: np.ndarray, degrees: np.ndarray, rings: np.ndarray, ids: np.ndarray,
+                 sizes: np.ndarray) -> None:
+        self.first_ranks, self.degrees, self.rings, self.ids, self.sizes = (
+            np.asarray(a, dtype=np.int64) for a in (first_ranks, degrees, rings, ids, sizes))
+        self._groups: tuple[Group, ...] | None = None
+
+    def _built(self) -> tuple[Group, ...]:
+        if self._groups is None:
+            ends = np.cumsum(self.sizes)
+            ids, new, built = self.ids.tolist(), object.__new__, []
+            for start, degree, ring, at, end in zip(self.first_ranks.tolist(), self.degrees.tolist(), self.rings.tolist(),
+                                                    (ends - self.sizes).tolist(), ends.tolist()):
+                group = new(Group)       # the frozen __init__'s per-field object.__setattr__ costs 3x this
+                fields = group.__dict__
+                fields["ranks"], fields["seq_ids"], fields["ring"] = tuple(range(start, start + degree)), tuple(ids[at:end]), ring
+                built.append(group)
+            self._groups = tuple(built)
+        return self._groups
+
+    def __len__(self) -> int:
+        return len(self.degrees)
+
+    def __getitem__(self, i):
+        return self._built()[i]
+
+    def __iter__(self):
+        return iter(self._built())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, PlacedGroups)):
+            return self._built() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._built())
+
+    def __repr__(self) -> str:
+        return repr(self._built())
+
+    def __reduce__(self):
+        return tuple, (self._built(),)
+
+
 @dataclass(frozen=True)
 class MicroBatch:
-    """Groups that run at the same time on disjoint ranks; the slowest one sets the pace."""
+    """Groups that run at the same time on disjoint ranks; the slowest one sets the pace. ``groups`` is a
+    tuple of ``Group`` or, from ``plan_batch``, ``PlacedGroups``: the same groups as columns, read the same way."""
 
-    groups: tuple[Group, ...]
+    groups: Sequence[Group]
 
     def group_of_rank(self, rank: int) -> Group | None:
         for group in self.groups:
@@ -76,11 +122,16 @@ class Plan:
     # --- views --------------------------------------------------------------------------------
     @property
     def num_sequences(self) -> int:
-        return sum(len(g.seq_ids) for mb in self.micro_batches for g in mb.groups)
+        return sum(int(_sizes(mb).sum()) for mb in self.micro_batches)
 
     def degree_histogram(self) -> dict[int, int]:
         """How many groups of each degree the plan uses, over all micro-batches."""
-        hist = Counter(len(g.ranks) for mb in self.micro_batches for g in mb.groups)
+        hist: Counter = Counter()
+        for mb in self.micro_batches:
+            if isinstance(mb.groups, PlacedGroups):
+                hist.update(dict(zip(*(a.tolist() for a in np.unique(mb.groups.degrees, return_counts=True)))))
+            else:
+                hist.update(len(g.ranks) for g in mb.groups)
         return dict(sorted(hist.items()))
 
     def group_times(self, lengths: Sequence[int], cost: "CostModel") -> list[list[float]]:
@@ -88,11 +139,11 @@ class Plan:
         ``cost.seq_time`` call per distinct degree of a micro-batch, windowed and chunked layers included)."""
         lengths = np.asarray(lengths, dtype=np.float64)
         out = []
-        for mb in self.micro_batches:
-            sizes = [len(g.seq_ids) for g in mb.groups]
+        for m, mb in enumerate(self.micro_batches):
+            sizes = _sizes(mb)
             owner = np.repeat(np.arange(len(mb.groups)), sizes)
-            s = lengths[np.fromiter((i for g in mb.groups for i in g.seq_ids), dtype=np.int64, count=sum(sizes))]
-            degree = np.repeat(np.fromiter((g.degree for g in mb.groups), dtype=np.int64, count=len(mb.groups)), sizes)
+            s = lengths[_int_array(m, mb, "seq_ids")]
+            degree = np.repeat(_degrees(mb), sizes)
             per_seq = np.zeros(len(s))
             for d in np.unique(degree):
                 mask = degree == d
@@ -148,9 +199,12 @@ class Plan:
                 capacity = {d: cost.group_capacity(d) for d in self.degree_histogram()}
                 for m, (mb, ids) in enumerate(zip(self.micro_batches, ids_per_mb)):
                     if not wide:
-                        sizes = np.array([len(g.seq_ids) for g in mb.groups])
+                        sizes = _sizes(mb)
                         sums = np.add.reduceat(lengths[ids], np.concatenate([[0], np.cumsum(sizes)[:-1]]))
-                        caps = np.array([min(capacity[g.degree], INT64_MAX) for g in mb.groups], dtype=np.int64)
+                        degrees = _degrees(mb)
+                        caps = np.zeros(len(degrees), dtype=np.int64)
+                        for d in set(degrees.tolist()):
+                            caps[degrees == d] = min(capacity[d], INT64_MAX)
                         if not (sums > caps).any():
                             continue
                     for j, g in enumerate(mb.groups):
@@ -168,32 +222,40 @@ class Plan:
     def _check_split(m: int, mb: MicroBatch, cost: "CostModel | None") -> None:
         """Ulysses x ring = group size; the Ulysses degree divides the model's heads and the split is
         the one the cost model costs (when it knows the heads)."""
-        seen: set[tuple[str, str, int]] = set()
-        for j, g in enumerate(mb.groups):
-            key = (type(g.ring).__name__, repr(g.ring), len(g.ranks))
-            if key in seen:                                # same split as a group already checked
-                continue
-            seen.add(key)
-            ring = integer(g.ring, f"micro-batch {m} group {j}: ring", PlanError)
-            if g.degree % ring:
+        if isinstance(mb.groups, PlacedGroups):          # one check per distinct (ring, degree), first group first
+            g = mb.groups
+            _, first = np.unique(g.rings * (int(g.degrees.max()) + 1) + g.degrees, return_index=True)
+            splits = ((j, g.rings[j], g.degrees[j]) for j in np.sort(first).tolist())
+        else:
+            seen: set[tuple[str, str, int]] = set()
+            splits = []
+            for j, group in enumerate(mb.groups):
+                key = (type(group.ring).__name__, repr(group.ring), len(group.ranks))
+                if key not in seen:                        # same split as a group already checked
+                    seen.add(key)
+                    splits.append((j, group.ring, group.degree))
+        for j, ring, degree in splits:
+            ring, degree = integer(ring, f"micro-batch {m} group {j}: ring", PlanError), int(degree)
+            if degree % ring:
                 raise PlanError(f"micro-batch {m} group {j}: ring degree {ring} must divide "
-                                f"the group's {g.degree} GPUs (Ulysses x ring = group size)")
+                                f"the group's {degree} GPUs (Ulysses x ring = group size)")
             if cost is None:
                 continue
-            if cost.heads is not None and cost.heads % g.ulysses:
+            ulysses = degree // ring
+            if cost.heads is not None and cost.heads % ulysses:
                 raise PlanError(
-                    f"micro-batch {m} group {j}: Ulysses degree {g.ulysses} (= {g.degree} GPUs / ring {ring}) does not "
-                    f"divide the model's {cost.heads} attention heads; it needs ring = {cost.split(g.degree)[1]}")
-            expected = cost.split(g.degree)
-            if (g.ulysses, ring) != expected:
-                raise PlanError(f"micro-batch {m} group {j}: runs Ulysses {g.ulysses} x ring {ring}, but the cost model "
-                                f"costs {g.degree} GPUs as Ulysses {expected[0]} x ring {expected[1]}")
+                    f"micro-batch {m} group {j}: Ulysses degree {ulysses} (= {degree} GPUs / ring {ring}) does not "
+                    f"divide the model's {cost.heads} attention heads; it needs ring = {cost.split(degree)[1]}")
+            expected = cost.split(degree)
+            if (ulysses, ring) != expected:
+                raise PlanError(f"micro-batch {m} group {j}: runs Ulysses {ulysses} x ring {ring}, but the cost model "
+                                f"costs {degree} GPUs as Ulysses {expected[0]} x ring {expected[1]}")
 
     def _check_ranks(self, m: int, mb: MicroBatch, cluster: "Cluster | None", aligned: bool) -> None:
         """Degrees, rank ranges, overlaps, alignment and node containment of one micro-batch, checked
         on all its ranks at once; the message names the first offending group."""
         n = self.num_gpus
-        degrees = np.array([g.degree for g in mb.groups])
+        degrees = _degrees(mb)
         starts = np.concatenate([[0], np.cumsum(degrees)[:-1]])
         owner = np.repeat(np.arange(len(degrees)), degrees)
         ranks = _int_array(m, mb, "ranks")
@@ -204,8 +266,10 @@ class Plan:
                 raise PlanError(f"micro-batch {m} group {j}: {message(j)}")
 
         fail(degrees < 1, lambda j: "group has no ranks")
-        fail(np.array([not g.seq_ids for g in mb.groups]), lambda j: "group has no sequences")
-        fail(np.array([isinstance(g.ring, bool) or not isinstance(g.ring, int) or g.ring < 1 or g.degree % g.ring
+        fail(_sizes(mb) == 0, lambda j: "group has no sequences")
+        columns = mb.groups if isinstance(mb.groups, PlacedGroups) else None
+        fail((columns.rings < 1) | (degrees % np.maximum(columns.rings, 1) != 0) if columns is not None else
+             np.array([isinstance(g.ring, bool) or not isinstance(g.ring, int) or g.ring < 1 or g.degree % g.ring
                        for g in mb.groups]),
              lambda j: f"ring degree {mb.groups[j].ring!r} must be a whole number dividing the group's {degrees[j]} GPUs")
         first = ranks[starts][owner]        # every group has >= 1 rank from here on
@@ -311,9 +375,31 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+def _degrees(mb: MicroBatch) -> np.ndarray:
+    """Each group's degree (its rank count)."""
+    groups = mb.groups
+    if isinstance(groups, PlacedGroups):
+        return groups.degrees
+    return np.fromiter((len(g.ranks) for g in groups), dtype=np.int64, count=len(groups))
+
+
+def _sizes(mb: MicroBatch) -> np.ndarray:
+    """How many sequences each group runs."""
+    groups = mb.groups
+    if isinstance(groups, PlacedGroups):
+        return groups.sizes
+    return np.fromiter((len(g.seq_ids) for g in groups), dtype=np.int64, count=len(groups))
+
+
 def _int_array(m: int, mb: MicroBatch, what: str) -> np.ndarray:
     """All groups' ``ranks`` or ``seq_ids`` of a micro-batch as one int64 array; a value that is not
-    an integer in int64's range is a ``PlanError`` naming its group."""
+    an integer in int64's range is a ``PlanError`` naming its group (columns are int64 already)."""
+    if isinstance(mb.groups, PlacedGroups):
+        g = mb.groups
+        if what == "seq_ids":
+            return g.ids
+        offsets = np.cumsum(g.degrees) - g.degrees              # each group's block of consecutive ranks
+        return np.repeat(g.first_ranks - offsets, g.degrees) + np.arange(int(g.degrees.sum()))
     values = [v for g in mb.groups for v in getattr(g, what)]
     kinds = set(map(type, values))                  # C-speed type scan; the per-value loop only on a bad value
     if all(k is not bool and issubclass(k, (int, np.integer)) and not issubclass(k, np.bool_) for k in kinds):

@@ -223,6 +223,8 @@ def test_packed_plans_round_trip_compactly():
     packed = pack_plan(plan)
     back = unpack_plan(packed)
     assert back == plan and back.to_dict() == plan.to_dict()
+    parsed = flexsp.Plan.from_json(plan.to_json())            # groups as Group tuples, not plan_batch's columns
+    assert unpack_plan(pack_plan(parsed)) == plan and pack_plan(parsed)["seq_ids"].tolist() == packed["seq_ids"].tolist()
     assert len(pickle.dumps(packed)) < 0.5 * len(pickle.dumps(plan))
     scattered = flexsp.Plan(8, (flexsp.MicroBatch((flexsp.Group((5, 1), (1, 0)), flexsp.Group((0,), ()))),), 1.0)
     assert unpack_plan(pack_plan(scattered)) == scattered   # any ranks, even empty groups
