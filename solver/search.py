@@ -151,8 +151,8 @@ def mean_bucket_times(lengths: np.ndarray, buckets: Buckets, costs: DegreeCosts)
     time of the bucket's upper bound."""
     nb = len(buckets.upper)
     counts = np.maximum(buckets.counts, 1)
-    return np.stack([np.bincount(buckets.index, weights=costs.seq_time(lengths, k), minlength=nb) / counts
-                     for k in range(costs.num_degrees)], axis=1)
+    per_seq = costs.seconds(np.asarray(lengths)[None, :], np.arange(costs.num_degrees)[:, None])   # [D, n], one call
+    return np.stack([np.bincount(buckets.index, weights=row, minlength=nb) / counts for row in per_seq], axis=1)
 
 
 class BatchSearch:
@@ -219,9 +219,10 @@ class BatchSearch:
                 return None
             solved.append(packing)
         packings = [solved[i] for i in inverse.ravel() if solved[i] is not None]
-        # renumber micro-batches densely (an empty one may have been dropped)
-        used = np.unique(assignment)
-        return Split(np.searchsorted(used, assignment), packings)
+        # renumber micro-batches densely (an empty one may have been dropped): a micro-batch's new number
+        # is how many non-empty ones come before it (np.unique's rank, without its sort of the batch)
+        present = np.bincount(assignment, minlength=num_mb) > 0
+        return Split((np.cumsum(present) - 1)[assignment], packings)
 
     def bound(self, row: np.ndarray) -> float:
         """No packing of these bucket counts on N GPUs has a smaller bucketed makespan: the cheapest
