@@ -60,6 +60,8 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
     loads = group_loads(members, deg, lengths, costs) if loads is None else np.array(loads, dtype=np.float64)
     owner = np.repeat(np.arange(len(sizes)), sizes)
     tokens = np.bincount(owner, weights=lengths[flat].astype(np.float64), minlength=len(sizes))
+    free = num_gpus - int(degrees[deg].sum())                  # kept up to date below: a step changes a group or two
+    live = len(sizes)
     for step in range(MAX_STEPS):
         if deadline is not None and time.perf_counter() > deadline:
             break
@@ -70,7 +72,6 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
         if int(np.count_nonzero(loads >= worst)) > 2 * (MAX_STEPS - step):
             break
         best = None                                            # (new max of changed groups, action)
-        free = num_gpus - int(degrees[deg[alive]].sum())
         k = deg[s]
         mine = ids(s)
         if k + 1 < len(degrees) and free >= degrees[k + 1] - degrees[k]:
@@ -85,7 +86,7 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
                 t = float(costs.seconds(lengths[np.concatenate([mine, ids(h)])], k + 1).sum())
                 if t < worst and (best is None or t < best[0]):
                     best = (t, ("merge", s, h))
-        if alive.sum() > 1 and len(mine) > 1:
+        if live > 1 and len(mine) > 1:
             cand = mine[np.argsort(-lengths[mine], kind="stable")[:MAX_MOVE_CANDIDATES]]
             # only groups that could take the shortest candidate and still end before the slowest
             # one did can be a destination (the rest score >= worst): usually a few, as packed
@@ -107,13 +108,15 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
             break
         action = best[1]
         if action[0] == "promote":
+            free -= int(degrees[k + 1] - degrees[k])
             deg[s] = k + 1
             loads[s] = best[0]
         elif action[0] == "merge":
             h = action[2]
             changed[s] = np.concatenate([mine, ids(h)])
             deg[s], loads[s], tokens[s] = k + 1, best[0], tokens[s] + tokens[h]
-            alive[h], loads[h] = False, -np.inf
+            alive[h], loads[h] = False, -np.inf                 # same GPUs: 2 x degree k = degree k + 1
+            live -= 1
         else:
             _, s, j, seq = action
             changed[s] = mine[mine != seq]
