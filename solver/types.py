@@ -112,28 +112,47 @@ class GroupAssignment(NamedTuple):
 assignment = partial(tuple.__new__, GroupAssignment)     # a GroupAssignment from a (degree, seq_ids) pair, no keywords
 
 
-class Groups(Sequence):
+class LazyItems(Sequence):
+    """A sequence whose items ``_build`` makes on first access, once: callers that read only the columns
+    behind it (a subclass's arrays) never pay for one object per item."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: Sequence | None = None
+
+    def _build(self) -> Sequence:
+        raise NotImplementedError
+
+    def built(self) -> Sequence:
+        """The items, made now if not yet."""
+        if self._items is None:
+            self._items = self._build()
+        return self._items
+
+    def __getitem__(self, i):
+        return self.built()[i]
+
+    def __iter__(self):
+        return iter(self.built())
+
+
+class Groups(LazyItems):
     """Each group's ids as one flat array cut by ``sizes``, split into per-group arrays only when a
     group is first asked for: a caller comparing packings by their loads (``refine``) never pays for
     the thousands of slices of the packing it drops."""
 
-    def __init__(self, flat: np.ndarray, sizes: np.ndarray):
-        self.flat, self.sizes = flat, np.asarray(sizes, dtype=np.int64)
-        self._groups: list[np.ndarray] | None = None
+    __slots__ = ("flat", "sizes")
 
-    def _split(self) -> list[np.ndarray]:
-        if self._groups is None:
-            self._groups = split_at(self.flat, self.sizes)
-        return self._groups
+    def __init__(self, flat: np.ndarray, sizes: np.ndarray):
+        super().__init__()
+        self.flat, self.sizes = flat, np.asarray(sizes, dtype=np.int64)
+
+    def _build(self) -> list[np.ndarray]:
+        return split_at(self.flat, self.sizes)
 
     def __len__(self) -> int:
         return len(self.sizes)
-
-    def __getitem__(self, i):
-        return self._split()[i]
-
-    def __iter__(self):
-        return iter(self._split())
 
     def nonempty(self) -> tuple["Groups", np.ndarray]:
         """The groups that hold a sequence, and their positions."""
@@ -155,17 +174,17 @@ def split_at(values: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
 
 
 
-class GroupColumns(Sequence):
+class GroupColumns(LazyItems):
     """One micro-batch's groups as columns: each group's degree, and all their ids as ``Groups`` (one flat
     array cut by sizes). It reads as a tuple of ``GroupAssignment`` (built on first access, once), so any
     caller works on it; the planner's own steps (placing, timing, renumbering a part's ids) read the columns,
     and a 16,384-GPU plan's 131,072 groups are not built twice on the way to its ``Plan``."""
 
-    __slots__ = ("degrees", "ids", "_groups")
+    __slots__ = ("degrees", "ids")
 
     def __init__(self, degrees: np.ndarray, ids: "Groups"):
+        super().__init__()
         self.degrees, self.ids = np.asarray(degrees, dtype=np.int64), ids
-        self._groups: tuple[GroupAssignment, ...] | None = None
 
     @classmethod
     def of(cls, members, degree_idx: np.ndarray, costs: "DegreeCosts") -> "GroupColumns":
@@ -174,19 +193,11 @@ class GroupColumns(Sequence):
             flat_ids(members) if len(members) else np.zeros(0, dtype=np.int64), group_sizes(members))
         return cls(np.asarray(costs.degrees, dtype=np.int64)[np.asarray(degree_idx, dtype=np.int64)], ids)
 
-    def _built(self) -> tuple[GroupAssignment, ...]:
-        if self._groups is None:
-            self._groups = tuple(map(assignment, zip(self.degrees.tolist(), self.ids)))
-        return self._groups
+    def _build(self) -> tuple[GroupAssignment, ...]:
+        return tuple(map(assignment, zip(self.degrees.tolist(), self.ids)))
 
     def __len__(self) -> int:
         return len(self.degrees)
-
-    def __getitem__(self, i):
-        return self._built()[i]
-
-    def __iter__(self):
-        return iter(self._built())
 
 
 def group_sizes(members) -> np.ndarray:

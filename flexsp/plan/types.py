@@ -20,6 +20,7 @@ from flexsp.errors import PlanError
 from flexsp.inputs import INT64_MAX, exact_sum, integer, limit, load_json, number, parse_json, too_large, write_text
 from flexsp.plan.cluster import is_tile_start
 from flexsp.plan.lengths import as_lengths
+from solver.types import LazyItems
 
 if TYPE_CHECKING:
     from flexsp.plan.cluster import Cluster
@@ -43,56 +44,48 @@ class Group:
         return self.degree // self.ring
 
 
-class PlacedGroups(Sequence):
+class PlacedGroups(LazyItems):
     """A micro-batch's groups as columns (first rank, degree and ring of each, all ids as one flat array cut
     by sizes) that reads as a tuple of ``Group``, built on first access, once. ``place`` returns these: the
     planner's own checks (``Plan.validate``, ``Plan.group_times``) and the loader's compact form read the
     columns, so a 16,384-GPU plan's 131,072 groups become objects only when a caller walks them. Equal to,
     hashed and pickled as the tuple of its groups. Groups on contiguous ranks only (what placement gives)."""
 
-    __slots__ = ("first_ranks", "degrees", "rings", "ids", "sizes", "_groups")
+    __slots__ = ("first_ranks", "degrees", "rings", "ids", "sizes")
 
     def __init__(self, first_ranks: np.ndarray, degrees: np.ndarray, rings: np.ndarray, ids: np.ndarray,
                  sizes: np.ndarray) -> None:
+        super().__init__()
         self.first_ranks, self.degrees, self.rings, self.ids, self.sizes = (
             np.asarray(a, dtype=np.int64) for a in (first_ranks, degrees, rings, ids, sizes))
-        self._groups: tuple[Group, ...] | None = None
 
-    def _built(self) -> tuple[Group, ...]:
-        if self._groups is None:
-            ends = np.cumsum(self.sizes)
-            ids, new, built = self.ids.tolist(), object.__new__, []
-            for start, degree, ring, at, end in zip(self.first_ranks.tolist(), self.degrees.tolist(), self.rings.tolist(),
-                                                    (ends - self.sizes).tolist(), ends.tolist()):
-                group = new(Group)       # the frozen __init__'s per-field object.__setattr__ costs 3x this
-                fields = group.__dict__
-                fields["ranks"], fields["seq_ids"], fields["ring"] = tuple(range(start, start + degree)), tuple(ids[at:end]), ring
-                built.append(group)
-            self._groups = tuple(built)
-        return self._groups
+    def _build(self) -> tuple[Group, ...]:
+        ends = np.cumsum(self.sizes)
+        ids, new, built = self.ids.tolist(), object.__new__, []
+        for start, degree, ring, at, end in zip(self.first_ranks.tolist(), self.degrees.tolist(), self.rings.tolist(),
+                                                (ends - self.sizes).tolist(), ends.tolist()):
+            group = new(Group)           # the frozen __init__'s per-field object.__setattr__ costs 3x this
+            fields = group.__dict__
+            fields["ranks"], fields["seq_ids"], fields["ring"] = tuple(range(start, start + degree)), tuple(ids[at:end]), ring
+            built.append(group)
+        return tuple(built)
 
     def __len__(self) -> int:
         return len(self.degrees)
 
-    def __getitem__(self, i):
-        return self._built()[i]
-
-    def __iter__(self):
-        return iter(self._built())
-
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (tuple, PlacedGroups)):
-            return self._built() == tuple(other)
+            return self.built() == tuple(other)
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self._built())
+        return hash(self.built())
 
     def __repr__(self) -> str:
-        return repr(self._built())
+        return repr(self.built())
 
     def __reduce__(self):
-        return tuple, (self._built(),)
+        return tuple, (self.built(),)
 
 
 @dataclass(frozen=True)
