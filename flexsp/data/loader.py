@@ -34,7 +34,7 @@ from flexsp.data.batching import EpochBatches
 from flexsp.data.collate import Row, read_row, shard_group
 from flexsp.data.config import LoaderConfig
 from flexsp.data.errors import LoaderError
-from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, planner_deadline
+from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, pack_plan, planner_deadline, unpack_plan
 from flexsp.data.prefetch import Prefetch
 from flexsp.data.source import resolve_lengths
 from flexsp.plan.cluster import Cluster
@@ -258,7 +258,9 @@ class FlexSPLoader:
         if result.error is not None:
             return {**where, "error": result.error}
         b = result.batch
-        plan = result.plan.to_dict()
+        # a few flat arrays (every rank rebuilds it as columns, not one dict per group); its meta stays here,
+        # as it did in the JSON form: a custom planner's meta need not pickle
+        plan = {**pack_plan(result.plan), "meta": {}}
         self._fallbacks += bool(result.fallback)   # every rank learns the count with the plan
         return {"epoch": b.epoch, "index": b.index, "last": b.last, "skipped": b.skipped,
                 "indices": list(b.indices), "lengths": [int(n) for n in self.lengths[list(b.indices)]],
@@ -333,7 +335,7 @@ class FlexSPLoader:
                               f"sent batch {payload['index']} of epoch {payload['epoch']}: were all ranks resumed "
                               f"from the same state?")
         self._digest = payload["fingerprint"]
-        plan = Plan.from_dict(payload["plan"])
+        plan = unpack_plan(payload["plan"])
         plan = dataclasses.replace(plan, meta={**plan.meta, "planner_fallbacks": payload["planner_fallbacks"]})
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
         loaded = time.perf_counter()

@@ -73,6 +73,14 @@ class PlacedGroups(LazyItems):
     def __len__(self) -> int:
         return len(self.degrees)
 
+    def group(self, j: int) -> Group:
+        """Group ``j`` alone, without building the others."""
+        if self._items is not None:
+            return self._items[j]
+        at, start, degree = int(self.sizes[:j].sum()), int(self.first_ranks[j]), int(self.degrees[j])
+        return Group(tuple(range(start, start + degree)), tuple(self.ids[at:at + int(self.sizes[j])].tolist()),
+                     int(self.rings[j]))
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (tuple, PlacedGroups)):
             return self.built() == tuple(other)
@@ -96,6 +104,10 @@ class MicroBatch:
     groups: Sequence[Group]
 
     def group_of_rank(self, rank: int) -> Group | None:
+        if isinstance(self.groups, PlacedGroups):           # found on the columns; only that group is built
+            g = self.groups
+            hit = np.flatnonzero((g.first_ranks <= rank) & (rank < g.first_ranks + g.degrees))
+            return g.group(int(hit[0])) if hit.size else None
         for group in self.groups:
             if rank in group.ranks:
                 return group

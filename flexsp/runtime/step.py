@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,7 +38,8 @@ from torch import nn
 from flexsp.errors import FlexSPError, PlanError
 from flexsp.plan import memory as sharding_mod
 from flexsp.plan.cost import CostModel
-from flexsp.plan.types import Group, Plan
+from flexsp.plan.cluster import is_tile_start
+from flexsp.plan.types import Group, PlacedGroups, Plan
 from flexsp.runtime.config import TrainConfig
 from flexsp.runtime.coupled import BatchCoupled, batch_coupled
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
@@ -108,31 +110,85 @@ def step_loss(token_loss_sum: torch.Tensor, supervised: int) -> torch.Tensor:
 
 def validate_step(plan: Plan, lengths: Sequence[int], pool: GroupPool, *, num_heads: int | None = None,
                   num_kv_heads: int | None = None, cost: CostModel | None = None) -> None:
-    """Raise ``PlanError`` if ``plan`` cannot run on this world and batch. Local only: no collectives."""
+    """Raise ``PlanError`` if ``plan`` cannot run on this world and batch. Local only: no collectives.
+
+    Every rank runs this every step, so a plan from ``plan_batch`` (groups as ``PlacedGroups`` columns) is
+    checked on arrays, and only a group they flag is checked (and named) one by one, as any other plan's
+    groups are: a 16,384-GPU plan's 131,072 groups are not built as objects here."""
     if not isinstance(plan, Plan):
         raise PlanError(f"expected a flexsp.Plan, got {type(plan).__name__}")
     if plan.num_gpus != pool.world_size:
         raise PlanError(f"plan is for {plan.num_gpus} GPUs but the process group has {pool.world_size} ranks")
-    unknown = sorted({s for mb in plan.micro_batches for g in mb.groups for s in g.seq_ids
-                      if not 0 <= s < len(lengths)})
+    unknown = sorted(_unknown_ids(plan, len(lengths)))
     if unknown:
         raise PlanError(f"plan references sequence ids {unknown[:8]} but the batch has {len(lengths)} "
                         f"sequences (ids 0..{len(lengths) - 1})")
     plan.validate(lengths=lengths)
+    as_array = np.asarray(lengths, dtype=np.int64)         # once, not per micro-batch
     for m, mb in enumerate(plan.micro_batches):
-        for j, g in enumerate(mb.groups):
+        groups = mb.groups
+        if isinstance(groups, PlacedGroups):
+            for j in _flagged(groups, as_array, pool, num_heads, num_kv_heads, cost).tolist():
+                _check_group(m, j, groups.group(j), lengths, pool, num_heads, num_kv_heads, cost)
+        else:
+            for j, g in enumerate(groups):
+                _check_group(m, j, g, lengths, pool, num_heads, num_kv_heads, cost)
+
+
+def _unknown_ids(plan: Plan, count: int) -> set:
+    """Sequence ids of ``plan`` outside ``0..count-1``."""
+    out: set = set()
+    for mb in plan.micro_batches:
+        if isinstance(mb.groups, PlacedGroups):
+            ids = mb.groups.ids
+            out.update(ids[(ids < 0) | (ids >= count)].tolist())
+        else:
+            out.update(s for g in mb.groups for s in g.seq_ids if not 0 <= s < count)
+    return out
+
+
+def _check_group(m: int, j: int, g: Group, lengths: Sequence[int], pool: GroupPool, num_heads: int | None,
+                 num_kv_heads: int | None, cost: CostModel | None) -> None:
+    """``validate_step``'s checks of one group: pooled, heads split evenly, within memory."""
+    try:
+        pool.check(g.ranks, g.ring)
+        if num_heads is not None:   # a ring group splits heads over its Ulysses part only
+            check_heads(num_heads, num_kv_heads or num_heads, g.ulysses)
+    except (PlanError, ShardingError) as exc:
+        raise PlanError(f"micro-batch {m} group {j}: {exc}") from None
+    if cost is not None:
+        tokens = sum(int(lengths[s]) for s in g.seq_ids)
+        if tokens > cost.group_capacity(g.degree):
+            raise PlanError(f"micro-batch {m} group {j} holds {tokens} tokens on {g.degree} GPUs, more than "
+                            f"the cost model's capacity {cost.group_capacity(g.degree):.0f} "
+                            f"({cost.token_capacity:.0f} per GPU): it would run out of memory")
+
+
+def _flagged(groups: PlacedGroups, lengths: np.ndarray, pool: GroupPool, num_heads: int | None,
+             num_kv_heads: int | None, cost: CostModel | None) -> np.ndarray:
+    """Positions of the groups ``_check_group`` would refuse, found on the columns (each check once per
+    distinct degree, split or Ulysses part); ascending, so the first raises as the loop over groups would.
+    Runs after ``Plan.validate``: every group has ranks and sequences."""
+    if pool.closed:
+        return np.arange(min(1, len(groups)))
+    degrees, rings = groups.degrees, groups.rings
+    bad = ~(np.isin(degrees, list(pool.degrees))
+            & is_tile_start(groups.first_ranks, degrees, pool.world_size, pool.gpus_per_node))
+    for d, r in set(zip(degrees.tolist(), rings.tolist())):
+        if r > 1 and (d // r, r) not in pool.splits:
+            bad |= (degrees == d) & (rings == r)
+    if num_heads is not None:
+        ulysses = degrees // rings
+        for u in set(ulysses.tolist()):
             try:
-                pool.check(g.ranks, g.ring)
-                if num_heads is not None:   # a ring group splits heads over its Ulysses part only
-                    check_heads(num_heads, num_kv_heads or num_heads, g.ulysses)
-            except (PlanError, ShardingError) as exc:
-                raise PlanError(f"micro-batch {m} group {j}: {exc}") from None
-            if cost is not None:
-                tokens = sum(int(lengths[s]) for s in g.seq_ids)
-                if tokens > cost.group_capacity(g.degree):
-                    raise PlanError(f"micro-batch {m} group {j} holds {tokens} tokens on {g.degree} GPUs, more than "
-                                    f"the cost model's capacity {cost.group_capacity(g.degree):.0f} "
-                                    f"({cost.token_capacity:.0f} per GPU): it would run out of memory")
+                check_heads(num_heads, num_kv_heads or num_heads, u)
+            except (PlanError, ShardingError):
+                bad |= ulysses == u
+    if cost is not None:
+        tokens = np.add.reduceat(lengths[groups.ids], np.cumsum(groups.sizes) - groups.sizes)
+        for d in set(degrees.tolist()):
+            bad |= (degrees == d) & (tokens > cost.group_capacity(d))
+    return np.flatnonzero(bad)
 
 
 class StepExecutor:
