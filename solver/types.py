@@ -21,6 +21,7 @@ sequence does not fit one group of the degree a baseline insists on).
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -121,8 +122,9 @@ class LazyItems(Sequence):
     def __init__(self) -> None:
         self._items: Sequence | None = None
 
+    @abstractmethod
     def _build(self) -> Sequence:
-        raise NotImplementedError
+        """The items, from the subclass's columns."""
 
     def built(self) -> Sequence:
         """The items, made now if not yet."""
