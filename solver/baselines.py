@@ -13,8 +13,7 @@ import numpy as np
 
 from .blaster import interleaved, min_micro_batches
 from .counting import OutOfTime, search_count
-from .materialize import split_at
-from .types import DegreeCosts, GroupAssignment, InfeasibleDegree, Schedule
+from .types import DegreeCosts, GroupAssignment, InfeasibleDegree, Schedule, split_at
 
 # Above this many sequences, a vectorised snake deal replaces the per-sequence LPT loop when it
 # respects memory (with many sequences per group both balance to within one short sequence).

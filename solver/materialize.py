@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from .group_packing import BinPacking
-from .types import DegreeCosts, GroupAssignment, Groups, assignment, flat_ids, group_loads, split_at  # noqa: F401 (re-exported)
+from .types import DegreeCosts, GroupAssignment, Groups, assignment, group_loads, split_at
 
 # LPT rebalancing loops over sequences in Python at O(groups) each: skip it on big micro-batches,
 # where many sequences per group make the dealt version balanced anyway.

@@ -43,12 +43,13 @@ from . import blaster
 from .bucketing import RULES, Buckets, exact_buckets
 from .counting import OutOfTime, search_count
 from .group_packing import BinPacking, MicroBatchPacker
-from .materialize import as_groups, flat_ids, to_groups, to_members
+from .materialize import as_groups, to_groups, to_members
 from .exact import exact_plan
 from .milp import solve_milp
 from .one_gpu import one_gpu_plan
 from .tighten import tighten_members
-from .types import DegreeCosts, GroupAssignment, GroupColumns, Groups, Infeasible, Schedule, group_loads, group_sizes
+from .types import (DegreeCosts, GroupAssignment, GroupColumns, Groups, Infeasible, Schedule, flat_ids, group_loads,
+                    group_sizes)
 
 # Other strategies' plans (``fallbacks``) are tried on batches up to this many sequences. Above it
 # the search has the most room and their plans never won in experiments/scale_benchmark.py (FlexSP

@@ -168,14 +168,12 @@ def unpack_plan(packed: dict[str, Any]) -> Plan:
             MicroBatch(PlacedGroups(packed["ranks"][a:b], counts[a:b], packed["ring"][a:b],
                                     packed["seq_ids"][seq_bounds[a]:seq_bounds[b]], seq_counts[a:b]))
             for a, b in zip(bounds[:-1], bounds[1:]))
-        return Plan(num_gpus=packed["num_gpus"], micro_batches=micro_batches, predicted_time=packed["predicted_time"],
-                    strategy=packed["strategy"], gpus_per_node=packed["gpus_per_node"],
-                    solve_time=packed["solve_time"], meta=packed["meta"])
-    ranks = np.split(packed["ranks"], np.cumsum(counts, dtype=np.int64)[:-1]) if len(counts) else []
-    seqs = np.split(packed["seq_ids"], np.cumsum(seq_counts, dtype=np.int64)[:-1]) if len(counts) else []
-    groups = [Group(ranks=tuple(int(r) for r in rk), seq_ids=tuple(s.tolist()), ring=int(ring))
-              for rk, s, ring in zip(ranks, seqs, packed["ring"].tolist())]
-    micro_batches = tuple(MicroBatch(tuple(groups[a:b])) for a, b in zip(bounds[:-1], bounds[1:]))
+    else:
+        ranks = np.split(packed["ranks"], np.cumsum(counts, dtype=np.int64)[:-1]) if len(counts) else []
+        seqs = np.split(packed["seq_ids"], np.cumsum(seq_counts, dtype=np.int64)[:-1]) if len(counts) else []
+        groups = [Group(ranks=tuple(int(r) for r in rk), seq_ids=tuple(s.tolist()), ring=int(ring))
+                  for rk, s, ring in zip(ranks, seqs, packed["ring"].tolist())]
+        micro_batches = tuple(MicroBatch(tuple(groups[a:b])) for a, b in zip(bounds[:-1], bounds[1:]))
     return Plan(num_gpus=packed["num_gpus"], micro_batches=micro_batches, predicted_time=packed["predicted_time"],
                 strategy=packed["strategy"], gpus_per_node=packed["gpus_per_node"],
                 solve_time=packed["solve_time"], meta=packed["meta"])

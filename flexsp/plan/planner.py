@@ -30,31 +30,36 @@ from flexsp.plan.cluster import Cluster, Placement, nesting_subset, place_groups
 from flexsp.plan.config import PlanConfig
 from flexsp.plan.cost import CostModel
 from flexsp.plan.lengths import as_lengths
-from flexsp.plan.types import MicroBatch, PlacedGroups, Plan
+from flexsp.plan.types import MicroBatch, PlacedGroups, Plan, per_degree
 from solver.search import SearchOptions
 from solver.types import DegreeCosts, GroupAssignment, GroupColumns, Infeasible, InfeasibleDegree, Schedule
 
 
 def _ordered(groups) -> list[GroupAssignment]:
-    """Largest group first, then by first sequence id: the order groups are placed and listed in."""
+    """``groups`` in ``placement_order``."""
     groups = list(groups)
     if len(groups) < 2:
         return groups
     degrees = np.fromiter((g.degree for g in groups), dtype=np.int64, count=len(groups))
     first = np.fromiter((g.seq_ids[0] if len(g.seq_ids) else 0 for g in groups), dtype=np.int64, count=len(groups))
-    return [groups[i] for i in np.lexsort((first, -degrees)).tolist()]
+    return [groups[i] for i in placement_order(degrees, first).tolist()]
+
+
+def placement_order(degrees: np.ndarray, first_ids: np.ndarray) -> np.ndarray:
+    """The order groups are placed and listed in: largest first, then by first sequence id (0 for none)."""
+    return np.lexsort((first_ids, -degrees))
 
 
 def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | None = None) -> tuple[MicroBatch, ...]:
     """Each micro-batch's groups on tiles (``place_groups``; default cluster: one node of N GPUs, where
-    powers of two land on the aligned blocks ``[k*d, (k+1)*d)``), in ``_ordered``'s order. With ``cost``,
+    powers of two land on the aligned blocks ``[k*d, (k+1)*d)``), in ``placement_order``. With ``cost``,
     each group records its Ulysses x ring split. A ``PlanError`` if a micro-batch does not place (``repair``
     first). Works on arrays per micro-batch and returns the groups as ``PlacedGroups`` (columns that read as
     ``Group`` tuples, built on first access): a 16,384-GPU plan has 131,072 groups."""
     n = schedule_gpus(schedule) if cluster is None else cluster.num_gpus
     per_node = n if cluster is None else cluster.gpus_per_node
     micro_batches = []
-    rings: dict[int, int] = {}                                  # degree: its ring axis (cost.split)
+    ring_of = (lambda d: 1) if cost is None else (lambda d: cost.split(d)[1])   # each degree's ring axis
     for m, groups in enumerate(schedule.micro_batches):
         count = len(groups)
         if isinstance(groups, GroupColumns):                    # the search's micro-batches: read the columns
@@ -66,19 +71,15 @@ def place(schedule: Schedule, cost: CostModel | None = None, cluster: Cluster | 
             flat = np.concatenate(members).astype(np.int64) if count else np.zeros(0, dtype=np.int64)
         offsets = np.cumsum(sizes) - sizes
         first = np.where(sizes > 0, flat[np.minimum(offsets, max(0, len(flat) - 1))] if len(flat) else 0, 0)
-        order = np.lexsort((first, -degrees))                    # _ordered: largest first, then first id
+        order = placement_order(degrees, first)
         degrees, sizes, offsets = degrees[order], sizes[order], offsets[order]
-        for d in set(degrees.tolist()) - rings.keys():
-            rings[d] = 1 if cost is None else cost.split(d)[1]
         starts = place_groups(degrees.tolist(), n, per_node)
         if starts is None:
             raise PlanError(f"micro-batch {m}: groups of degrees {degrees.tolist()} do not place on "
                             f"{n} GPUs in nodes of {per_node}")
         ends = np.cumsum(sizes)
         ids = flat[np.repeat(offsets - (ends - sizes), sizes) + np.arange(len(flat))]
-        ring = np.ones(len(degrees), dtype=np.int64)
-        for d in set(degrees.tolist()):
-            ring[degrees == d] = rings[d]
+        ring = per_degree(degrees, ring_of, np.int64)
         micro_batches.append(MicroBatch(PlacedGroups(starts, degrees, ring, ids, sizes)))
     return tuple(micro_batches)
 

@@ -206,10 +206,7 @@ class Plan:
                     if not wide:
                         sizes = _sizes(mb)
                         sums = np.add.reduceat(lengths[ids], np.concatenate([[0], np.cumsum(sizes)[:-1]]))
-                        degrees = _degrees(mb)
-                        caps = np.zeros(len(degrees), dtype=np.int64)
-                        for d in set(degrees.tolist()):
-                            caps[degrees == d] = min(capacity[d], INT64_MAX)
+                        caps = per_degree(_degrees(mb), lambda d: min(capacity[d], INT64_MAX), np.int64)
                         if not (sums > caps).any():
                             continue
                     for j, g in enumerate(mb.groups):
@@ -378,6 +375,15 @@ def _int(value: Any, what: str) -> int:
     if not 0 <= value <= INT64_MAX:
         raise PlanError(f"{what} must hold integers from 0 to 2**63-1, got {value}")
     return value
+
+
+def per_degree(degrees: np.ndarray, value, dtype=np.float64) -> np.ndarray:
+    """``value(d)`` for each entry of ``degrees``, called once per distinct degree (a plan has a handful of
+    degrees and up to 131,072 groups)."""
+    out = np.empty(len(degrees), dtype=dtype)
+    for d in set(degrees.tolist()):
+        out[degrees == d] = value(d)
+    return out
 
 
 def _degrees(mb: MicroBatch) -> np.ndarray:

@@ -39,7 +39,7 @@ from flexsp.errors import FlexSPError, PlanError
 from flexsp.plan import memory as sharding_mod
 from flexsp.plan.cost import CostModel
 from flexsp.plan.cluster import is_tile_start
-from flexsp.plan.types import Group, PlacedGroups, Plan
+from flexsp.plan.types import Group, PlacedGroups, Plan, per_degree
 from flexsp.runtime.config import TrainConfig
 from flexsp.runtime.coupled import BatchCoupled, batch_coupled
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
@@ -186,8 +186,7 @@ def _flagged(groups: PlacedGroups, lengths: np.ndarray, pool: GroupPool, num_hea
                 bad |= ulysses == u
     if cost is not None:
         tokens = np.add.reduceat(lengths[groups.ids], np.cumsum(groups.sizes) - groups.sizes)
-        for d in set(degrees.tolist()):
-            bad |= (degrees == d) & (tokens > cost.group_capacity(d))
+        bad |= tokens > per_degree(degrees, cost.group_capacity)
     return np.flatnonzero(bad)
 
 
