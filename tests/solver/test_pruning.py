@@ -63,3 +63,17 @@ def test_bounds_on_arrays_are_bound_bit_for_bit(seed):
     got = search.bounds(rows)
     assert got.tolist() == [search.bound(row) for row in rows]
     assert got[0] == 0.0 and search.bound_sum(rows) == float(np.array([search.bound(r) for r in rows]).sum())
+
+
+def test_the_sweep_packs_fewer_points_on_small_batches(monkeypatch):
+    """``sweep_points``: 24 makespans (and 8 below the slowest sequence) on big batches, fewer on small
+    ones, never fewer than 12; counted on the whole-batch packings ``arranged_candidates`` asks for."""
+    from solver import search
+    assert [search.sweep_points(n) for n in (9, 48, 64, 95, 96, 10_000)] == [12, 12, 16, 23, 24, 24]
+    for n, points in ((16, 12), (200, 24)):
+        lengths = np.random.default_rng(n).integers(10, 90, size=n)
+        sweep = BatchSearch(lengths, COSTS, 8, SearchOptions())
+        asked = []
+        monkeypatch.setattr(sweep, "arranged_split", lambda makespan, **kw: asked.append(makespan))
+        sweep.arranged_candidates()
+        assert len(asked) == points + points // 3
