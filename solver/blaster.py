@@ -78,8 +78,7 @@ def critical_fill(order: np.ndarray, area: np.ndarray, critical: np.ndarray, tok
     # plain floats: a handful of micro-batches per sequence, where numpy's per-call cost is most of the work
     crit, load, used = [0.0] * num_micro_batches, [0.0] * num_micro_batches, [0.0] * num_micro_batches
     out = np.empty(len(order), dtype=np.int64)
-    order_list = order.tolist()
-    for i, c_i, a_i, t_i in zip(order_list, critical[order].tolist(), area[order].tolist(), tokens[order].tolist()):
+    for i, c_i, a_i, t_i in zip(order.tolist(), critical[order].tolist(), area[order].tolist(), tokens[order].tolist()):
         best, best_key = -1, None
         for m in range(num_micro_batches):
             if used[m] + t_i > token_limit:
