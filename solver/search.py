@@ -95,12 +95,6 @@ SEARCH_SHARE = 0.6
 SWEEP_POINTS = 24
 MIN_SWEEP_POINTS = 12
 SEQUENCES_PER_SWEEP_POINT = 4
-# ``BatchSearch.improve`` keeps a move only when it lowers the two micro-batches' makespans by more than this
-# share: the packer's bisection stops within ``MicroBatchPacker.solve``'s 2e-3 of a makespan, so a smaller gain
-# is within its estimate's rounding. Measured at 16,384 GPUs (3 batches each): the gpt-7b constants' local
-# search kept hundreds of such moves, 1.28-1.99 -> 0.87-0.99 s of solve for plans 0.08-0.19% longer;
-# Wikipedia and long-mix plans unchanged.
-MOVE_GAIN = 2e-3
 # Relative shave of ``BatchSearch.bound`` (float rounding must never prune a split that ties).
 BOUND_SLACK = 1e-9
 # ``BatchSearch.bounds`` takes numpy from this many rows on (below, numpy's per-call overhead is most of it).
@@ -432,7 +426,7 @@ class BatchSearch:
     # --- local search -------------------------------------------------------------------------
     def improve(self, split: Split) -> Split:
         """Move sequences of one bucket from the most wasteful micro-batch to another while the sum
-        of makespans drops (by more than ``MOVE_GAIN``). Deterministic: a fixed scan order and a trial budget."""
+        of makespans drops. Deterministic: a fixed scan order and a trial budget."""
         num_mb = len(split.packings)
         if num_mb < 2:
             return split
@@ -452,20 +446,19 @@ class BatchSearch:
                 new_src[b] -= qty
                 new_dst[b] += qty
                 before = packings[src].makespan + packings[dst].makespan
-                keep_below = before * (1 - MOVE_GAIN)      # a move is kept only below this
-                if self.bound(new_dst) + self.bound(new_src) >= keep_below:
+                if self.bound(new_dst) + self.bound(new_src) >= before * (1 - 1e-9):
                     continue                   # cannot be kept: skip packing it (the trial still counts)
                 # each packing is asked only for a makespan that could still be kept (None: none is)
                 p_dst = self.packer.solve(new_dst, below=before - self.bound(new_src))
                 if p_dst is None:
                     continue
-                if p_dst.makespan + self.bound(new_src) >= keep_below:
+                if p_dst.makespan + self.bound(new_src) >= before * (1 - 1e-9):
                     continue                   # cannot be kept whatever the source packs to
                 p_src = self.packer.solve(new_src, below=before - p_dst.makespan) if new_src.any() else None
                 if new_src.any() and p_src is None:
                     continue
                 after = p_dst.makespan + (p_src.makespan if p_src is not None else 0.0)
-                if after < keep_below:
+                if after < before * (1 - 1e-9):
                     counts[src], counts[dst] = new_src, new_dst
                     packings[src], packings[dst] = p_src, p_dst
                     if p_src is None:          # the source micro-batch is now empty

@@ -77,25 +77,3 @@ def test_the_sweep_packs_fewer_points_on_small_batches(monkeypatch):
         monkeypatch.setattr(sweep, "arranged_split", lambda makespan, **kw: asked.append(makespan))
         sweep.arranged_candidates()
         assert len(asked) == points + points // 3
-
-
-@pytest.mark.parametrize("after,kept", [(1.999, False), (1.99, True)])
-def test_the_local_search_keeps_only_moves_that_gain_more_than_the_packers_tolerance(monkeypatch, after, kept):
-    """``improve`` keeps a move only when the two micro-batches' makespans drop by more than ``MOVE_GAIN``
-    (the packer's own bisection tolerance): 0.05% is rounding and stays out, 0.5% goes in."""
-    from solver import search
-    from solver.group_packing import BinPacking
-    assert search.MOVE_GAIN == 2e-3
-    lengths = np.random.default_rng(0).integers(10, 90, size=16)
-    sweep = BatchSearch(lengths, COSTS, 8, SearchOptions(max_moves=1))
-    one = lambda makespan: BinPacking(np.zeros(1, dtype=np.int64), np.zeros((1, sweep.num_buckets), dtype=np.int64),  # noqa: E731
-                                      makespan)
-    split = search.Split(np.arange(16) % 2, [one(1.0), one(1.0)])
-    b = int(sweep.buckets.index[0])
-    monkeypatch.setattr(sweep, "_moves", lambda packings, counts: iter([(0, b, 1, 1)]))
-    monkeypatch.setattr(sweep, "bound", lambda row: 0.0)
-    monkeypatch.setattr(sweep.packer, "solve", lambda row, below=None: one(after / 2))
-    result = sweep.improve(split)
-    assert (result is not split) == kept
-    if kept:
-        assert result.makespan == pytest.approx(after)
