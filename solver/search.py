@@ -89,12 +89,15 @@ MAX_REFINED_LARGE = 3
 # itself left its best split unrefined: gpt-7b at 16,384 GPUs, 1.36 of the lower bound instead of 1.09.
 SEARCH_SHARE = 0.6
 # ``sweep_points``: the makespan sweep's points (a third as many again below the slowest sequence).
-# Measured on the pace table's 135 batches of 16-64 sequences (12 points up to 48 sequences, 16 at 64):
-# plans 1.00009x as long on average (8 slower by at most 0.84%, 6 faster by up to 0.92%) for 9-19% less
-# solve time; 8 points left one plan 2.9% slower.
+# Measured on the pace table's 135 batches of 16-64 sequences on 4-16 GPUs (12-16 points): plans 1.00009x
+# as long on average (8 slower by at most 0.84%, 6 faster by up to 0.92%) for 9-19% less solve time; 8
+# points left one plan 2.9% slower. Counting sequences alone also cut the sweep of a few long sequences
+# planned apart on thousands of GPUs (long-mix, 4,096 GPUs: 1.054 -> 1.062 of the lower bound), hence
+# the points per degree.
 SWEEP_POINTS = 24
 MIN_SWEEP_POINTS = 12
 SEQUENCES_PER_SWEEP_POINT = 4
+POINTS_PER_DEGREE = 3
 # Relative shave of ``BatchSearch.bound`` (float rounding must never prune a split that ties).
 BOUND_SLACK = 1e-9
 # ``BatchSearch.bounds`` takes numpy from this many rows on (below, numpy's per-call overhead is most of it).
@@ -143,11 +146,13 @@ class Split:
         return float(sum(p.makespan for p in self.packings))
 
 
-def sweep_points(num_sequences: int) -> int:
-    """Makespans the sweep packs the whole batch at: ``SWEEP_POINTS``, fewer on small batches (one per
-    ``SEQUENCES_PER_SWEEP_POINT`` sequences, at least ``MIN_SWEEP_POINTS``), whose whole-batch packing
-    changes at fewer makespans."""
-    return min(SWEEP_POINTS, max(MIN_SWEEP_POINTS, num_sequences // SEQUENCES_PER_SWEEP_POINT))
+def sweep_points(num_sequences: int, num_degrees: int) -> int:
+    """Makespans the sweep packs the whole batch at: ``SWEEP_POINTS``, fewer on small problems, whose
+    whole-batch packing changes at fewer makespans (a bucket moves to another degree, a group takes one
+    more sequence): one per ``SEQUENCES_PER_SWEEP_POINT`` sequences or ``POINTS_PER_DEGREE`` per degree,
+    whichever is more, at least ``MIN_SWEEP_POINTS``."""
+    wanted = max(MIN_SWEEP_POINTS, num_sequences // SEQUENCES_PER_SWEEP_POINT, POINTS_PER_DEGREE * num_degrees)
+    return min(SWEEP_POINTS, wanted)
 
 
 def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -384,7 +389,7 @@ class BatchSearch:
         """The best of ``best`` and the sweep's splits (points that cannot beat the best so far
         are cut short, so the result is the same as packing every point fully). ``points``: by default
         ``sweep_points`` of the batch."""
-        points = sweep_points(len(self.lengths)) if points is None else points
+        points = sweep_points(len(self.lengths), len(self.costs.degrees)) if points is None else points
         beta1 = self.costs.beta1
         loose = self.packer.pack(self.buckets.counts, math.inf, max_gpus=math.inf)
         hi = loose.makespan - beta1

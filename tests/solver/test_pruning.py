@@ -66,10 +66,12 @@ def test_bounds_on_arrays_are_bound_bit_for_bit(seed):
 
 
 def test_the_sweep_packs_fewer_points_on_small_batches(monkeypatch):
-    """``sweep_points``: 24 makespans (and 8 below the slowest sequence) on big batches, fewer on small
-    ones, never fewer than 12; counted on the whole-batch packings ``arranged_candidates`` asks for."""
+    """``sweep_points``: 24 makespans (and 8 below the slowest sequence) on big batches or long degree
+    ladders, fewer on small problems, never fewer than 12; counted on the whole-batch packings
+    ``arranged_candidates`` asks for."""
     from solver import search
-    assert [search.sweep_points(n) for n in (9, 48, 64, 95, 96, 10_000)] == [12, 12, 16, 23, 24, 24]
+    assert [search.sweep_points(n, 4) for n in (9, 48, 64, 95, 96, 10_000)] == [12, 12, 16, 23, 24, 24]
+    assert [search.sweep_points(16, d) for d in (3, 5, 7, 13)] == [12, 15, 21, 24]   # 4 .. 4,096 GPUs
     for n, points in ((16, 12), (200, 24)):
         lengths = np.random.default_rng(n).integers(10, 90, size=n)
         sweep = BatchSearch(lengths, COSTS, 8, SearchOptions())
