@@ -79,3 +79,24 @@ def test_the_sweep_packs_fewer_points_on_small_batches(monkeypatch):
         monkeypatch.setattr(sweep, "arranged_split", lambda makespan, **kw: asked.append(makespan))
         sweep.arranged_candidates()
         assert len(asked) == points + points // 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_reused_materialized_micro_batch_is_a_fresh_one(seed):
+    """``members`` takes a micro-batch an earlier split shared (same sequences, same packing) from its cache:
+    what it returns equals a fresh search's, and the refinement of every split after it is unchanged."""
+    rng = np.random.default_rng(200 + seed)
+    lengths = rng.integers(1, 800, size=int(rng.integers(9, 80)))
+    warm = BatchSearch(lengths, COSTS, 8, SearchOptions())
+    candidates = splits(warm)
+    for split in candidates:
+        cached = warm.members(split)
+        fresh = BatchSearch(lengths, COSTS, 8, SearchOptions()).members(split)
+        for (c_members, c_deg, c_loads), (f_members, f_deg, f_loads) in zip(cached, fresh):
+            assert np.array_equal(c_deg, f_deg) and np.array_equal(c_loads, f_loads)
+            assert all(np.array_equal(c, f) for c, f in zip(c_members, f_members))
+        assert warm.refine_members(cached).time == BatchSearch(lengths, COSTS, 8, SearchOptions()).refine_members(
+            fresh).time
+    shared = sum(any(p is q for q in candidates[0].packings) for split in candidates[1:] for p in split.packings)
+    if shared:                             # a micro-batch seen before is not materialised again
+        assert len(warm._materialized) < sum(len(split.packings) for split in candidates)
