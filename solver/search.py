@@ -166,13 +166,22 @@ def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return matrix[keep], inverse
 
 
-def mean_bucket_times(lengths: np.ndarray, buckets: Buckets, costs: DegreeCosts) -> np.ndarray:
+def mean_bucket_times(lengths: np.ndarray, buckets: Buckets, costs: DegreeCosts,
+                      per_seq: np.ndarray | None = None) -> np.ndarray:
     """``[B, D]`` average real time of each bucket's sequences per degree: unbiased, unlike the
-    time of the bucket's upper bound."""
+    time of the bucket's upper bound. ``per_seq``: each sequence's seconds per degree (``[n, D]``), if the
+    caller has them."""
     nb = len(buckets.upper)
     counts = np.maximum(buckets.counts, 1)
-    per_seq = costs.seconds(np.asarray(lengths)[None, :], np.arange(costs.num_degrees)[:, None])   # [D, n], one call
-    return np.stack([np.bincount(buckets.index, weights=row, minlength=nb) / counts for row in per_seq], axis=1)
+    if per_seq is None:
+        per_seq = sequence_seconds(lengths, costs)
+    return np.stack([np.bincount(buckets.index, weights=column, minlength=nb) / counts for column in per_seq.T], axis=1)
+
+
+def sequence_seconds(lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
+    """``[n, D]`` seconds of each sequence at each degree, memory aside (``DegreeCosts.times`` puts inf where one
+    does not fit): one call for all degrees."""
+    return costs.seconds(np.asarray(lengths)[:, None], np.arange(costs.num_degrees)[None, :])
 
 
 class BatchSearch:
@@ -190,8 +199,9 @@ class BatchSearch:
                              f"({costs.capacity[-1]:.0f} tokens on {costs.degrees[-1]} GPUs)")
         self.bucket = RULES[options.bucketing]
         self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
+        per_seq = sequence_seconds(self.lengths, costs)               # [n, D]: the bucket means and the real times
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
-                                       mean_bucket_times(self.lengths, self.buckets, costs))
+                                       mean_bucket_times(self.lengths, self.buckets, costs, per_seq))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
                       else np.arange(len(self.lengths)))
         self.fastest = self.packer.times.min(axis=1)           # per bucket, seconds at its fastest degree
@@ -201,7 +211,7 @@ class BatchSearch:
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
         self.cluster_tokens = costs.capacity[0] * num_gpus   # capacity is linear in degree
         self.num_buckets = len(self.buckets.upper)
-        real = costs.times(self.lengths)                          # [n, D] on real lengths, inf: no room
+        real = np.where(self.lengths[:, None] > np.asarray(costs.capacity)[None, :], np.inf, per_seq)   # as costs.times
         self.real_area = (real * np.asarray(costs.degrees)[None, :]).min(axis=1)
         self.real_time = real.min(axis=1)
         self._refined: dict[bytes, tuple] = {}                   # refine_members' results by their input

@@ -100,3 +100,17 @@ def test_a_reused_materialized_micro_batch_is_a_fresh_one(seed):
     shared = sum(any(p is q for q in candidates[0].packings) for split in candidates[1:] for p in split.packings)
     if shared:                             # a micro-batch seen before is not materialised again
         assert len(warm._materialized) < sum(len(split.packings) for split in candidates)
+
+
+def test_the_search_computes_each_sequences_seconds_once_and_the_same():
+    """``BatchSearch`` costs every sequence at every degree once (``sequence_seconds``) for the bucket means
+    and the real times: bit for bit what ``mean_bucket_times`` alone and ``DegreeCosts.times`` give."""
+    from solver.search import mean_bucket_times, sequence_seconds
+    lengths = np.random.default_rng(5).integers(1, 800, size=500)
+    search = BatchSearch(lengths, COSTS, 8, SearchOptions())
+    assert np.array_equal(mean_bucket_times(lengths, search.buckets, COSTS),
+                          mean_bucket_times(lengths, search.buckets, COSTS, sequence_seconds(lengths, COSTS)))
+    real = COSTS.times(lengths)
+    assert np.isinf(real).any()                                   # some sequences overflow small degrees
+    assert np.array_equal(search.real_time, real.min(axis=1))
+    assert np.array_equal(search.real_area, (real * np.asarray(COSTS.degrees)[None, :]).min(axis=1))
