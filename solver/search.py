@@ -199,7 +199,8 @@ class BatchSearch:
                              f"({costs.capacity[-1]:.0f} tokens on {costs.degrees[-1]} GPUs)")
         self.bucket = RULES[options.bucketing]
         self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
-        per_seq = sequence_seconds(self.lengths, costs)               # [n, D]: the bucket means and the real times
+        # [n, D], once: the bucket means here and in ``refine_members``, and the real times
+        self.per_seq = per_seq = sequence_seconds(self.lengths, costs)
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
                                        mean_bucket_times(self.lengths, self.buckets, costs, per_seq))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
@@ -684,8 +685,11 @@ class BatchSearch:
                     if len(local.upper) == 1 and len(members) == 1:
                         break
                     upper = self.costs.times(local.upper)               # inf where one does not fit: as the packer
-                    bucket_times = (np.where(np.isfinite(upper), mean_bucket_times(self.lengths[ids], local, self.costs),
-                                             np.inf) if estimate == "mean" else upper)
+                    if estimate == "mean":
+                        means = mean_bucket_times(self.lengths[ids], local, self.costs, self.per_seq[ids])
+                        bucket_times = np.where(np.isfinite(upper), means, np.inf)
+                    else:
+                        bucket_times = upper
                     # a micro-batch of few distinct lengths gets them as buckets in both variants, and then
                     # mean and upper times agree: the same packing twice, packed once
                     same = (tried is not None and np.array_equal(local.upper, tried[0])
