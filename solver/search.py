@@ -212,6 +212,10 @@ class BatchSearch:
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
         self.cluster_tokens = costs.capacity[0] * num_gpus   # capacity is linear in degree
         self.num_buckets = len(self.buckets.upper)
+        self.bucket_counts = self.buckets.counts                  # read by every sweep point
+        # each bucket's sequences in search order (``assign_from_counts`` deals them out, longest first)
+        by_bucket = self.order[np.argsort(self.buckets.index[self.order], kind="stable")]
+        self.bucket_members = np.split(by_bucket, np.cumsum(self.bucket_counts)[:-1])
         real = np.where(self.lengths[:, None] > np.asarray(costs.capacity)[None, :], np.inf, per_seq)   # as costs.times
         self.real_area = (real * np.asarray(costs.degrees)[None, :]).min(axis=1)
         self.real_time = real.min(axis=1)
@@ -340,7 +344,7 @@ class BatchSearch:
 
         First fit runs on group classes: per degree, a pointer to the first micro-batch with room
         only moves forward (room only shrinks), so dealing costs O(classes + micro-batches)."""
-        packing = self.packer.pack(self.buckets.counts, makespan, max_gpus=math.inf, stretch=True)
+        packing = self.packer.pack(self.bucket_counts, makespan, max_gpus=math.inf, stretch=True)
         if packing is None:
             return None
         if not must_finish:
@@ -403,9 +407,9 @@ class BatchSearch:
         ``sweep_points`` of the batch."""
         points = sweep_points(len(self.lengths), len(self.costs.degrees)) if points is None else points
         beta1 = self.costs.beta1
-        loose = self.packer.pack(self.buckets.counts, math.inf, max_gpus=math.inf)
+        loose = self.packer.pack(self.bucket_counts, math.inf, max_gpus=math.inf)
         hi = loose.makespan - beta1
-        critical = min(float(self.packer.min_time[self.buckets.counts > 0].max()), hi)
+        critical = min(float(self.packer.min_time[self.bucket_counts > 0].max()), hi)
         # dense between the slowest sequence and the memory-only packing (where plans usually
         # land), sparse below it (a lone long sequence gets its own, longer micro-batch)
         low_points = points // 3 if low_points is None else low_points
@@ -591,9 +595,8 @@ class BatchSearch:
     def assign_from_counts(self, counts: np.ndarray) -> np.ndarray:
         """Give each micro-batch the right number of each bucket's sequences (longest to the first)."""
         assignment = np.empty(len(self.lengths), dtype=np.int64)
-        for b in range(self.num_buckets):
-            ids = self.order[self.buckets.index[self.order] == b]
-            assignment[ids] = np.repeat(np.arange(len(counts)), counts[:, b])
+        for ids, column in zip(self.bucket_members, counts.T):
+            assignment[ids] = np.repeat(np.arange(len(counts)), column)
         return assignment
 
     # --- MILP ---------------------------------------------------------------------------------
