@@ -114,3 +114,20 @@ def test_the_search_computes_each_sequences_seconds_once_and_the_same():
     assert np.isinf(real).any()                                   # some sequences overflow small degrees
     assert np.array_equal(search.real_time, real.min(axis=1))
     assert np.array_equal(search.real_area, (real * np.asarray(COSTS.degrees)[None, :]).min(axis=1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_assign_from_counts_deals_each_buckets_sequences_longest_first(seed):
+    """Micro-batch ``m`` gets ``counts[m, b]`` of bucket ``b``'s sequences, the earlier micro-batches the
+    earlier ones in search order (longest first): what a mask over the batch per bucket gives."""
+    rng = np.random.default_rng(300 + seed)
+    lengths = rng.integers(1, 800, size=int(rng.integers(20, 400)))
+    search = BatchSearch(lengths, COSTS, 8, SearchOptions())
+    split = search.first_split()
+    counts = search.counts(split.assignment, len(split.packings))
+    expected = np.empty(len(lengths), dtype=np.int64)
+    for b in range(search.num_buckets):
+        ids = search.order[search.buckets.index[search.order] == b]
+        expected[ids] = np.repeat(np.arange(len(counts)), counts[:, b])
+    assert np.array_equal(search.assign_from_counts(counts), expected)
+    assert np.array_equal(np.bincount(expected, minlength=len(counts)), counts.sum(axis=1))
