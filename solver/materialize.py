@@ -111,9 +111,11 @@ def _lpt_vectorised(seq_lengths: np.ndarray, order: np.ndarray, degree_idx: np.n
     load = np.zeros(len(degree_idx))
     tokens = np.zeros(len(degree_idx))
     owner = np.empty(len(seq_lengths), dtype=np.int64)
+    # each sequence's seconds at each degree, costed once for all (a row per sequence, gathered per group below)
+    table = costs.seconds(seq_lengths[:, None], np.arange(costs.num_degrees)[None, :])
     for pos in order:
         s = float(seq_lengths[pos])
-        finish = load + costs.seconds(s, degree_idx)
+        finish = load + table[pos][degree_idx]
         finish[tokens + s > caps] = np.inf
         j = int(finish.argmin())
         if not np.isfinite(finish[j]):
