@@ -5,6 +5,7 @@ reports 0.5-2.3% token error with 16 buckets, against 8.8-22.1% for equal-width 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -17,8 +18,9 @@ class Buckets:
     upper: np.ndarray   # ascending bucket upper bounds (each an actual length of the batch)
     index: np.ndarray   # bucket of each sequence
 
-    @property
+    @cached_property
     def counts(self) -> np.ndarray:
+        """Sequences in each bucket (counted once: the search's sweep reads it at every point)."""
         return np.bincount(self.index, minlength=len(self.upper))
 
     def rounded(self) -> np.ndarray:

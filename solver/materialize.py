@@ -111,8 +111,7 @@ def _lpt_vectorised(seq_lengths: np.ndarray, order: np.ndarray, degree_idx: np.n
     load = np.zeros(len(degree_idx))
     tokens = np.zeros(len(degree_idx))
     owner = np.empty(len(seq_lengths), dtype=np.int64)
-    # each sequence's seconds at each degree, costed once for all (a row per sequence, gathered per group below)
-    table = costs.seconds(seq_lengths[:, None], np.arange(costs.num_degrees)[None, :])
+    table = costs.all_seconds(seq_lengths)        # costed once; a row per sequence, gathered per group below
     for pos in order:
         s = float(seq_lengths[pos])
         finish = load + table[pos][degree_idx]

@@ -174,14 +174,8 @@ def mean_bucket_times(lengths: np.ndarray, buckets: Buckets, costs: DegreeCosts,
     nb = len(buckets.upper)
     counts = np.maximum(buckets.counts, 1)
     if per_seq is None:
-        per_seq = sequence_seconds(lengths, costs)
+        per_seq = costs.all_seconds(lengths)
     return np.stack([np.bincount(buckets.index, weights=column, minlength=nb) / counts for column in per_seq.T], axis=1)
-
-
-def sequence_seconds(lengths: np.ndarray, costs: DegreeCosts) -> np.ndarray:
-    """``[n, D]`` seconds of each sequence at each degree, memory aside (``DegreeCosts.times`` puts inf where one
-    does not fit): one call for all degrees."""
-    return costs.seconds(np.asarray(lengths)[:, None], np.arange(costs.num_degrees)[None, :])
 
 
 class BatchSearch:
@@ -200,7 +194,7 @@ class BatchSearch:
         self.bucket = RULES[options.bucketing]
         self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
         # [n, D], once: the bucket means here and in ``refine_members``, and the real times
-        self.per_seq = per_seq = sequence_seconds(self.lengths, costs)
+        self.per_seq = per_seq = costs.all_seconds(self.lengths)
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
                                        mean_bucket_times(self.lengths, self.buckets, costs, per_seq))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
@@ -212,11 +206,10 @@ class BatchSearch:
         self.seq_tokens = self.buckets.rounded().astype(np.float64)
         self.cluster_tokens = costs.capacity[0] * num_gpus   # capacity is linear in degree
         self.num_buckets = len(self.buckets.upper)
-        self.bucket_counts = self.buckets.counts                  # read by every sweep point
         # each bucket's sequences in search order (``assign_from_counts`` deals them out, longest first)
         by_bucket = self.order[np.argsort(self.buckets.index[self.order], kind="stable")]
-        self.bucket_members = np.split(by_bucket, np.cumsum(self.bucket_counts)[:-1])
-        real = np.where(self.lengths[:, None] > np.asarray(costs.capacity)[None, :], np.inf, per_seq)   # as costs.times
+        self.bucket_members = np.split(by_bucket, np.cumsum(self.buckets.counts)[:-1])
+        real = costs.times(self.lengths, per_seq)                 # [n, D] on real lengths, inf: no room
         self.real_area = (real * np.asarray(costs.degrees)[None, :]).min(axis=1)
         self.real_time = real.min(axis=1)
         self._refined: dict[bytes, tuple] = {}                   # refine_members' results by their input
@@ -344,7 +337,7 @@ class BatchSearch:
 
         First fit runs on group classes: per degree, a pointer to the first micro-batch with room
         only moves forward (room only shrinks), so dealing costs O(classes + micro-batches)."""
-        packing = self.packer.pack(self.bucket_counts, makespan, max_gpus=math.inf, stretch=True)
+        packing = self.packer.pack(self.buckets.counts, makespan, max_gpus=math.inf, stretch=True)
         if packing is None:
             return None
         if not must_finish:
@@ -407,9 +400,9 @@ class BatchSearch:
         ``sweep_points`` of the batch."""
         points = sweep_points(len(self.lengths), len(self.costs.degrees)) if points is None else points
         beta1 = self.costs.beta1
-        loose = self.packer.pack(self.bucket_counts, math.inf, max_gpus=math.inf)
+        loose = self.packer.pack(self.buckets.counts, math.inf, max_gpus=math.inf)
         hi = loose.makespan - beta1
-        critical = min(float(self.packer.min_time[self.bucket_counts > 0].max()), hi)
+        critical = min(float(self.packer.min_time[self.buckets.counts > 0].max()), hi)
         # dense between the slowest sequence and the memory-only packing (where plans usually
         # land), sparse below it (a lone long sequence gets its own, longer micro-batch)
         low_points = points // 3 if low_points is None else low_points

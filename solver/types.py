@@ -82,10 +82,15 @@ class DegreeCosts:
     def index(self, degree: int) -> int:
         return self.degrees.index(degree)
 
-    def times(self, lengths: np.ndarray) -> np.ndarray:
-        """``[len(lengths), num_degrees]`` seconds; ``inf`` where one sequence alone overflows memory."""
+    def all_seconds(self, lengths: np.ndarray) -> np.ndarray:
+        """``[len(lengths), num_degrees]`` seconds, memory aside: one call for every degree."""
+        return self.seconds(np.asarray(lengths, dtype=np.float64)[:, None], np.arange(self.num_degrees)[None, :])
+
+    def times(self, lengths: np.ndarray, all_seconds: np.ndarray | None = None) -> np.ndarray:
+        """``[len(lengths), num_degrees]`` seconds; ``inf`` where one sequence alone overflows memory.
+        ``all_seconds``: ``all_seconds(lengths)``, if the caller has it (not changed)."""
         s = np.asarray(lengths, dtype=np.float64)[:, None]
-        out = self.seconds(s, np.arange(self.num_degrees)[None, :])
+        out = self.all_seconds(lengths) if all_seconds is None else all_seconds.copy()
         out[s > np.asarray(self.capacity)[None, :]] = np.inf
         return out
 

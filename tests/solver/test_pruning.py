@@ -103,13 +103,13 @@ def test_a_reused_materialized_micro_batch_is_a_fresh_one(seed):
 
 
 def test_the_search_computes_each_sequences_seconds_once_and_the_same():
-    """``BatchSearch`` costs every sequence at every degree once (``sequence_seconds``) for the bucket means
-    and the real times: bit for bit what ``mean_bucket_times`` alone and ``DegreeCosts.times`` give."""
-    from solver.search import mean_bucket_times, sequence_seconds
+    """``BatchSearch`` costs every sequence at every degree once (``DegreeCosts.all_seconds``) for the bucket
+    means and the real times: bit for bit what ``mean_bucket_times`` alone and ``DegreeCosts.times`` give."""
+    from solver.search import mean_bucket_times
     lengths = np.random.default_rng(5).integers(1, 800, size=500)
     search = BatchSearch(lengths, COSTS, 8, SearchOptions())
     assert np.array_equal(mean_bucket_times(lengths, search.buckets, COSTS),
-                          mean_bucket_times(lengths, search.buckets, COSTS, sequence_seconds(lengths, COSTS)))
+                          mean_bucket_times(lengths, search.buckets, COSTS, COSTS.all_seconds(lengths)))
     real = COSTS.times(lengths)
     assert np.isinf(real).any()                                   # some sequences overflow small degrees
     assert np.array_equal(search.real_time, real.min(axis=1))
