@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import numpy as np
-from scipy.optimize import lsq_linear
 
 from flexsp.errors import CostModelError
 from flexsp.plan.cost import CostModel
@@ -119,6 +118,7 @@ class Refitter:
 
     def refit(self) -> CostModel | None:
         """A new cost model if one fits the window better than the current one, else None."""
+        from scipy.optimize import lsq_linear  # 0.4 s to import: paid by a run that refits, not by every one
         self._since = 0
         obs = self.observations
         if len(obs) < self.config.min_points:

@@ -43,8 +43,9 @@ to no key has ``out = 0`` and ``lse = -inf``. With ``causal`` and unequal q/k le
 bottom-right aligned (flash-attn's convention): query ``i`` of ``Lq`` sees key ``j`` of ``Lk`` iff
 ``Lk - j >= Lq - i``.
 
-The installed kernels are read once at import into ``varlen.VARLEN`` and ``flash.FLASH``; ``VARLEN`` below
-is a copy for reading (tests replace the module attributes, and ``rule.device_facts``).
+The installed kernels are read into ``flash.FLASH`` at import and into ``varlen.VARLEN`` on first use (its
+import costs a CPU run 1.3 s for nothing); ``VARLEN`` here reads that one (tests replace the module attributes,
+and ``rule.device_facts``).
 """
 from flexsp.runtime.kernels.dispatch import attend
 from flexsp.runtime.kernels.features import PLAIN, Features
@@ -55,7 +56,15 @@ from flexsp.runtime.kernels.reference import block_mask, reference
 from flexsp.runtime.kernels.sinks import with_sinks
 from flexsp.runtime.kernels.rule import (BACKENDS, DeviceFacts, LengthMix, choose, device_facts, flash_available,
                                          resolve_backend, varlen_available)
-from flexsp.runtime.kernels.varlen import VARLEN, VarlenAPI
+from flexsp.runtime.kernels import varlen as _varlen
+from flexsp.runtime.kernels.varlen import VarlenAPI
+
+
+def __getattr__(name: str):
+    if name == "VARLEN":
+        return _varlen.api()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Features", "PLAIN", "with_sinks", "attend", "attend_lse", "lse_forward", "lse_backward", "merge_partials", "reference", "block_mask",
            "resolve_backend", "choose", "device_facts", "DeviceFacts", "LengthMix", "BACKENDS", "AttentionError",

@@ -42,7 +42,9 @@ def attend_kernel(kernel: str, features: Features, sinks: bool) -> tuple[str, bo
     window, softcap = features.window is not None, features.softcap is not None
     if kernel == "reference" or not (window or softcap or sinks):
         return kernel, False
-    api, vl = flash.FLASH, varlen.VARLEN
+    if kernel != "flash" and kernel not in _VARLEN:
+        return "sdpa", True
+    api, vl = flash.FLASH, varlen.api()
     varlen_lse = vl is not None and not softcap and (not window or vl.takes_window(backward=True))
     if kernel == "flash":
         if flash.supports(api, window, softcap, sinks):
@@ -50,22 +52,20 @@ def attend_kernel(kernel: str, features: Features, sinks: bool) -> tuple[str, bo
         if sinks and varlen_lse:
             return "varlen", True
         return "sdpa", True
-    if kernel in _VARLEN:
-        if softcap:
-            return ("flash", False) if flash.supports(api, window, softcap, sinks) else ("sdpa", True)
-        if sinks:
-            return ("varlen", True) if varlen_lse else ("sdpa", True)
-        if vl is not None and vl.takes_window(backward=False):
-            return "varlen", False
-        return ("flash", False) if flash.supports(api, window, False, False) else ("sdpa", True)
-    return "sdpa", True
+    if softcap:                        # a varlen kernel from here on
+        return ("flash", False) if flash.supports(api, window, softcap, sinks) else ("sdpa", True)
+    if sinks:
+        return ("varlen", True) if varlen_lse else ("sdpa", True)
+    if vl is not None and vl.takes_window(backward=False):
+        return "varlen", False
+    return ("flash", False) if flash.supports(api, window, False, False) else ("sdpa", True)
 
 
 def lse_kernel(kernel: str, features: Features, explicit_positions: bool) -> str:
     """The log-sum-exp kernel for a layer with ``features``, given the rule's lse choice ``kernel``."""
     if kernel not in _VARLEN or features.plain:
         return kernel
-    vl = varlen.VARLEN
+    vl = varlen.api()
     if features.window is not None and features.chunk is None and features.softcap is None \
             and not explicit_positions and vl is not None and vl.takes_window(backward=True):
         return "varlen"

@@ -150,7 +150,7 @@ def device_facts(device: torch.device | str | None = None) -> DeviceFacts:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     on_cuda = device.type == "cuda"
-    api, vapi = flash.FLASH, varlen.VARLEN
+    api, vapi = flash.FLASH, (varlen.api() if on_cuda else None)   # varlen read only where it can run
     return DeviceFacts(device.type, _capability(device.index) if on_cuda else None, TORCH_VERSION,
                        varlen=on_cuda and vapi is not None,
                        flash=api.generation if on_cuda and api is not None else 0,

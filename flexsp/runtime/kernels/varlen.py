@@ -184,7 +184,24 @@ def installed() -> VarlenAPI | None:
         return None
 
 
-VARLEN: VarlenAPI | None = installed()   # read once at import; None on a torch without a known varlen_attn
+_UNREAD = object()
+
+
+def api() -> VarlenAPI | None:
+    """``installed()``, read on first use and kept as the module's ``VARLEN`` (None on a torch without a known
+    ``varlen_attn``). Not at import: ``torch.nn.attention.varlen`` imports ``torch._dynamo``, about 1.3 s of
+    every process's start on CPU runs that never call it. Tests replace ``VARLEN`` to stand in for other releases."""
+    found = globals().get("VARLEN", _UNREAD)
+    if found is _UNREAD:
+        found = globals()["VARLEN"] = installed()
+    return found
+
+
+def __getattr__(name: str) -> Any:
+    if name == "VARLEN":
+        return api()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 CUDNN_MIN_Q = 128        # cuDNN's varlen branch takes max_q > 128 only
 CUDNN_HEAD_DIM = 128     # ... and head dims up to 128 (Hopper; some larger pairs on sm100 only)
@@ -201,16 +218,16 @@ def cudnn_fits(q: torch.Tensor, cu_q, cu_k, max_q: int, causal: bool, window: in
 def call_backend(kernel: str, q, cu_q, cu_k, max_q: int, causal: bool, window: int | None = None) -> str:
     """The backend a ``varlen``/``varlen_cudnn`` call asks for: "cudnn" only for ``varlen_cudnn`` on a torch
     that selects and a call cuDNN takes (``cudnn_fits``), else "flash"."""
-    api = VARLEN
-    wants = kernel == "varlen_cudnn" and api is not None and api.selects
+    found = api()
+    wants = kernel == "varlen_cudnn" and found is not None and found.selects
     return "cudnn" if wants and cudnn_fits(q, cu_q, cu_k, max_q, causal, window) else "flash"
 
 
 def _enabled(backend: str):
     """The ``sdpa_kernel`` choice for ``backend`` where ``varlen_attn`` selects by it: Flash alone, or cuDNN
     with Flash still enabled as the fallback inside the same call. Nothing on a torch that does not select."""
-    api = VARLEN
-    if api is None or not api.selects:
+    found = api()
+    if found is None or not found.selects:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if backend == "cudnn"
@@ -220,7 +237,8 @@ def _enabled(backend: str):
 def _selected(backend: str, q, k, v, cu_q, cu_k, max_q: int, causal: bool) -> str:
     """What torch's own selection picks under ``_enabled(backend)`` (its ``_select_backend``, kv repeated as
     for the call), so the backward gets the backend the forward ran; ``backend`` where it cannot be asked."""
-    select = VARLEN.select if VARLEN is not None else None
+    found = api()
+    select = found.select if found is not None else None
     if select is None or backend != "cudnn":
         return backend
     if k.shape[1] != q.shape[1]:
@@ -243,7 +261,7 @@ def forward(q, k, v, cu, max_seqlen: int, scale: float, *, cudnn: bool = False, 
         return _Cudnn.apply(q, k, v, LseSpec(cu, cu, max_seqlen, max_seqlen, True, scale, "varlen_cudnn",
                                              features=features))
     with _enabled("flash"):    # torch's autograd saves the backend it selected for its backward
-        return VARLEN.forward(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, scale=scale, window=window)
+        return api().forward(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, scale=scale, window=window)
 
 
 class _Cudnn(torch.autograd.Function):
@@ -276,8 +294,8 @@ def lse_forward(q, k, v, spec: LseSpec):
     """Raw ``(out, lse)``: rows without keys carry FA2's ``+inf``, padding rows whatever the kernel left."""
     backend = _spec_backend(q, spec)
     with _enabled(backend):
-        return VARLEN.forward(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, causal=spec.causal,
-                              scale=spec.scale, lse=True, repeat_kv=backend == "cudnn", window=_left(spec.features))
+        return api().forward(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, causal=spec.causal,
+                             scale=spec.scale, lse=True, repeat_kv=backend == "cudnn", window=_left(spec.features))
 
 
 def _kernel_backward(dout, q, k, v, out, lse, spec: LseSpec):
@@ -285,9 +303,9 @@ def _kernel_backward(dout, q, k, v, out, lse, spec: LseSpec):
     ran = _selected(backend, q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.causal)
     lse = torch.where(torch.isinf(lse), math.inf, lse).contiguous()              # back to FA2's convention
     with _enabled(backend):
-        return VARLEN.backward(dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse, spec.cu_q, spec.cu_k,
-                               spec.max_q, spec.max_k, causal=spec.causal, scale=spec.scale,
-                               repeat_kv=backend == "cudnn", window=_left(spec.features), backend=ran)
+        return api().backward(dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse, spec.cu_q, spec.cu_k,
+                              spec.max_q, spec.max_k, causal=spec.causal, scale=spec.scale,
+                              repeat_kv=backend == "cudnn", window=_left(spec.features), backend=ran)
 
 
 def lse_backward(dout, q, k, v, out, lse, spec: LseSpec, dlse):
