@@ -735,6 +735,33 @@ class BatchSearch:
         np.maximum.at(slowest, split.assignment, self.real_time)
         return float((np.maximum(area, slowest) + self.costs.beta1).sum()) * (1 - BOUND_SLACK)
 
+    def batch_bound(self) -> float:
+        """No plan of the whole batch beats this, on real lengths; a plan at it is optimal, so the search
+        stops there. With ``P`` the plan's time and ``m`` its micro-batches, ``T = P - m * beta1`` is the sum
+        of their slowest groups' loads, so every sequence runs at a degree where it takes at most ``T``, and
+        the GPU-seconds of all of them fit in ``N * T``: ``T`` is at least the least ``T`` with
+        ``T >= sum_i a_i(T) / N``, ``a_i(T)`` the cheapest area of sequence ``i`` among its degrees within
+        ``T`` (a step function, found over its steps); ``m`` is at least the fewest micro-batches memory
+        allows. This couples the critical path with the area (a long sequence at a high degree costs the
+        others GPUs), which the per-micro-batch ``bound`` and ``real_bound`` do not."""
+        times = self.costs.times(self.lengths, self.per_seq)            # [n, D], inf where it does not fit
+        order = np.argsort(times, axis=1, kind="stable")                 # each sequence's degrees, fastest first
+        by_time = np.take_along_axis(times, order, axis=1)
+        area = np.take_along_axis(times * np.asarray(self.costs.degrees, dtype=np.float64)[None, :], order, axis=1)
+        least = np.minimum.accumulate(area, axis=1)                      # a_i at each of its times (finite: the fastest fits)
+        drops = least[:, 1:] < least[:, :-1]
+        step_at, step = by_time[:, 1:][drops], (least[:, 1:] - least[:, :-1])[drops]
+        critical = float(by_time[:, 0].max())                            # every sequence runs somewhere
+        first = float(least[:, 0].sum() + step[step_at <= critical].sum())
+        later = step_at > critical
+        step_order = np.argsort(step_at[later], kind="stable")
+        at = np.concatenate([[critical], step_at[later][step_order]])
+        spread = np.concatenate([[first], first + np.cumsum(step[later][step_order])]) / self.num_gpus
+        work = float(np.maximum(at, spread).min())
+        per_gpu = max(c / d for c, d in zip(self.costs.capacity, self.costs.degrees))
+        fewest = max(1, math.ceil(float(self.lengths.sum()) / (per_gpu * self.num_gpus) * (1 - 1e-12)))
+        return work + fewest * self.costs.beta1
+
     def as_schedule(self, refined: Refined) -> Schedule:
         return Schedule(tuple(GroupColumns.of(members, deg, self.costs) for members, deg in refined.micro_batches))
 
@@ -848,13 +875,31 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     if math.isfinite(hard):                  # the split search leaves the rest of the time to refinement
         now = time.perf_counter()
         search.deadline = min(hard, now + SEARCH_SHARE * max(0.0, hard - now))
+    # a plan at the batch's bound (up to float rounding) is optimal: the search stops at the first split
+    # that refines to it (the refinement loop below takes the others from ``refine_members``' cache)
+    bound = search.batch_bound() * (1 + BOUND_SLACK) if len(lengths) <= MAX_PER_SEQUENCE_SPLITS else -math.inf
+
+    def optimal(split: Split) -> Schedule | None:
+        refined = search.refine_members(search.members(split)) if bound > 0 else None
+        if refined is None or refined.time > bound:
+            return None
+        search.deadline = hard
+        return marked(search.as_schedule(refined), search.cut_short)
+
     first = search.first_split()
+    if (proven := optimal(first)) is not None:
+        return proven
     splits = [first]
     if not search.out_of_time():
         searched = search.best_split(first)
+        if (proven := optimal(searched)) is not None:
+            return proven
         splits = [first, searched]
         if not search.out_of_time() and options.max_moves > 0:
-            splits.append(search.improve(searched))
+            improved = search.improve(searched)
+            if improved is not searched and (proven := optimal(improved)) is not None:
+                return proven
+            splits.append(improved)
         # evict from both the searched and the improved split (the local search can move past the
         # split eviction helps most), then merge on the best so far
         for split in splits[1:]:
@@ -892,6 +937,8 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         if refined is None or candidate.time < refined.time:
             refined = candidate
     best = search.as_schedule(refined)
+    if refined.time <= bound:
+        return marked(best, search.cut_short)   # optimal: no other strategy's plan nor the MILP can beat it
     if planned_apart and not search.out_of_time():
         candidate = apart_candidate(search.lengths, costs, num_gpus, options, deadline)
         if candidate is not None and score(candidate) < score(best):
