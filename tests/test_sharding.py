@@ -54,6 +54,10 @@ def test_capacities_use_the_formula_and_record_the_choice():
     # Unsharded, an 8B model's states alone (18 bytes x 8B) overflow an 80 GB GPU: named, not planned.
     with pytest.raises(CostModelError, match="llama3-8b .*'none'.*model states leave no activation memory"):
         analytic_cost_model("llama3-8b", "h100-80gb", 64, sharding="none")
+    # the paper's presets name their sizes in GiB too (they once printed megabytes as 0.00 GiB)
+    states_gib = model_state_bytes(get_model("gpt-7b").paper.params_b(384 * 1024) * 2**30, 1, "full") / 2**30
+    with pytest.raises(CostModelError, match=rf"they take {states_gib:.2f} GiB of the usable 30.00 GiB per GPU"):
+        cost_from_preset("gpt-7b", num_gpus=1)
     # Older cost models never recorded it: they all assumed ZeRO-3.
     assert assumed({}) == "full"
 

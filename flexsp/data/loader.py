@@ -191,12 +191,9 @@ class FlexSPLoader:
         return self._batches
 
     def _capacity(self) -> float:
-        c = self.config.plan
-        max_degree = c.max_degree
-        if c.ulysses_only and self.cost.ulysses_limit is not None:
-            max_degree = min(max_degree or self.cost.ulysses_limit, self.cost.ulysses_limit)
+        c = self.config.plan.replace(degrees=self._degrees).checked(self.cost, self.cluster)   # as the planner sees it
         degree = (c.sp_degree if c.strategy == "static" and c.sp_degree
-                  else max(self.cluster.usable_degrees(max_degree, self._degrees)))
+                  else max(self.cluster.usable_degrees(c.max_degree, c.degrees)))
         return self.cost.group_capacity(degree)
 
     def _ensure_planner(self) -> AsyncPlanner:

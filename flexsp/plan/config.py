@@ -101,7 +101,7 @@ class PlanConfig:
     def checked(self, cost: CostModel, cluster: Cluster) -> "PlanConfig":
         """This config against ``cost`` and ``cluster``: the strategy exists, ``sp_degree`` only where the
         strategy takes one, ``degrees`` have tiles on the cluster (``"any"`` resolved to a tuple: every degree
-        with a tile the cost model can cost, within ``max_degree``); ``ulysses_only`` folded into ``max_degree``."""
+        with a tile the cost model can cost, within ``max_degree``); ``ulysses_only`` leaves only degrees that need no ring."""
         if not isinstance(cluster, Cluster):
             raise PlanError(f"cluster must be a flexsp.Cluster, got {type(cluster).__name__}")
         if not isinstance(cost, CostModel):
@@ -112,19 +112,24 @@ class PlanConfig:
             raise PlanError(f"sp_degree={self.sp_degree!r} is used only by strategy={' or '.join(map(repr, takers))} "
                             f"(got {self.strategy!r}); to restrict other strategies pass degrees=(...) or max_degree")
         max_degree = self.max_degree
-        if self.ulysses_only and cost.ulysses_limit is not None:
-            max_degree = cost.ulysses_limit if max_degree is None else min(max_degree, cost.ulysses_limit)
+        # ``ulysses_only``: the degrees whose Ulysses part is the whole group (they divide the heads), not a cap:
+        # with 24 heads, 12 and 24 are pure Ulysses while 16 is not
+        ring = (lambda d: cost.split(d)[1] > 1) if self.ulysses_only else (lambda d: False)
         degrees = self.degrees
         if degrees == "any":
             degrees = tuple(d for d in cluster.all_degrees if (max_degree is None or d <= max_degree)
-                            and (d == 1 or cost.costs_degree(d))
-                            and not (self.ulysses_only and cost.split(d)[1] > 1))
+                            and (d == 1 or cost.costs_degree(d)) and not ring(d))
         elif degrees is not None:
             degrees = cluster.check_degrees(degrees)      # PlanError naming each degree without a tile
-            rings = [d for d in degrees if self.ulysses_only and cost.split(d)[1] > 1]
+            rings = [d for d in degrees if ring(d)]
             if rings:
                 raise PlanError(f"ulysses_only=True but degrees {rings} need a ring axis ({cost.heads} heads: Ulysses "
                                 f"takes gcd(degree, heads)); drop them or allow rings")
+        elif any(ring(d) for d in cluster.degrees):
+            degrees = tuple(d for d in cluster.degrees if not ring(d))   # the cluster's default degrees, less rings
+        if self.sp_degree is not None and ring(self.sp_degree):
+            raise PlanError(f"ulysses_only=True but sp_degree={self.sp_degree} needs a ring axis ({cost.heads} heads: "
+                            f"Ulysses takes gcd(degree, heads))")
         if self.sp_degree is not None:
             cluster.check_degrees([self.sp_degree])
             if degrees is None and self.sp_degree not in cluster.degrees:

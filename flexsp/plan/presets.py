@@ -104,8 +104,8 @@ def cost_from_preset(name: str, context: int = 384 * 1024, num_gpus: int = 64, *
     key = name.lower()
     spec = get_model(key)
     model = spec.paper
-    states_mb = model_state_bytes(model.params_b(context) * 2**30, num_gpus, sharding) / MB  # the paper's B = 2**30
-    capacity = token_capacity(MEMORY_LIMIT_MB, states_mb, model.act_mb_per_token,
+    states = model_state_bytes(model.params_b(context) * 2**30, num_gpus, sharding)   # the paper's B = 2**30
+    capacity = token_capacity(MEMORY_LIMIT_MB * MB, states, model.act_mb_per_token * MB,   # bytes (MB = 2**20)
                               what=f"{name} on {num_gpus} GPUs with sharding {sharding!r} (30 GB each):")
     exact_params = context in (192 * 1024, 384 * 1024)
     return CostModel(
