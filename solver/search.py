@@ -352,17 +352,20 @@ class BatchSearch:
         room: list[int] = []
         first_with_room: dict[int, int] = {}
         pieces: list[list[tuple[int, int]]] = []              # per micro-batch: (class, groups)
+        held: list[np.ndarray] = []                           # per micro-batch: groups per degree index
         for c in np.argsort(-times, kind="stable"):
-            d, left = int(degrees[c]), int(packing.multiplicity()[c])
+            d, k, left = int(degrees[c]), int(packing.degree_idx[c]), int(packing.multiplicity()[c])
             m = first_with_room.get(d, 0)
             while left:
-                while m < len(room) and room[m] < d:
+                while m < len(room) and (room[m] < d or self._placed(held[m], k, 1) == 0):
                     m += 1
                 if m == len(room):
                     room.append(self.num_gpus)
                     pieces.append([])
-                take = min(left, room[m] // d)
+                    held.append(np.zeros(len(self.costs.degrees), dtype=np.int64))
+                take = self._placed(held[m], k, min(left, room[m] // d)) or 1   # one alone always places
                 room[m] -= take * d
+                held[m][k] += take
                 pieces[m].append((int(c), take))
                 left -= take
             first_with_room[d] = m
@@ -392,6 +395,23 @@ class BatchSearch:
                 if total + left >= beat:
                     return None
         return Split(self.assign_from_counts(rows), packings)
+
+    def _placed(self, held: np.ndarray, k: int, most: int) -> int:
+        """How many of ``most`` more groups of degree index ``k`` a micro-batch holding ``held`` takes and
+        still gets ranks: all of them where degrees nest; else the most that place (a bisection: a group
+        more never helps a placement; one group alone always places)."""
+        if self.costs.placeable is None or most == 0:
+            return most
+        trial = held.copy()
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            trial[k] = held[k] + mid
+            if self.costs.placeable(trial):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def arranged_candidates(self, points: int | None = None, low_points: int | None = None,
                             best: Split | None = None) -> Split | None:
@@ -872,9 +892,6 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     search = BatchSearch(lengths, costs, num_gpus, options, deadline)
     score = lambda schedule: schedule.time(search.lengths, costs)    # noqa: E731
     hard = search.deadline
-    if math.isfinite(hard):                  # the split search leaves the rest of the time to refinement
-        now = time.perf_counter()
-        search.deadline = min(hard, now + SEARCH_SHARE * max(0.0, hard - now))
     # a plan at the batch's bound (up to float rounding) is optimal: the search stops at the first split
     # that refines to it (the refinement loop below takes the others from ``refine_members``' cache)
     bound = search.batch_bound() * (1 + BOUND_SLACK) if len(lengths) <= MAX_PER_SEQUENCE_SPLITS else -math.inf
@@ -886,9 +903,12 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         search.deadline = hard
         return marked(search.as_schedule(refined), search.cut_short)
 
-    first = search.first_split()
+    first = search.first_split()             # under the whole time limit, as the greedy strategy has it
     if (proven := optimal(first)) is not None:
         return proven
+    if math.isfinite(hard):                  # the rest of the split search leaves time to refinement
+        now = time.perf_counter()
+        search.deadline = min(hard, now + SEARCH_SHARE * max(0.0, hard - now))
     splits = [first]
     if not search.out_of_time():
         searched = search.best_split(first)
@@ -951,13 +971,27 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         # cut-short search must still return a plan no worse than theirs
         for fallback in fallbacks:
             candidate = fallback()
-            if score(candidate) < best_time:
+            if score(candidate) < best_time and places(candidate, costs):
                 best, best_time = candidate, score(candidate)
     if len(lengths) <= options.exact_max_sequences or options.milp_time_limit > 0:
         polished = search.milp(best)
-        if polished is not None and score(polished) < best_time:
+        if polished is not None and score(polished) < best_time and places(polished, costs):
             best = polished
     return marked(best, search.cut_short)
+
+
+def places(schedule: Schedule, costs: DegreeCosts) -> bool:
+    """Whether every micro-batch of ``schedule`` gets ranks (``DegreeCosts.placeable``; always where degrees
+    nest). The search's own plans do (the packer and ``tighten`` check it); another strategy's plan or the
+    MILP's may not, and one the planner must repair can end slower than the search's plan it beat."""
+    if costs.placeable is None:
+        return True
+    index = {d: k for k, d in enumerate(costs.degrees)}
+    for groups in schedule.micro_batches:
+        got = groups.degrees.tolist() if isinstance(groups, GroupColumns) else [g.degree for g in groups]
+        if not costs.placeable(np.bincount([index[d] for d in got], minlength=len(costs.degrees))):
+            return False
+    return True
 
 
 def marked(schedule: Schedule, cut_short: bool) -> Schedule:

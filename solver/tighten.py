@@ -10,7 +10,8 @@ takes the slowest group and tries, costed for every group at once with numpy:
 * **move** one of its sequences to the group that would finish earliest with it and has memory.
 
 A step is kept only when every group it changes ends faster than the slowest group did, so the
-makespan never rises; it stops when the slowest group cannot be helped, when more groups tie at the
+makespan never rises (and, for degrees whose tiles do not nest, only when the micro-batch still gets
+ranks: ``DegreeCosts.placeable``); it stops when the slowest group cannot be helped, when more groups tie at the
 slowest load than the steps left could relieve, or at the deadline.
 """
 from __future__ import annotations
@@ -62,6 +63,17 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
     tokens = np.bincount(owner, weights=lengths[flat].astype(np.float64), minlength=len(sizes))
     free = num_gpus - int(degrees[deg].sum())                  # kept up to date below: a step changes a group or two
     live = len(sizes)
+    # degrees whose tiles do not nest: a promote or merge must leave group counts that still get ranks
+    per_degree = np.bincount(deg, minlength=len(degrees)) if costs.placeable is not None else None
+
+    def places(k: int, removed: int) -> bool:
+        """Whether the micro-batch places with ``removed`` groups of degree index ``k`` made one of ``k + 1``."""
+        if per_degree is None:
+            return True
+        trial = per_degree.copy()
+        trial[k] -= removed
+        trial[k + 1] += 1
+        return bool(costs.placeable(trial))
     for step in range(MAX_STEPS):
         if deadline is not None and time.perf_counter() > deadline:
             break
@@ -76,7 +88,7 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
         mine = ids(s)
         if k + 1 < len(degrees) and free >= degrees[k + 1] - degrees[k]:
             t = float(costs.seconds(lengths[mine], k + 1).sum())
-            if t < worst:
+            if t < worst and places(k, 1):
                 best = (t, ("promote", s))
         if k + 1 < len(degrees) and degrees[k + 1] == 2 * degrees[k]:
             same = np.flatnonzero((deg == k) & alive)
@@ -84,7 +96,7 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
             if same.size:
                 h = int(same[loads[same].argmin()])
                 t = float(costs.seconds(lengths[np.concatenate([mine, ids(h)])], k + 1).sum())
-                if t < worst and (best is None or t < best[0]):
+                if t < worst and (best is None or t < best[0]) and places(k, 2):
                     best = (t, ("merge", s, h))
         if live > 1 and len(mine) > 1:
             cand = mine[np.argsort(-lengths[mine], kind="stable")[:MAX_MOVE_CANDIDATES]]
@@ -107,6 +119,9 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
         if best is None:
             break
         action = best[1]
+        if action[0] in ("promote", "merge") and per_degree is not None:
+            per_degree[k] -= 1 if action[0] == "promote" else 2
+            per_degree[k + 1] += 1
         if action[0] == "promote":
             free -= int(degrees[k + 1] - degrees[k])
             deg[s] = k + 1
