@@ -11,8 +11,8 @@ takes the slowest group and tries, costed for every group at once with numpy:
 
 A step is kept only when every group it changes ends faster than the slowest group did, so the
 makespan never rises (and, for degrees whose tiles do not nest, only when the micro-batch still gets
-ranks: ``DegreeCosts.placeable``); it stops when the slowest group cannot be helped, when more groups tie at the
-slowest load than the steps left could relieve, or at the deadline.
+ranks: ``DegreeCosts.placeable``); it stops when the slowest group cannot be helped, when more groups
+tie at the slowest load than the steps left could relieve, or at the deadline.
 """
 from __future__ import annotations
 
