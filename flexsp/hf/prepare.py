@@ -13,6 +13,7 @@ from flexsp.hf.adapter import HFCausalLM
 from flexsp.hf.mixers import install_mixers
 from flexsp.hf.features import UnsupportedModelError, check_supported, model_name
 from flexsp.hf.probe import probe as run_probe
+from flexsp.inputs import read_json
 from flexsp.plan.specs import ModelSpec, get_model, model_names
 from flexsp.runtime.fsdp import shard_model
 
@@ -54,7 +55,11 @@ def with_layers(config: Any, layers: int) -> Any:
 
 
 def load_config(source: str | os.PathLike | Any):
-    """A config object as is, a directory holding ``config.json``, or a built-in tiny arch name."""
+    """A config object as is, a directory holding ``config.json``, or a built-in tiny arch name.
+
+    A directory is untrusted (``--hf-config DIR``): its ``config.json`` is read through the bounded JSON reader,
+    one that names custom model code (``auto_map``) is refused (FlexSP never runs code from a model directory;
+    transformers would ask on stdin and run it on a "y"), and whatever transformers rejects is one line."""
     from transformers import AutoConfig, PretrainedConfig
     if isinstance(source, PretrainedConfig):
         return source
@@ -62,7 +67,19 @@ def load_config(source: str | os.PathLike | Any):
     if path.name == "config.json":
         path = path.parent
     if (path / "config.json").is_file():
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        raw = read_json(path / "config.json", "model config", UnsupportedModelError)
+        if not isinstance(raw, dict):
+            raise UnsupportedModelError(f"model config {path / 'config.json'} must be a JSON object, "
+                                        f"got {type(raw).__name__}")
+        if "auto_map" in raw:
+            raise UnsupportedModelError(f"model config {path / 'config.json'} names custom model code (auto_map); "
+                                        f"FlexSP never runs code from a model directory: use a model type "
+                                        f"transformers ships")
+        try:
+            return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        except Exception as exc:   # transformers raises OSError, ValueError, KeyError, its own validation errors
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise UnsupportedModelError(f"cannot read model config {path / 'config.json'}: {reason}") from None
     if str(source) in tiny_archs():
         return tiny_config(str(source))
     if path.is_dir():
@@ -103,13 +120,43 @@ def from_config(config: str | os.PathLike | Any, *, dtype: torch.dtype | None = 
     """Random-init a causal LM from a config (object, directory or tiny arch name) and prepare it."""
     from transformers import AutoModelForCausalLM
     cfg = load_config(config)
+    check_fits(cfg, config, dtype, device, attn_implementation)
     if seed is not None:
         torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    except (RuntimeError, ValueError, TypeError, AttributeError) as exc:   # e.g. a negative size in the config
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise UnsupportedModelError(f"cannot build a model from {config}: {reason}") from exc
     if dtype is not None or device is not None:
         model = model.to(device=device, dtype=dtype)
     return prepare_model(model, **prepare)
 
 
-__all__ = ["prepare_model", "from_config", "tiny_config", "load_config", "shard_states", "model_name", "tiny_archs", "with_layers",
+def check_fits(cfg: Any, source: Any, dtype: torch.dtype | None, device: Any, attn_implementation: str = "sdpa") -> None:
+    """Refuse a config whose model outgrows this machine's memory before a byte is allocated: the model is
+    built on the meta device (exact parameter count, ~15 ms) and its bytes, as built on the CPU and as moved
+    to ``device``, compared with their total memory. A config is untrusted input, and its sizes are only
+    numbers: a 10**6 hidden size asks for terabytes."""
+    from transformers import AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+                cfg, attn_implementation=attn_implementation).parameters())
+    except Exception:          # a family that cannot build on meta: the real build names its own problem
+        return
+    built = count * torch.get_default_dtype().itemsize
+    budgets = [("this machine's", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), built)]
+    target = torch.device(device) if device is not None else None
+    if target is not None and target.type == "cuda" and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(target).total_memory
+        budgets.append((f"{target}'s", total, count * (dtype or torch.get_default_dtype()).itemsize))
+    for where, total, need in budgets:
+        if need > total:
+            raise UnsupportedModelError(f"the model of {source} has {count:,} parameters ({need / 2**30:,.1f} GiB), "
+                                        f"more than {where} {total / 2**30:,.1f} GiB of memory; use a smaller config "
+                                        f"(replay and profile build only a few layers of it)")
+
+
+__all__ = ["prepare_model", "from_config", "check_fits", "tiny_config", "load_config", "shard_states", "model_name", "tiny_archs", "with_layers",
            "hf_config_kwargs"]
