@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from flexsp.checkpoint import trust
 from flexsp.checkpoint.errors import CheckpointError
+from flexsp.inputs import parse_json
 
 FORMAT = 2
 MAX_RECORD_BYTES = 64 << 20   # the loader state is the only part that grows; far below this
@@ -130,15 +131,23 @@ def read_record(checkpoint: Path, key: bytes | None, *, key_source: str = "this 
     try:
         if checkpoint.is_symlink() or path.is_symlink():
             raise CheckpointError(f"{path}: the checkpoint or its record is a symlink; refused")
+        if path.exists() and not path.is_file():       # a FIFO would block the read forever
+            raise CheckpointError(f"{path}: the checkpoint record is not a regular file; refused")
         if path.stat().st_size > MAX_RECORD_BYTES:
             raise CheckpointError(f"{path}: {path.stat().st_size} bytes, over the {MAX_RECORD_BYTES} a record may have")
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint record ({exc.strerror or exc})") from None
+    if len(raw) > MAX_RECORD_BYTES:                    # grew while we looked
+        raise CheckpointError(f"{path}: over the {MAX_RECORD_BYTES} bytes a record may have")
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc}); the checkpoint record is corrupt") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 ({exc}); the checkpoint record is corrupt") from None
+    # the bounded parser: nesting and number length too (a RecursionError or ValueError here would escape
+    # restore()'s fallback to an older checkpoint, which catches CheckpointError)
+    data = parse_json(text, f"{path}: the checkpoint record", CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     if data.get("format") != FORMAT:

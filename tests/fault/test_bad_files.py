@@ -3,6 +3,8 @@ problem (or, where the damage is harmless, load the same content); never another
 import gzip
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +115,49 @@ def test_the_newest_damaged_checkpoint_alone_is_an_error_naming_it(saved, tmp_pa
     with Checkpointer(tmp_path, model, opt, extra={"seen": SeenCounter(5)}) as ckpt:
         with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*\.metadata: .*bytes but"):
             ckpt.restore()
+
+
+WHY = {"deep": "nested too deeply", "long number": "not valid JSON: Exceeds the limit", "fifo": "not a regular file"}
+
+
+@pytest.mark.parametrize("damage", sorted(WHY))
+def test_a_record_the_json_parser_chokes_on_falls_back_to_the_older_checkpoint(saved, tmp_path, damage):
+    """A record nested 100,000 deep or holding a 5,000-digit number raised RecursionError / ValueError, which
+    restore()'s fallback (it catches CheckpointError) let escape; a FIFO in its place blocked the read."""
+    import os
+    original, params = saved
+    older = tmp_path / original.name
+    shutil.copytree(original, older)
+    newer = tmp_path / layout.final_name(int(original.name.split("-")[-1]) + 1)
+    shutil.copytree(original, newer)
+    record = newer / layout.META
+    record.unlink()
+    if damage == "deep":
+        record.write_text("[" * 100_000 + "]" * 100_000)
+    elif damage == "long number":
+        record.write_text('{"step": ' + "9" * 5000 + "}")
+    else:
+        os.mkfifo(record)
+    stop = threading.Event()
+
+    def release() -> None:   # a reader blocked on the FIFO (the defect) gets EOF after 10 s: a failure, not a hang
+        while not stop.wait(0.2):
+            if time.monotonic() > started + 10:
+                try:
+                    os.close(os.open(record, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+    started = time.monotonic()
+    threading.Thread(target=release, daemon=True).start()
+    try:
+        with pytest.raises(CheckpointError, match=f"{newer.name}.*flexsp.json.*{WHY[damage]}"):
+            _restore(newer)
+        model, opt = _job()
+        with Checkpointer(tmp_path, model, opt, every=0, extra={"seen": SeenCounter(5)}) as ckpt:
+            ckpt.restore()
+        assert torch.equal(flat_params(model), params)
+    finally:
+        stop.set()
 
 
 # --- length files --------------------------------------------------------------------------------
