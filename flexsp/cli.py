@@ -177,9 +177,10 @@ def _strategy_help() -> str:
 
 
 def _strategies(args, cluster: Cluster) -> list[str]:
-    """--strategies, each name checked before any solving."""
+    """--strategies, each entry checked as ``plan --strategy`` checks it (name, degree, [degrees], their tiles
+    on the cluster) before any solving: ``static:0`` is an error, not a row of the table."""
     from flexsp.evaluation.simulate import default_strategies
-    from flexsp.plan.strategies import get_strategy, names, parse_strategy, parse_strategy_list
+    from flexsp.plan.strategies import names, parse_strategy_list
     if args.strategies is None:
         return default_strategies(cluster)
     listed = parse_strategy_list(args.strategies)
@@ -188,9 +189,14 @@ def _strategies(args, cluster: Cluster) -> list[str]:
                           f"(strategies: {', '.join(names())})")
     for name in listed:
         try:
-            get_strategy(parse_strategy(name).strategy)
+            config = PlanConfig(strategy=name)        # name, degree and [degrees], as plan --strategy
+            if config.sp_degree is not None:
+                cluster.check_degrees([config.sp_degree])
+            if config.degrees is not None:
+                cluster.check_degrees(config.degrees)
         except PlanError as exc:
-            raise FlexSPError(f"--strategies: {exc} (static:D pins a degree, a [1,8,64] suffix "
+            where = "" if repr(name) in str(exc) else f"in {name!r}; "
+            raise FlexSPError(f"--strategies: {exc} ({where}static:D pins a degree, a [1,8,64] suffix "
                               f"restricts degrees)") from None
     return listed
 

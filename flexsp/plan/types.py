@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from flexsp.errors import PlanError
-from flexsp.inputs import INT64_MAX, exact_sum, integer, limit, load_json, number, parse_json, too_large, write_text
+from flexsp.inputs import (INT64_MAX, LIMITS, exact_sum, integer, limit, load_json, number, parse_json, too_large,
+                           write_text)
 from flexsp.plan.cluster import is_tile_start
 from flexsp.plan.lengths import as_lengths
 from solver.types import LazyItems
@@ -316,10 +317,16 @@ class Plan:
         for key in ("num_gpus", "predicted_time", "micro_batches"):
             if key not in data:
                 raise PlanError(f"plan is missing '{key}'")
-        num_gpus = integer(data["num_gpus"], "num_gpus", PlanError)
+        num_gpus = _gpus(data["num_gpus"], "num_gpus")
+        gpn = data.get("gpus_per_node")
+        gpn = None if gpn is None else _gpus(gpn, "gpus_per_node")
         predicted = number(data["predicted_time"], "predicted_time (seconds)", PlanError)
         if not isinstance(data["micro_batches"], list):
             raise PlanError("micro_batches must be a list")
+        batches = len(data["micro_batches"])
+        if batches > limit("groups"):   # each needs a group: millions of empty ones fail here, not after building
+            raise PlanError(f"the plan has {batches} micro-batches, which need at least {batches} groups, over the cap "
+                            f"of {limit('groups')}; raise it with --max-input groups=N or ${LIMITS['groups'][0]}")
         count = sum(len(mb["groups"]) for mb in data["micro_batches"]
                     if isinstance(mb, Mapping) and isinstance(mb.get("groups"), list))
         if count > limit("groups"):   # checked before a Group is built: each costs hundreds of bytes
@@ -337,14 +344,13 @@ class Plan:
                                     seq_ids=tuple(_int(s, f"{where}.seq_ids") for s in g["seq_ids"]),
                                     ring=integer(g.get("ring", 1), f"{where}.ring", PlanError)))
             micro_batches.append(MicroBatch(tuple(groups)))
-        gpn = data.get("gpus_per_node")
         strategy = data.get("strategy")
         if strategy is not None and not isinstance(strategy, str):
             raise PlanError(f"strategy must be a string, got {strategy!r}")
         solve_time = data.get("solve_time")
         return cls(num_gpus=num_gpus, micro_batches=tuple(micro_batches), predicted_time=predicted,
                    strategy=strategy or "",
-                   gpus_per_node=None if gpn is None else integer(gpn, "gpus_per_node", PlanError),
+                   gpus_per_node=gpn,
                    solve_time=0.0 if solve_time is None else number(solve_time, "solve_time (seconds)", PlanError))
 
     def to_json(self) -> str:
@@ -367,6 +373,16 @@ def _group_dict(group: Group) -> dict[str, Any]:
     if group.ring > 1:      # only hybrid groups carry the split; the contract's keys stay as they are
         out["ring"] = group.ring
     return out
+
+
+def _gpus(value: Any, what: str) -> int:
+    """A GPU count of a plan file, within the ``gpus`` cap ``--gpus`` has: a reader (replay's preset cost
+    model, tile tables) sizes allocations by it, so 2**62 is an error here, not a MemoryError there."""
+    n = integer(value, what, PlanError)
+    if n > limit("gpus"):
+        raise PlanError(f"{what} {n} is over the cap of {limit('gpus')} GPUs; raise it with "
+                        f"--max-input gpus=N or ${LIMITS['gpus'][0]}")
+    return n
 
 
 def _int(value: Any, what: str) -> int:

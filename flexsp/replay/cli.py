@@ -130,6 +130,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``--json``, ``--markdown`` and ``--gantt`` writable, ``--gantt`` in a format matplotlib writes, checked
+    before the replay, whose minutes an unwritable output would otherwise waste at the end."""
+    from flexsp.inputs import writable_file
+    if args.gantt is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+        formats = sorted(FigureCanvasBase.get_supported_filetypes())
+        if args.gantt.suffix.lower().lstrip(".") not in formats:   # none: matplotlib would write NAME.png instead
+            raise FlexSPError(f"--gantt {args.gantt}: a picture needs one of the suffixes matplotlib writes "
+                              f"({', '.join('.' + f for f in formats)}), e.g. {args.gantt.with_suffix('.png').name}")
+    for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.gantt, "--gantt")):
+        if path is not None:
+            writable_file(path, what, FlexSPError)
+
+
 def _run(args: argparse.Namespace) -> int:
     from flexsp.inputs import parse_tokens
     from flexsp.plan.cost import CostModel
@@ -137,6 +152,7 @@ def _run(args: argparse.Namespace) -> int:
     from flexsp.plan.types import Plan
     from flexsp.replay.report import format_groups, summary
 
+    _check_outputs(args)
     plan = Plan.load(args.plan)
     lengths = load_lengths(args.lengths).tolist()
     if args.cost is not None:
