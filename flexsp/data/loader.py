@@ -422,6 +422,14 @@ class FlexSPLoader:
                 raise LoaderError(f"loader state {key!r} must be an integer >= 0, got {value!r}")
         if not isinstance(state["batching"], dict):
             raise LoaderError(f"loader state 'batching' must be a dict, got {type(state['batching']).__name__}")
+        version = state.get("version", STATE_VERSION)    # states saved before the field existed are version 1
+        if version != STATE_VERSION:
+            raise LoaderError(f"loader state version {version!r} is not the supported {STATE_VERSION} (written by "
+                              f"another FlexSP release)")
+        saved_world = state.get("world_size")
+        if saved_world is not None and (isinstance(saved_world, bool) or not isinstance(saved_world, int)
+                                        or saved_world < 1):
+            raise LoaderError(f"loader state 'world_size' must be an integer >= 1, got {saved_world!r}")
         if state["num_sequences"] != len(self.dataset):
             raise LoaderError(f"the saved state is for a dataset of {state['num_sequences']} sequences, "
                               f"this one has {len(self.dataset)}")
@@ -430,7 +438,6 @@ class FlexSPLoader:
         if diff:
             raise LoaderError(f"batching settings differ from the saved run (saved, now): {diff}; "
                               f"resuming would repeat or lose sequences")
-        saved_world = state.get("world_size")
         if saved_world is not None and saved_world != self.cluster.num_gpus and not world_size_change:
             raise LoaderError(f"the saved state is for a world of {saved_world} ranks, this loader plans for "
                               f"{self.cluster.num_gpus}; resume through the Checkpointer (which checks that "

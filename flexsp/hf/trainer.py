@@ -44,6 +44,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from flexsp.errors import FlexSPError
+from flexsp.inputs import read_json
 from flexsp.hf.adapter import HFCausalLM
 from flexsp.hf.features import check_supported
 from flexsp.hf.mixers import ring_capable
@@ -255,9 +256,15 @@ class FlexSPTrainer(Trainer):
             if not state_file.is_file():
                 raise TrainerSetupError(f"{path} has no {LOADER_STATE}: it was not saved by a FlexSP run, so the "
                                         f"loader's position is unknown")
+            state = read_json(state_file, "loader state", TrainerSetupError)   # bounded: a checkpoint is untrusted
+            if not isinstance(state, dict):
+                raise TrainerSetupError(f"loader state {state_file} must be a JSON object, got {type(state).__name__}")
             if self.flexsp_loader is None:
                 self.flexsp_loader = self._build_loader()
-            self.flexsp_loader.load_state_dict(json.loads(state_file.read_text()))
+            try:
+                self.flexsp_loader.load_state_dict(state)
+            except FlexSPError as exc:
+                raise TrainerSetupError(f"{state_file}: {exc}") from None
             resume_from_checkpoint = path
         try:
             return super().train(resume_from_checkpoint, *a, **kw)

@@ -24,6 +24,9 @@ def _state(data, config=CONFIG, **changes):
     ({"index": 99}, "index 99 is past epoch 0's 4 batches"),
     ({"batching": "x"}, "'batching' must be a dict"),
     ({"world_size": 8}, "world of 8 ranks, this loader plans for 4"),
+    ({"world_size": "4"}, "'world_size' must be an integer >= 1, got '4'"),
+    ({"version": 99}, "loader state version 99 is not the supported 1"),
+    ({"version": "x"}, "loader state version 'x' is not the supported 1"),
 ])
 def test_bad_positions_and_worlds_are_named(changes, message):
     data = token_lists(30)

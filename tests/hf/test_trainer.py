@@ -102,3 +102,24 @@ def test_the_trainers_mixed_precision_is_the_steps_compute_dtype(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "compute dtype: torch.bfloat16" in proc.stdout
+
+
+@pytest.mark.parametrize("content, pattern", [
+    ("[1]", "must be a JSON object, got list"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"epoch": ' + "9" * 5000 + "}", "not valid JSON"),
+])
+def test_a_damaged_loader_state_in_a_checkpoint_is_one_line(tmp_path, content, pattern):
+    """The checkpoint's ``flexsp_loader.json`` is read with the bounded reader, before the loader is built."""
+    from datasets import Dataset
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments, TrainerSetupError
+    from .models import build
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / "flexsp_loader.json").write_text(content)
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
+                                   flexsp_tokens_per_rank=64)
+    trainer = FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+    with pytest.raises(TrainerSetupError, match=f"flexsp_loader.json.*{pattern}"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
