@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+from itertools import count
 from pathlib import Path
 from statistics import fmean, median   # not numpy's: a record has many tiny lists, and numpy's call costs ~50 us each
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn, Sequence
 
 import numpy as np
 
 from flexsp.errors import FlexSPError
+from flexsp.inputs import INT64_MAX, LIMITS, integer, limit, number, read_json, too_large
 from flexsp.plan.cost import CostModel
 from flexsp.plan.specs import GPUS, ModelSpec
 from flexsp.plan.types import Plan
@@ -144,36 +148,209 @@ def group_errors(record: Mapping[str, Any]) -> np.ndarray:
                        for g in mb["groups"] if g["measured"] > 0], dtype=np.float64)
 
 
+# --- reading a run directory back: untrusted input, checked as it is read --------------------------
+# What each field may hold: "n" a finite number >= 0, "p" one > 0, "r" any finite number, "i" an integer
+# >= 0, "I" one >= 1, "s" a string, "b" a boolean, "L" a list; a trailing "?" also allows null.
+STEP_KINDS = {"step": "i", "epoch": "i?", "index": "i?", "time": "r", "world": "I", "strategy": "s",
+              "fallback": "b", "sequences": "I", "tokens": "I", "supervised_tokens": "i?", "seconds": "p",
+              "check_seconds": "n", "tail_seconds": "n", "plan_wait": "n", "load_seconds": "n", "loop_seconds": "p",
+              "loader_fraction": "n", "idle_seconds": "n", "idle_fraction": "n", "tokens_per_s": "n",
+              "model_flops": "n?", "mfu": "n?", "peak_flops": "p?", "planned_seconds": "n", "plan_predicted": "n",
+              "planned_error": "r?", "peak_memory_bytes": "n?", "memory_kind": "s", "max_tokens_per_gpu": "n",
+              "token_capacity": "n", "cost_version": "i", "probe_seconds": "n", "micro_batches": "L", "ranks": "L"}
+MICRO_BATCH_KINDS = {"planned": "n", "measured": "p", "groups": "L"}
+GROUP_KINDS = {"ranks": "L", "degree": "I", "lengths": "L", "tokens": "i", "planned": "n", "measured": "n",
+               "wall": "n", "busy": "n?"}
+RANK_KINDS = {"rank": "i", "seconds": "n", "check_seconds": "n", "tail_seconds": "n", "plan_wait": "n",
+              "load_seconds": "n", "idle_seconds": "n", "peak_memory_bytes": "n?", "probe_seconds": "n",
+              "micro_batches": "L"}
+RANK_MB_KINDS = {"start": "n", "forward": "n", "end": "n", "busy": "n?", "group": "i?", "tokens": "i"}
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+_MAX = sys.float_info.max
+_MISSING = object()   # of no kind
+_NUMBER = (int, float)   # exactly JSON's numbers (a bool is neither): tested by type, the hot path of a long run
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: type(v) in _NUMBER and 0 <= v <= _MAX, "p": lambda v: type(v) in _NUMBER and 0 < v <= _MAX,
+    "r": lambda v: type(v) in _NUMBER and -_MAX <= v <= _MAX, "i": lambda v: type(v) is int and 0 <= v <= INT64_MAX,
+    "I": lambda v: type(v) is int and 1 <= v <= INT64_MAX, "s": lambda v: type(v) is str,
+    "b": lambda v: type(v) is bool, "L": lambda v: type(v) is list}
+
+
+def _or_null(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or ok(v)
+
+
+_KINDS.update({f"{k}?": _or_null(ok) for k, ok in list(_KINDS.items())})
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), "a number")
+
+
+def _name(*path: str | int) -> str:
+    """``("ranks", 3, "busy")`` as ``ranks[3].busy``: built only for a message, not for every field read."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "the step record"
+
+
+def _refuse(value: Any, kind: str, what: str) -> NoReturn:
+    """The ``TelemetryError`` saying why ``value`` is not of ``kind`` (a code of STEP_KINDS)."""
+    kind = kind[0]
+    if kind in "sbL":
+        name = {"s": "a string", "b": "a boolean", "L": "an array"}[kind]
+        raise TelemetryError(f"{what} must be {name}, got {_json_type(value)}")
+    if isinstance(value, bool) or not isinstance(value, _NUMBER):   # no repr: a string may be megabytes
+        raise TelemetryError(f"{what} must be {'an integer' if kind in 'iI' else 'a number'}, got {_json_type(value)}")
+    if kind in "iI":
+        integer(value, what, TelemetryError, minimum=1 if kind == "I" else 0)
+    number(value, what, TelemetryError, minimum=None if kind == "r" else 0.0, positive=kind == "p")
+    raise TelemetryError(f"{what} is out of range")
+
+
+def _fields(value: Any, kinds: Mapping[str, str], *path: str | int) -> None:
+    """``value`` is an object holding every key of ``kinds``, each of its kind."""
+    if type(value) is not dict:
+        raise TelemetryError(f"{_name(*path)} must be an object, got {_json_type(value)}")
+    for key, kind in kinds.items():
+        if not _KINDS[kind](value.get(key, _MISSING)):
+            missing = [k for k in kinds if k not in value]
+            if missing:
+                raise TelemetryError(f"{_name(*path)} lacks {', '.join(missing)}")
+            _refuse(value[key], kind, _name(*path, key))
+
+
+def check_record(record: dict[str, Any]) -> None:
+    """Every field has its type and range (``STEP_KINDS`` and below) and the indices agree (a rank record per
+    rank of ``world``, each with the step's micro-batches, groups and ranks that exist), so that reading a
+    record can only fail here, with a message naming the field."""
+    _fields(record, STEP_KINDS)
+    world, mbs, ranks = record["world"], record["micro_batches"], record["ranks"]
+    if world > limit("gpus"):
+        raise TelemetryError(too_large("world", world, "gpus"))
+    if record["mfu"] is not None and record["peak_flops"] is None:
+        raise TelemetryError("mfu is given without peak_flops")
+    if not mbs:
+        raise TelemetryError("micro_batches is empty: a step runs at least one")
+    if len(ranks) != world:
+        raise TelemetryError(f"world is {world} but ranks holds {len(ranks)} rank records")
+    for m, mb in enumerate(mbs):
+        _fields(mb, MICRO_BATCH_KINDS, "micro_batches", m)
+        if not mb["groups"]:
+            raise TelemetryError(f"micro_batches[{m}].groups is empty")
+        for j, group in enumerate(mb["groups"]):
+            _fields(group, GROUP_KINDS, "micro_batches", m, "groups", j)
+            if not all(type(r) is int and 0 <= r < world for r in group["ranks"]):
+                raise TelemetryError(f"{_name('micro_batches', m, 'groups', j, 'ranks')} must hold ranks "
+                                     f"0..{world - 1} (integers)")
+            if not all(type(n) is int and 0 <= n <= INT64_MAX for n in group["lengths"]):
+                raise TelemetryError(f"{_name('micro_batches', m, 'groups', j, 'lengths')} must hold integers >= 0")
+    for i, rank in enumerate(ranks):
+        _fields(rank, RANK_KINDS, "ranks", i)
+        if rank["rank"] != i:
+            raise TelemetryError(f"ranks[{i}].rank is {rank['rank']}: ranks must be in order 0..{world - 1}")
+        if len(rank["micro_batches"]) != len(mbs):
+            raise TelemetryError(f"ranks[{i}].micro_batches holds {len(rank['micro_batches'])} micro-batches, "
+                                 f"the step {len(mbs)}")
+        for m, mb in enumerate(rank["micro_batches"]):
+            _fields(mb, RANK_MB_KINDS, "ranks", i, "micro_batches", m)
+            if mb["group"] is not None and mb["group"] >= len(mbs[m]["groups"]):
+                raise TelemetryError(f"ranks[{i}].micro_batches[{m}].group is {mb['group']} but micro-batch {m} "
+                                     f"has {len(mbs[m]['groups'])} groups")
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of a JSON-lines file, read within caps so that no file can
+    hang the reader or exhaust memory: a regular file, at most ``text_bytes`` in all and ``json_bytes`` a line
+    (``flexsp.inputs``). A last line cut short (a run killed mid-write) ends the file."""
+    line_cap, file_cap = limit("json_bytes"), limit("text_bytes")
+    if not path.is_file():
+        raise TelemetryError(f"cannot read {path}: not a regular file")
+    try:
+        if path.stat().st_size > file_cap:
+            raise TelemetryError(_over(str(path), "text_bytes"))
+        f = path.open("rb")
+    except OSError as exc:
+        raise TelemetryError(f"cannot read {path}: {exc.strerror or exc}") from None
+    with f:
+        read = 0
+        for n in count(1):
+            try:
+                raw = f.readline(line_cap + 1)
+            except OSError as exc:
+                raise TelemetryError(f"cannot read {path}: {exc.strerror or exc}") from None
+            read += len(raw)
+            if read > file_cap:   # grew while read
+                raise TelemetryError(_over(str(path), "text_bytes"))
+            if len(raw) > line_cap:
+                raise TelemetryError(_over(f"{path} line {n}", "json_bytes"))
+            if not raw:
+                return
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError) as exc:   # not UTF-8, not JSON, digits beyond the limit, too deep
+                if n > 1 and not raw.endswith(b"\n"):
+                    return
+                reason = ("is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else
+                          "is nested too deeply" if isinstance(exc, RecursionError) else
+                          f"is not JSON: {getattr(exc, 'msg', exc)}")
+                raise TelemetryError(f"{path} line {n} {reason}") from None
+            yield n, value
+
+
+def _over(what: str, cap: str) -> str:
+    return (f"{what} is longer than the cap of {limit(cap)} bytes; raise it with --max-input {cap}=N "
+            f"or ${LIMITS[cap][0]}")
+
+
 def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The step records of a run directory, in order; a ``TelemetryError`` naming the file and line if unreadable."""
+    """The step records of a run directory, in order, each checked by ``check_record``; a ``TelemetryError``
+    naming the file, line and field if one is unreadable (the files of a run directory are untrusted)."""
     path = Path(run_dir) / RECORDS
     if not Path(run_dir).is_dir():
         raise TelemetryError(f"{run_dir} is not a run directory (no such directory)")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise TelemetryError(f"{run_dir} holds no {RECORDS}: was the run started with flexsp.telemetry.Telemetry?")
     out = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                if n > 1 and not line.endswith("\n"):
-                    break   # the last line of a run killed mid-write
-                raise TelemetryError(f"{path} line {n} is not JSON: {exc.msg}") from None
-            for key in LATER_FIELDS:
-                record.setdefault(key, None)
-            missing = [k for k in STEP_FIELDS if k not in record]
-            if missing:
-                raise TelemetryError(f"{path} line {n} lacks {', '.join(missing)}: not a FlexSP step record")
-            out.append(record)
+    for n, record in _json_lines(path):
+        if not isinstance(record, dict):
+            raise TelemetryError(f"{path} line {n} is {_json_type(record)}, not a step record (a JSON object)")
+        for key in LATER_FIELDS:
+            record.setdefault(key, None)
+        missing = [k for k in STEP_FIELDS if k not in record]
+        if missing:
+            raise TelemetryError(f"{path} line {n} lacks {', '.join(missing)}: not a FlexSP step record")
+        try:
+            check_record(record)
+        except TelemetryError as exc:
+            raise TelemetryError(f"{path} line {n}: {exc}") from None
+        out.append(record)
     if not out:
         raise TelemetryError(f"{path} holds no step record yet")
     return out
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
+def read_refits(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The refits of a run directory (none without ``REFITS``), each an object with its integer ``step``."""
+    path = Path(run_dir) / REFITS
+    if not os.path.lexists(path):
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for n, refit in _json_lines(path):
+        if type(refit) is not dict or not _KINDS["i"](refit.get("step")):
+            raise TelemetryError(f"{path} line {n} is not a refit: a JSON object with an integer step >= 0")
+        out.append(refit)
+    return out
+
+
+def read_run(run_dir: str | Path) -> dict[str, Any]:
+    """The run's description (``RUN``; empty without one), read by ``flexsp.inputs.read_json`` within its caps."""
+    path = Path(run_dir) / RUN
+    if not os.path.lexists(path):
+        return {}
+    run = read_json(path, "run description", TelemetryError)
+    if not isinstance(run, dict):
+        raise TelemetryError(f"run description {path} is {_json_type(run)}, not a JSON object")
+    if run.get("device") is not None and not isinstance(run["device"], str):
+        raise TelemetryError(f"run description {path}: device must be a string, got {_json_type(run['device'])}")
+    return run

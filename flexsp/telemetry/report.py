@@ -9,6 +9,9 @@ The cost model predicts each group's compute, so "planned / measured" compares t
 micro-batches; the table splits a loop iteration into what the model covers (the slowest group's
 compute) and what it leaves out (waits beyond it inside micro-batches, the executor's checks and the
 optimizer step, the loader), so a small ratio beside a small group error explains itself.
+
+A run directory is untrusted input: ``records.py`` reads its files within ``flexsp.inputs``' caps and checks
+every field, so a bad file is one ``TelemetryError`` line naming the file, line and field.
 """
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from flexsp.telemetry.records import RUN, TelemetryError, group_errors, read_jsonl, read_records, REFITS
+from flexsp.telemetry.records import TelemetryError, group_errors, read_records, read_refits, read_run
 
 PLOTS = ("step_times.png", "gantt.png", "fractions.png", "cost_error.png")
+GANTT_MAX = 64      # ranks and micro-batches the Gantt draws at most: more are unreadable, and slow to draw
+GANTT_LABELS = 16   # micro-batches per step up to which each bar is labelled (more overlap, and cost seconds)
 
 
 def summarize(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, Any]] = ()) -> list[tuple[str, str]]:
@@ -28,10 +33,11 @@ def summarize(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, Any]
     col = lambda key: np.asarray([r[key] for r in records if r[key] is not None], dtype=np.float64)  # noqa: E731
     measured = np.asarray([sum(mb["measured"] for mb in r["micro_batches"]) for r in records])
     planned = col("planned_seconds")
-    errors = [np.median(np.abs(group_errors(r))) for r in records]
+    errors = [median_error(r) for r in records]
     versions = [r["cost_version"] for r in records]
     first_refit = next((i for i, v in enumerate(versions) if v > versions[0]), None)
     mfu = col("mfu")
+    peak = next((r["peak_flops"] for r in records if r["mfu"] is not None), None)
     memory = col("peak_memory_bytes")
     rows = [
         ("steps", f"{len(records)} (world {records[0]['world']}, strategy {records[0]['strategy']})"),
@@ -41,18 +47,18 @@ def summarize(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, Any]
         ("tokens/s (loader wait included)", f"{col('tokens_per_s').mean():,.0f}"),
         ("supervised tokens (loss targets) / tokens", supervised(records)),
         ("MFU", "n/a (no peak FLOP/s: give peak_flops)" if not len(mfu) else
-         f"{mfu.mean():.2%} of {records[0]['peak_flops']:.3g} FLOP/s per device"),
+         f"{mfu.mean():.2%} of {peak:.3g} FLOP/s per device"),
         ("idle in collectives / sat out (mean fraction of step)", f"{col('idle_fraction').mean():.1%}"),
         ("waiting for the loader (mean fraction of loop)", f"{col('loader_fraction').mean():.1%}"),
         ("fallback plans", f"{sum(bool(r['fallback']) for r in records)} of {len(records)}"),
         ("cost-model refits", f"{len(refits)} (model version {versions[0]} -> {versions[-1]})"),
-        ("median |group error|, first step", f"{errors[0]:.1%}"),
+        ("median |group error|, first step", _percent(errors[:1])),
     ]
     if first_refit is not None:
-        rows += [("median |group error|, before first refit", f"{np.median(errors[:first_refit]):.1%}"),
-                 ("median |group error|, after first refit", f"{np.median(errors[first_refit:]):.1%}")]
+        rows += [("median |group error|, before first refit", _percent(errors[:first_refit])),
+                 ("median |group error|, after first refit", _percent(errors[first_refit:]))]
     else:
-        rows.append(("median |group error|, all steps", f"{np.median(errors):.1%}"))
+        rows.append(("median |group error|, all steps", _percent(errors)))
     rows += split(records)
     rows += [("peak memory", "n/a" if not len(memory) else
               f"{memory.max() / 2**20:,.0f} MiB ({records[0]['memory_kind']})"),
@@ -61,6 +67,17 @@ def summarize(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, Any]
              ("telemetry time on the training thread (max rank, mean per step)",
               f"{col('probe_seconds').mean() * 1e3:.3f} ms ({(col('probe_seconds') / col('seconds')).mean():.3%})")]
     return rows
+
+
+def median_error(record: dict[str, Any]) -> float:
+    """The median |group error| of a step; NaN where no group has a measured time (nothing to compare)."""
+    errors = np.abs(group_errors(record))
+    return float(np.median(errors)) if errors.size else float("nan")
+
+
+def _percent(errors: Sequence[float]) -> str:
+    known = [e for e in errors if not np.isnan(e)]
+    return f"{np.median(known):.1%}" if known else "n/a (no group with a measured time)"
 
 
 def supervised(records: Sequence[dict[str, Any]]) -> str:
@@ -100,7 +117,7 @@ def write_report(run_dir: str | Path, *, step: int | None = None, out: str | Pat
     """The summary table and the plot files (in ``out``, default ``RUN_DIR/report``)."""
     run_dir = Path(run_dir)
     records = read_records(run_dir)
-    refits = read_jsonl(run_dir / REFITS)
+    refits = read_refits(run_dir)
     steps = [r["step"] for r in records]
     if step is None:
         chosen = records[-1]
@@ -149,27 +166,43 @@ def times_figure(records: Sequence[dict[str, Any]]):
 
 
 def gantt_figure(chosen: dict[str, Any]):
-    """One step as it ran; the title mentions grey only when a rank sat a micro-batch out."""
+    """One step as it ran; the title mentions grey only when a rank sat a micro-batch out. At most the first
+    ``GANTT_MAX`` ranks and micro-batches are drawn (the title says so), labelled up to ``GANTT_LABELS``
+    micro-batches: a record of a large world would otherwise make a figure too tall to read, and minutes and
+    gigabytes to draw."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 0.6 * chosen["world"] + 1.6))
+    ranks = chosen["ranks"][:GANTT_MAX]
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(ranks) + 1.6))
     colors = plt.get_cmap("tab10")
-    sat_out = False
-    for rank in chosen["ranks"]:
-        y = rank["rank"]
-        for m, mb in enumerate(rank["micro_batches"]):
-            if mb["group"] is None:
-                ax.barh(y, mb["end"] - mb["start"], left=mb["start"], color="lightgrey", edgecolor="grey")
-                sat_out = True
-                continue
-            ax.barh(y, mb["forward"] - mb["start"], left=mb["start"], color=colors(m % 10), alpha=0.9)
-            ax.barh(y, mb["end"] - mb["forward"], left=mb["forward"], color=colors(m % 10), alpha=0.5, hatch="//")
-            degree = chosen["micro_batches"][m]["groups"][mb["group"]]["degree"]
-            ax.text((mb["start"] + mb["end"]) / 2, y, f"mb{m} d{degree}", ha="center", va="center", fontsize=7)
+    out, ran = [], []   # (rank, micro-batch index, its record): sat out, run
+    for rank in ranks:
+        for m, mb in enumerate(rank["micro_batches"][:GANTT_MAX]):
+            (out if mb["group"] is None else ran).append((rank["rank"], m, mb))
+    sat_out = bool(out)
+    _bars(ax, out, "start", "end", facecolors="lightgrey", edgecolors="grey")
+    _bars(ax, ran, "start", "forward", facecolors=[colors(m % 10) for _, m, _ in ran], alpha=0.9)
+    _bars(ax, ran, "forward", "end", facecolors=[colors(m % 10) for _, m, _ in ran], alpha=0.5, hatch="//")
+    ax.autoscale_view()
+    labelled = ran if len(chosen["micro_batches"]) <= GANTT_LABELS else []
+    for y, m, mb in labelled:
+        degree = chosen["micro_batches"][m]["groups"][mb["group"]]["degree"]
+        ax.text((mb["start"] + mb["end"]) / 2, y, f"mb{m} d{degree}", ha="center", va="center", fontsize=7)
     key = "solid: forward, hatched: backward" + (", grey: sat out" if sat_out else "")
-    ax.set(xlabel="seconds since the step's agreement", ylabel="rank", yticks=range(chosen["world"]),
-           title=f"step {chosen['step']} as it ran ({key}); planned {chosen['planned_seconds']:.3g} s")
+    shown = [f"{what} 0-{GANTT_MAX - 1} of {n}" for what, n in (("ranks", len(chosen["ranks"])),
+             ("micro-batches", len(chosen["micro_batches"]))) if n > GANTT_MAX]
+    ax.set(xlabel="seconds since the step's agreement", ylabel="rank", yticks=range(len(ranks)),
+           title=f"step {chosen['step']} as it ran ({key}); planned {chosen['planned_seconds']:.3g} s"
+           + (f"\nshown: {', '.join(shown)}" if shown else ""))
     ax.invert_yaxis()
     return fig
+
+
+def _bars(ax, cells: Sequence[tuple[int, int, dict[str, Any]]], start: str, end: str, **style: Any) -> None:
+    """Bars of height 0.8 from ``mb[start]`` to ``mb[end]`` at each cell's rank, as one collection: one
+    ``barh`` artist per bar costs milliseconds each, minutes for a large Gantt."""
+    from matplotlib.collections import PolyCollection
+    boxes = [[(mb[start], y - 0.4), (mb[end], y - 0.4), (mb[end], y + 0.4), (mb[start], y + 0.4)] for y, _, mb in cells]
+    ax.add_collection(PolyCollection(boxes, **style))
 
 
 def fractions_figure(records: Sequence[dict[str, Any]]):
@@ -193,7 +226,7 @@ def error_figure(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, A
     """The cost model's median group error per step; refits as grey lines, named only when there are some."""
     fig, ax = _pyplot().subplots(figsize=(8, 4))
     steps = [r["step"] for r in records]
-    ax.semilogy(steps, [max(np.median(np.abs(group_errors(r))), 1e-4) for r in records], "o-",
+    ax.semilogy(steps, [max(median_error(r), 1e-4) for r in records], "o-",
                 label="median |planned - measured| / measured, groups")
     for f in refits:
         ax.axvline(f["step"] + 0.5, color="grey", alpha=0.4)
@@ -224,18 +257,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    described = read_run(args.run_dir)   # before the plots are written: a broken run.json is an error, not a "?"
     table, paths = write_report(args.run_dir, step=args.step, out=args.out)
-    described = read_jsonl_safe(args.run_dir / RUN)
     print(f"run {args.run_dir}: device {described.get('device', '?')}")
     print(table)
     for path in paths:
         print(f"wrote {path}")
     return 0
-
-
-def read_jsonl_safe(path: Path) -> dict[str, Any]:
-    import json
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
