@@ -24,7 +24,7 @@ import os
 import re
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
@@ -63,6 +63,30 @@ def integer(value: Any, what: str, error: type[FlexSPError], *, minimum: int | N
         raise error(f"{what} must be >= {minimum}, got {out}")
     if maximum is not None and out > maximum:
         raise error(f"{what} = {_short_repr(out)} is too large (at most {maximum})")
+    return out
+
+
+_DECIMAL = re.compile(r"0|[1-9][0-9]*")   # a whole number as JSON writes a key: no sign, space or leading 0
+
+
+def integer_keys(table: Mapping[Any, T], what: str, error: type[FlexSPError], name: str) -> dict[int, T]:
+    """``table`` with each key as the integer it names: an int (not a bool) or its decimal string as JSON
+    writes keys (``"8"``). ``"08"``, ``" 8"``, ``"+8"`` or ``"٨"`` are refused: read as 8 they would let two
+    keys name one number and the later silently win. So are two keys naming one number (``8`` and ``"8"``)."""
+    out: dict[int, T] = {}
+    for key, value in table.items():
+        if isinstance(key, str) and _DECIMAL.fullmatch(key):
+            if len(key) > 40:
+                raise error(f"{what} key {_short_repr(key)} is too large for a {name}")
+            whole = int(key)
+        elif isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
+            whole = int(key)
+        else:
+            raise error(f"{what} keys must be {name}s, got {_short_repr(key)} (write a key in plain decimal "
+                        f"digits, like \"8\")")
+        if whole in out:
+            raise error(f"{what} names {name} {whole} twice; which value counts would be a guess")
+        out[whole] = value
     return out
 
 
@@ -122,7 +146,7 @@ def too_large(what: str, size: int, name: str) -> str:
 def read_json(path: str | Path, what: str, error: type[FlexSPError]) -> Any:
     """Parse a JSON file: the one reader of every JSON FlexSP reads. Every way it can fail (missing,
     unreadable, larger than the ``json_bytes`` cap, not UTF-8, malformed, nested deeper than
-    ``MAX_JSON_DEPTH``, numbers too long) is ``error`` naming the file."""
+    ``MAX_JSON_DEPTH``, numbers too long, a key twice in one object) is ``error`` naming the file."""
     path = Path(path)
     try:
         if not path.is_file():
@@ -177,6 +201,22 @@ def json_depth(text: str) -> int:
     return deepest
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when a key comes twice: ``json`` would keep the later value silently."""
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return out
+
+
 def parse_json(text: str, what: str, error: type[FlexSPError]) -> Any:
     if not isinstance(text, str):
         raise error(f"{what} must be JSON text (str), got {type(text).__name__}")
@@ -187,7 +227,10 @@ def parse_json(text: str, what: str, error: type[FlexSPError]) -> Any:
         raise error(f"{what} is nested too deeply ({depth} levels; a FlexSP JSON document has at most "
                     f"{MAX_JSON_DEPTH})")
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_distinct_keys)
+    except _DuplicateKey as exc:
+        raise error(f"{what} has the key {_short_repr(exc.args[0])} twice in one object; which value counts "
+                    f"would be a guess") from None
     except RecursionError:
         raise error(f"{what} is nested too deeply to be a FlexSP JSON document") from None
     except ValueError as exc:   # JSONDecodeError, and integers beyond Python's digit limit

@@ -51,7 +51,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from flexsp.errors import CostModelError
-from flexsp.inputs import exact_sum, integer, load_json, number, write_text
+from flexsp.inputs import exact_sum, integer, integer_keys, load_json, number, write_text
 from flexsp.plan.cluster import ulysses_split
 from flexsp.plan.layers import pairs
 from flexsp.plan.lengths import as_lengths
@@ -73,16 +73,14 @@ _TERMS = ("window_alpha", "chunk_alpha")    # per-size attention terms of window
 MAX_BANDWIDTH_DEGREES = 2**16  # entries an alltoall_bandwidth table may have (every degree of 16,384 GPUs: 2,055)
 
 
-def _degree_key(key: Any) -> int:
-    """An alltoall_bandwidth key: a positive integer SP degree (any size: 3, 6, 24 ...), or its decimal
-    string (JSON keys are strings)."""
-    if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 20:
-        key = int(key)
-    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
-        raise CostModelError(f"alltoall_bandwidth keys must be integer SP degrees, got {key!r}")
-    if not 1 <= int(key) <= 2**40:
-        raise CostModelError(f"alltoall_bandwidth has degree {key}, which is not an SP degree (1 to 2**40 GPUs)")
-    return int(key)
+def _degree_keys(table: Mapping[Any, Any]) -> dict[int, Any]:
+    """alltoall_bandwidth by degree: its keys positive integer SP degrees (any size: 3, 6, 24 ...), or their
+    decimal strings (JSON keys are strings), each degree once (``flexsp.inputs.integer_keys``)."""
+    out = integer_keys(table, "alltoall_bandwidth", CostModelError, "integer SP degree")
+    for degree in out:
+        if not 1 <= degree <= 2**40:
+            raise CostModelError(f"alltoall_bandwidth has degree {degree}, which is not an SP degree (1 to 2**40 GPUs)")
+    return out
 
 
 @dataclass(frozen=True)
@@ -119,10 +117,8 @@ class CostModel:
         if len(table) > MAX_BANDWIDTH_DEGREES:
             raise CostModelError(f"alltoall_bandwidth has {len(table)} degrees, more than the {MAX_BANDWIDTH_DEGREES} a "
                                  f"cost model may list")
-        bandwidth: dict[int, float] = {}
-        for key, value in table.items():
-            degree = _degree_key(key)
-            bandwidth[degree] = number(value, f"alltoall_bandwidth[{degree}]", CostModelError, positive=True)
+        bandwidth = {degree: number(value, f"alltoall_bandwidth[{degree}]", CostModelError, positive=True)
+                     for degree, value in _degree_keys(table).items()}
         object.__setattr__(self, "alltoall_bandwidth", dict(sorted(bandwidth.items())))
         if self.meta is not None and not isinstance(self.meta, Mapping):
             raise CostModelError(f"meta must be a mapping (a JSON object) of provenance, got {type(self.meta).__name__}")
@@ -149,14 +145,9 @@ class CostModel:
                 raise CostModelError(f"{name} must map a size in tokens -> seconds per attention pair, got "
                                      f"{type(table).__name__}")
             checked = {}
-            for key, value in table.items():
-                size = None
-                if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 20:
-                    size = int(key)
-                elif isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
-                    size = int(key)
-                if size is None or size < 1:
-                    raise CostModelError(f"{name} has size {key!r}; sizes are whole numbers of tokens >= 1")
+            for size, value in integer_keys(table, name, CostModelError, "token size").items():
+                if size < 1:
+                    raise CostModelError(f"{name} has size {size}; sizes are whole numbers of tokens >= 1")
                 checked[size] = number(value, f"{name}[{size}]", CostModelError)
             object.__setattr__(self, name, dict(sorted(checked.items())))
         if self.alpha1 == 0 and self.alpha2 == 0 and not any(self.terms_alpha()):

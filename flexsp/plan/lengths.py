@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 import gzip
 import os
+import re
 import types
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -128,13 +129,18 @@ _FORMATS = "a .npy array or a text file (.txt or .txt.gz) with one integer per l
 
 
 _CHUNK = 1 << 20   # bytes of text parsed at a time: the parser's scratch, whatever the file's size
+_MAX_LINE = 1 << 16  # bytes of one line: a length has at most 19 digits; a longer line is no length file's
+_LENGTH_BYTES = b"0123456789 \t\r\n"   # all a lengths text holds: ASCII digits, spaces, tabs, line ends
+_INNER_SPACE = re.compile(rb"[0-9][ \t]+[0-9]")   # two numbers on one line ("1 2")
 
 
-def _text_chunks(path: Path):
-    """``(first line number, lines)`` of a text or gzip file, a few MiB at a time, split at line ends.
+def _text_chunks(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(first line number, text)`` of a text or gzip file, about 1 MiB of whole lines at a time.
 
-    The decompressed size is capped (``flexsp.inputs.limit("text_bytes")``) as it streams, so a gzip
-    bomb stops at the cap instead of filling memory."""
+    Lines end at ``\\n``, ``\\r\\n`` or ``\\r`` (``bytes.splitlines``). A line longer than ``_MAX_LINE`` is
+    refused, so a file without line ends costs linear time, not a rebuilt, growing line per chunk. The
+    decompressed size is capped (``flexsp.inputs.limit("text_bytes")``) as it streams, so a gzip bomb
+    stops at the cap instead of filling memory."""
     cap = limit("text_bytes")
     seen, line_no, tail = 0, 1, b""
     try:
@@ -148,45 +154,53 @@ def _text_chunks(path: Path):
                                        .replace("has ", "has at least ", 1))
                 if not block:
                     break
-                if line_no == 1 and not tail and block.startswith(b"\xef\xbb\xbf"):
+                if seen == len(block) and block.startswith(b"\xef\xbb\xbf"):
                     block = block[3:]   # a byte-order mark (Windows editors) is not data
-                data = tail + block
-                cut = data.rfind(b"\n") + 1
+                data = tail + block     # tail < _MAX_LINE bytes: linear in the file
+                # cut after the last line end; never between the \r and \n of one
+                cut = max(data.rfind(b"\n"), data.rfind(b"\r", 0, len(data) - 1)) + 1
                 tail, data = data[cut:], data[:cut]
                 if data:
-                    lines = data.decode("utf-8").splitlines()
-                    yield line_no, lines
-                    line_no += len(lines)
+                    yield line_no, data
+                    line_no += data.count(b"\n")
+                    if b"\r" in data:      # lone \r line ends (a \r\n counted once)
+                        line_no += data.count(b"\r") - data.count(b"\r\n")
+                if len(tail) > _MAX_LINE:
+                    raise LengthsError(f"{path}, line {line_no}: over {_MAX_LINE} bytes long, too long for a "
+                                       f"sequence length; expected {_FORMATS}")
             if tail:
-                yield line_no, tail.decode("utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise LengthsError(f"{path}: cannot read lengths (not UTF-8 text: {e.reason} near line {line_no}); "
-                           f"expected {_FORMATS}") from None
+                yield line_no, tail
     except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
         raise LengthsError(f"{path}: cannot read lengths ({e}); expected {_FORMATS}") from None
 
 
-def _parse_lines(path: Path, first: int, lines: list[str]) -> np.ndarray:
-    try:  # fast path: no blank lines, every line an integer (int() tolerates surrounding spaces)
-        values = np.array(lines, dtype=np.int64)
-    except (ValueError, OverflowError):
-        values = None
-    if values is not None and not (values <= 0).any():
-        return values
-    # Slow path, also taken for a bad value or a blank line: find the first offending line and name it.
+def _parse_lines(path: Path, first: int, data: bytes) -> np.ndarray:
+    """The lengths in ``data`` (whole lines from line ``first``): each line one number in ASCII digits,
+    with spaces or tabs around it, or blank. Anything else (``+5``, ``1_000``, ``1.5``, other scripts'
+    digits, two numbers) is refused naming its line, never read as some other number."""
+    if not data.translate(None, _LENGTH_BYTES) and not ((b" " in data or b"\t" in data)
+                                                         and _INNER_SPACE.search(data)):
+        try:  # fast path: blank lines skipped by split(), every other line one ASCII number
+            values = np.array(data.split(), dtype=np.int64)
+        except (ValueError, OverflowError):   # above int64, or past int()'s digit limit
+            values = None
+        if values is not None and not (values <= 0).any():
+            return values
+    # Slow path, taken for a bad line: find the first one and name it.
     parsed: list[int] = []
-    for number, line in enumerate(lines, start=first):
-        line = line.strip()
+    for number, raw in enumerate(data.splitlines(), start=first):
+        line = raw.strip(b" \t")
         if not line:
             continue
-        try:
-            value = int(line)
-        except ValueError:
-            if line.isdigit():      # beyond Python's digit limit for int()
-                raise LengthsError(f"{path}, line {number}: a {len(line)}-digit number is not a valid sequence "
-                                   f"length: lengths must be between 1 and {_INT64_MAX}") from None
-            raise LengthsError(f"{path}, line {number}: {line[:40]!r} is not an integer; "
-                               f"expected one sequence length per line") from None
+        digits = line[1:] if line.startswith(b"-") else line   # a negative number is named as one
+        if not digits.isdigit():        # bytes: ASCII digits only
+            shown = line[:40].decode("utf-8", "replace")
+            raise LengthsError(f"{path}, line {number}: {shown!r} is not an integer in ASCII digits 0-9; "
+                               f"expected one sequence length per line")
+        if len(digits.lstrip(b"0")) > 19:
+            raise LengthsError(f"{path}, line {number}: a {len(digits)}-digit number is not a valid sequence "
+                               f"length: lengths must be between 1 and {_INT64_MAX}")
+        value = int(line)
         if not 0 < value <= _INT64_MAX:
             raise LengthsError(f"{path}, line {number}: {value} is not a valid sequence length: "
                                f"lengths must be between 1 and {_INT64_MAX}")
@@ -198,8 +212,8 @@ def _load_text(path: Path) -> np.ndarray:
     """Streamed: memory is about the result (8 bytes a length) plus one chunk's scratch."""
     cap = limit("sequences")
     parts, count = [], 0
-    for first, lines in _text_chunks(path):
-        values = _parse_lines(path, first, lines)
+    for first, data in _text_chunks(path):
+        values = _parse_lines(path, first, data)
         count += values.size
         if count > cap:
             raise LengthsError(f"{path}: " + too_large("the lengths file", count, "sequences")
@@ -248,7 +262,9 @@ def _load_npy(path: Path) -> np.ndarray:
 def load_lengths(path: PathLike) -> np.ndarray:
     """Load and validate lengths from ``.npy``, ``.txt`` or ``.txt.gz`` (one integer per line).
 
-    Blank lines are ignored; a bad line raises :class:`LengthsError` naming the file and line.
+    A line holds one length in ASCII digits (spaces or tabs around it allowed), or nothing: blank lines are
+    ignored. Lines end at ``\\n``, ``\\r\\n`` or ``\\r`` and are at most 64 KiB long. A bad line raises
+    :class:`LengthsError` naming the file and line.
     Any suffix other than ``.npy``/``.gz`` is read as plain text. Bounded: see ``flexsp.inputs.LIMITS``
     (sequences, decompressed text bytes); text is streamed, a ``.npy`` header checked against the file.
     """
@@ -268,8 +284,8 @@ def locate(path: PathLike, index: int) -> str:
     if path.suffix == ".npy":
         return f"{path} entry {index}"
     seen = 0
-    for first, lines in _text_chunks(path):
-        for number, line in enumerate(lines, start=first):
+    for first, data in _text_chunks(path):
+        for number, line in enumerate(data.splitlines(), start=first):
             if line.strip():
                 if seen == index:
                     return f"{path} line {number}"

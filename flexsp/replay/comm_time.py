@@ -7,14 +7,13 @@ replayed group differs from its prediction only in compute.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
 from flexsp.errors import CostModelError
-from flexsp.inputs import _short_repr, read_json
+from flexsp.inputs import _short_repr, integer_keys, number, read_json
 from flexsp.plan.cost import CostModel
 
 
@@ -26,22 +25,20 @@ def load_bandwidth_table(path: str | Path) -> dict[int, float]:
 
 
 def parse_bandwidth_table(data: Any, where: str = "bandwidth table") -> dict[int, float]:
+    """Degree -> bytes/s, read as strictly as a cost model's ``alltoall_bandwidth``: keys the decimal
+    digits of a degree >= 2, each once; values JSON numbers > 0 (``"5e9"`` or ``true`` are refused, not
+    read as 5e9 or 1)."""
     if isinstance(data, Mapping) and "alltoall_bandwidth" in data:
         data = data["alltoall_bandwidth"]
     if not isinstance(data, Mapping) or not data:
         raise CostModelError(f"{where} must map SP degrees to bytes/s, e.g. {{\"2\": 5e9, \"4\": 4e9}}; "
                              f"got {_short_repr(data)}")
     table = {}
-    for key, value in data.items():
-        try:
-            degree, bandwidth = int(key), float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} is not "
-                                 f"degree: bytes/s") from None
-        if not 2 <= degree <= 2**40 or not (math.isfinite(bandwidth) and bandwidth > 0):
-            raise CostModelError(f"{where}: entry {_short_repr(key)}: {_short_repr(value)} needs a degree "
-                                 f">= 2 and bytes/s > 0")
-        table[degree] = bandwidth
+    for degree, value in integer_keys(data, where, CostModelError, "SP degree").items():
+        if not 2 <= degree <= 2**40:
+            raise CostModelError(f"{where}: entry {degree}: needs a degree >= 2 (degree 1 has no all-to-all) "
+                                 f"and at most 2**40")
+        table[degree] = number(value, f"{where}[{degree}] (bytes/s)", CostModelError, positive=True)
     return dict(sorted(table.items()))
 
 
