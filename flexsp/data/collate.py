@@ -15,7 +15,7 @@ import torch
 from flexsp.data.errors import LoaderError
 from flexsp.data.source import item_tokens
 from flexsp.plan.types import Group
-from flexsp.runtime.labels import read_targets
+from flexsp.runtime.labels import integers, out_of_vocabulary, read_targets
 from flexsp.runtime.shard import MicroBatchShard, group_inputs
 
 if TYPE_CHECKING:
@@ -24,18 +24,7 @@ if TYPE_CHECKING:
 
 def to_tokens(item: Any, index: int) -> torch.Tensor:
     """One dataset item as a 1-D int64 tensor (lists, tuples, numpy arrays, tensors, ``input_ids`` dicts)."""
-    tokens = item_tokens(item, index)
-    if isinstance(tokens, torch.Tensor):
-        t = tokens
-    else:
-        try:
-            t = torch.as_tensor(np.asarray(tokens))
-        except (TypeError, ValueError) as exc:
-            raise LoaderError(f"dataset item {index} cannot be read as token ids: {exc}") from None
-    if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise LoaderError(f"dataset item {index} must be a 1-D sequence of integer token ids, "
-                          f"got shape {tuple(t.shape)} dtype {t.dtype}")
-    return t.to(torch.long)
+    return integers(item_tokens(item, index), f"dataset item {index} (token ids)", LoaderError)
 
 
 @dataclass(frozen=True)
@@ -51,6 +40,7 @@ def read_row(item: Any, index: int, vocab_size: int | None = None) -> Row:
     """One dataset item with its supervision: ``labels`` / ``completion_mask`` / ``assistant_masks`` columns
     of a mapping (``flexsp.runtime.labels``); any other item trains every next token."""
     ids = to_tokens(item, index)
+    out_of_vocabulary(ids, vocab_size, f"dataset item {index}", LoaderError)
     columns = item if isinstance(item, Mapping) else {}
     targets, supervised = read_targets(columns, ids, f"dataset item {index}", vocab_size)
     return Row(ids, targets, supervised)

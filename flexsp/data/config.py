@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexsp.data.errors import LoaderError
+from flexsp.inputs import integer
 from flexsp.plan.config import PlanConfig
 
 TOO_LONG_POLICIES = ("error", "skip")
@@ -51,6 +52,8 @@ class LoaderConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise LoaderError(f"{name} must be a positive integer, got {value!r}")
+        # the shuffle's seed; a numpy integer is taken as a Python one (the state a checkpoint saves is JSON)
+        object.__setattr__(self, "seed", integer(self.seed, "seed", LoaderError, minimum=0, maximum=None))
         if self.on_too_long not in TOO_LONG_POLICIES:
             raise LoaderError(f"on_too_long={self.on_too_long!r}; choose one of {', '.join(TOO_LONG_POLICIES)}")
         if not isinstance(self.lookahead, int) or self.lookahead < 0:

@@ -36,7 +36,8 @@ from flexsp.data.config import LoaderConfig
 from flexsp.data.errors import LoaderError
 from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, pack_plan, planner_deadline, unpack_plan
 from flexsp.data.prefetch import Prefetch
-from flexsp.data.source import resolve_lengths
+from flexsp.data.source import read_item, resolve_lengths
+from flexsp.inputs import integer
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.cost import CostModel
 from flexsp.plan.memory import assumed as assumed_sharding
@@ -100,7 +101,7 @@ class FlexSPLoader:
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
             raise LoaderError(f"dataset must be map-style (__len__ and __getitem__), got {type(dataset).__name__}")
         self.dataset, self.cost, self.cluster, self.config = dataset, cost, cluster, config
-        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        self.vocab_size = None if vocab_size is None else integer(vocab_size, "vocab_size", LoaderError)
         self.pool = pool
         self.sharding = assumed_sharding(cost)
         self.device = None if device is None else torch.device(device)
@@ -370,7 +371,7 @@ class FlexSPLoader:
         return step
 
     def _fetch(self, index: int) -> Row:
-        return read_row(self.dataset[index], index, self.vocab_size)
+        return read_row(read_item(self.dataset, index), index, self.vocab_size)
 
     def _supervised(self, plan: Plan, shards: list, indices: Sequence[int]) -> int:
         """This rank's part of the global batch's supervised-target count: the groups it leads (first rank),

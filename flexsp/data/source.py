@@ -43,6 +43,15 @@ def item_length(item: Any, index: int) -> int:
                           f"(list, tensor, array, or a mapping with {TOKENS_KEY!r})") from None
 
 
+def read_item(dataset: Sequence[Any], index: int) -> Any:
+    """``dataset[index]``; the dataset's own failure (a disk, a decoder, a ``__len__`` longer than its items)
+    is a ``LoaderError`` naming the item."""
+    try:
+        return dataset[index]
+    except Exception as exc:
+        raise LoaderError(f"dataset item {index} could not be read: {type(exc).__name__}: {exc}") from exc
+
+
 def resolve_lengths(dataset: Sequence[Any], lengths: Any = None) -> np.ndarray:
     """Lengths of every item as int64: from ``lengths``, a ``"length"`` column, or ``len()`` per item."""
     n = len(dataset)
@@ -56,7 +65,7 @@ def resolve_lengths(dataset: Sequence[Any], lengths: Any = None) -> np.ndarray:
         values = np.asarray(list(dataset[LENGTH_COLUMN]))
     else:
         source = "len() of each item"
-        values = np.fromiter((item_length(dataset[i], i) for i in range(n)), dtype=np.int64, count=n)
+        values = np.fromiter((item_length(read_item(dataset, i), i) for i in range(n)), dtype=np.int64, count=n)
     try:
         arr = as_lengths(values, name="lengths")
     except LengthsError as exc:

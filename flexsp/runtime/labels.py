@@ -34,18 +34,74 @@ class LabelsError(FlexSPError):
     """A row's ``labels`` or loss mask cannot be what the model trains on (length, values, disagreement)."""
 
 
-def _column(value: Any, name: str, where: str, n: int) -> torch.Tensor:
-    """One supervision column as a 1-D int64 tensor of ``n`` entries."""
+# near misses of the supervision columns: a row holding one (as long as its input_ids) was meant to carry loss
+# targets, and reading none would silently train every token
+NEAR_MISSES = {"label": LABELS, "completion_masks": "completion_mask", "assistant_mask": "assistant_masks"}
+PADDING = "attention_mask"   # Hugging Face's padding mask: FlexSP packs unpadded sequences
+
+
+def integers(value: Any, what: str, error: type[FlexSPError], *, allow_bool: bool = False) -> torch.Tensor:
+    """``value`` as a 1-D int64 tensor, refusing what the cast would change: floats (truncated), booleans (read
+    as 0 and 1; allowed for masks), unsigned values above int64 (wrapped: 2**64 - 100 would become -100) and
+    meta tensors (no values)."""
     try:
         t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
-    except (TypeError, ValueError) as exc:
-        raise LabelsError(f"{where}, column {name!r}: cannot be read as integers: {exc}") from None
-    if t.dim() != 1 or t.is_floating_point() or t.is_complex():
-        raise LabelsError(f"{where}, column {name!r}: must be a 1-D sequence of integers, got shape "
-                          f"{tuple(t.shape)} dtype {t.dtype}")
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise error(f"{what}: cannot be read as integers: {exc}") from None
+    if t.is_meta:
+        raise error(f"{what}: a meta tensor holds no values")
+    if t.dim() != 1 or t.is_floating_point() or t.is_complex() or (t.dtype == torch.bool and not allow_bool):
+        raise error(f"{what}: must be a 1-D sequence of integers, got shape {tuple(t.shape)} dtype {t.dtype}")
+    if t.dtype == torch.uint64 and t.device.type == "cpu" and bool(t.view(torch.int64).lt(0).any()):   # >= 2**63
+        raise error(f"{what}: holds a value above {torch.iinfo(torch.int64).max}")
+    return t.to(torch.long)
+
+
+def out_of_vocabulary(ids: torch.Tensor, vocab_size: int | None, where: str, error: type[FlexSPError]) -> None:
+    """Refuse token ids outside ``0..vocab_size - 1`` (only negative ones when the vocabulary is unknown): the
+    embedding would fail on them inside the step, after its collectives started, on CUDA as a device assert.
+    Checked on the CPU only (where datasets hold rows): on a device it would cost a host sync per row."""
+    if ids.device.type != "cpu":
+        return
+    bad = ids.lt(0) | (ids.ge(vocab_size) if vocab_size is not None else False)
+    if bool(bad.any()):
+        j = _first(bad)
+        span = f"the vocabulary 0..{vocab_size - 1}" if vocab_size is not None else "the ids >= 0"
+        raise error(f"{where}: token {j} is {int(ids[j])}, outside {span}")
+
+
+def _column(value: Any, name: str, where: str, n: int) -> torch.Tensor:
+    """One supervision column as a 1-D int64 tensor of ``n`` entries (masks may be booleans)."""
+    t = integers(value, f"{where}, column {name!r}", LabelsError, allow_bool=name != LABELS)
     if t.numel() != n:
         raise LabelsError(f"{where}, column {name!r}: {t.numel()} entries but input_ids has {n}")
-    return t.to(torch.long)
+    return t
+
+
+def _sized(value: Any, n: int) -> bool:
+    """Whether ``value`` is a sequence of ``n`` entries (a column aligned with the tokens), not a scalar."""
+    if isinstance(value, (str, bytes, Mapping)) or value is None:
+        return False
+    try:
+        return len(value) == n
+    except TypeError:
+        return False
+
+
+def check_columns(columns: Mapping[str, Any], n: int, where: str) -> None:
+    """Refuse the columns that would silently change the loss if ignored: a near miss of a supervision column
+    (``label`` as long as the tokens: every token would be trained) and an ``attention_mask`` with zeros
+    (padding inside the sequence: FlexSP packs sequences unpadded, so the padding would be trained on)."""
+    for name, meant in NEAR_MISSES.items():
+        if name in columns and meant not in columns and _sized(columns[name], n):
+            raise LabelsError(f"{where}: column {name!r} is as long as input_ids but FlexSP reads {meant!r}: rename "
+                              f"it (as it is, it would be ignored and every token trained)")
+    if columns.get(PADDING) is not None and _sized(columns[PADDING], n):
+        mask = integers(columns[PADDING], f"{where}, column {PADDING!r}", LabelsError, allow_bool=True)
+        if bool(mask.eq(0).any()):
+            raise LabelsError(f"{where}: column {PADDING!r} is 0 at position {_first(mask.eq(0))}: FlexSP packs "
+                              f"sequences unpadded, so padding would be trained on; drop the padded tokens "
+                              f"(and the column) before the loader")
 
 
 def _first(bad: torch.Tensor) -> int:
@@ -61,6 +117,7 @@ def read_targets(columns: Mapping[str, Any], ids: torch.Tensor, where: str,
     (positions 1.. only: the first token is never predicted). ``where`` names the row in errors
     (``"dataset item 7"``); ``vocab_size`` bounds labels (ids outside it would fail deep in the loss)."""
     n = int(ids.numel())
+    check_columns(columns, n, where)
     present = [c for c in SUPERVISION if columns.get(c) is not None]
     if not present:
         return None, max(0, n - 1)

@@ -44,7 +44,7 @@ from flexsp.runtime.config import TrainConfig
 from flexsp.runtime.coupled import BatchCoupled, batch_coupled
 from flexsp.runtime.failures import FailureChannel, RankFailure, agree
 from flexsp.runtime.fsdp import is_sharded, runtime_sharding, step_autocast
-from flexsp.runtime.labels import read_targets
+from flexsp.runtime.labels import integers, out_of_vocabulary, read_targets
 from flexsp.runtime.pool import GroupPool
 from flexsp.runtime.probe import NO_PROBE, StepProbe
 from flexsp.runtime.shard import MicroBatchShard, group_inputs, loss_tokens
@@ -430,7 +430,9 @@ def _rows(batch: Sequence[Any], vocab_size: int | None
             shape = tuple(seq.shape) if isinstance(seq, torch.Tensor) else type(seq).__name__
             raise PlanError(f"batch[{i}] must be a non-empty 1-D tensor of token ids (or a mapping with one as "
                             f"input_ids), got {shape}")
-        target, count = read_targets(item if isinstance(item, Mapping) else {}, seq, f"batch[{i}]", vocab_size)
+        ids = integers(seq, f"batch[{i}] (token ids)", PlanError)   # floats and booleans would be cast silently
+        out_of_vocabulary(ids, vocab_size, f"batch[{i}]", PlanError)
+        target, count = read_targets(item if isinstance(item, Mapping) else {}, ids, f"batch[{i}]", vocab_size)
         tokens.append(seq)
         targets.append(target)
         supervised += count

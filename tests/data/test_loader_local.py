@@ -131,7 +131,7 @@ def test_stale_lengths_and_bad_items_are_named():
             errors.append(str(exc))
     assert errors and all(f"dataset item 5 has {len(data[5])} tokens but its planned length is {wrong[5]}" in e
                           for e in errors)
-    with pytest.raises(LoaderError, match=r"dataset item \d must be a 1-D sequence of integer token ids"):
+    with pytest.raises(LoaderError, match=r"dataset item \d \(token ids\): must be a 1-D sequence of integers"):
         _steps([[0.5] * len(x) for x in data], 0, lengths=[len(x) for x in data])
     with pytest.raises(LoaderError, match="rank 4 is outside the cluster's ranks 0..3"):
         FlexSPLoader(data, cost_model(), cluster(), CONFIG, rank=4)

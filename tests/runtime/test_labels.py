@@ -1,6 +1,7 @@
 """A row's supervision (``flexsp.runtime.labels``) and where its labels land: every layout (Ulysses packing at
 any degree, the zigzag order of any Ulysses x ring split, padding rows) gives each token the target of the
 next token of its own sequence, whichever rank holds it; bad columns are one-line errors naming row and column."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -88,11 +89,84 @@ def test_masks_and_labels_become_targets():
      "dataset item 7: columns 'labels' and 'completion_mask' disagree at position 1 \\(label -100, mask 1\\)"),
     ({"labels": [[1, 2]] * 6}, "column 'labels': must be a 1-D sequence of integers"),
     ({"completion_mask": [0.5] * 6}, "column 'completion_mask': must be a 1-D sequence of integers"),
+    # found by fuzzing: each of these used to change the loss silently
+    ({"labels": [False, True, True, True, True, True]}, "column 'labels': must be a 1-D sequence of integers, "
+                                                       "got shape \\(6,\\) dtype torch.bool"),
+    ({"labels": np.array([2**64 - 100, 3, 4, 5, 6, 7], dtype=np.uint64)}, "column 'labels': holds a value above"),
+    ({"labels": torch.ones(6, dtype=torch.long, device="meta")}, "column 'labels': a meta tensor holds no values"),
+    ({"label": [I, 2, 3, 4, 5, 6]}, "column 'label' is as long as input_ids but FlexSP reads 'labels'"),
+    ({"completion_masks": [0, 0, 1, 1, 1, 1]}, "column 'completion_masks' is as long as input_ids but FlexSP reads "
+                                               "'completion_mask'"),
+    ({"assistant_mask": [0, 0, 1, 1, 1, 1]}, "column 'assistant_mask' is as long as input_ids"),
+    ({"attention_mask": [1, 1, 1, 1, 0, 0]}, "column 'attention_mask' is 0 at position 4: FlexSP packs sequences "
+                                             "unpadded"),
 ])
 def test_bad_columns_are_one_line_errors_naming_row_and_column(columns, message):
     with pytest.raises(LabelsError, match=message) as info:
         _read(columns)
     assert "\n" not in str(info.value)
+
+
+def test_columns_that_change_nothing_are_read_as_before():
+    """A classification ``label`` (one number), an all-ones ``attention_mask`` and boolean masks are fine."""
+    assert _read({"label": 3}) == (None, 5)
+    assert _read({"attention_mask": [1] * 6, "label": [1, 2]}) == (None, 5)
+    t, n = _read({"completion_mask": [False, False, True, True, True, True]})
+    assert t.tolist() == [I, I, 3, 4, 5, 6] and n == 4
+
+
+def test_loader_refuses_token_ids_outside_the_vocabulary_and_bad_settings():
+    """Ids past the vocabulary used to reach the embedding inside the step (after its collectives started:
+    an IndexError on CPU, a device assert on CUDA); negative ones whatever the vocabulary."""
+    import flexsp
+    from flexsp.data import FlexSPLoader, LoaderConfig, LoaderError
+    cost = flexsp.CostModel(alpha1=1e-6, alpha2=1e-4, beta1=1e-3, comm_bytes_per_token=1e3,
+                            alltoall_bandwidth={2: 1e9}, token_capacity=64, meta={"sharding": "none"})
+    cluster, config = flexsp.Cluster(num_gpus=2, gpus_per_node=2), LoaderConfig(batch_size=4, lookahead=0, prefetch=False)
+    for vocab, bad, message in ((32, 32, "dataset item 1: token 2 is 32, outside the vocabulary 0..31"),
+                                (None, -3, "dataset item 1: token 2 is -3, outside the ids >= 0")):
+        rows = [[1, 2, 3], [4, 5, bad, 6], [7, 8], [9, 10, 11]]
+        with FlexSPLoader(rows, cost, cluster, vocab_size=vocab, config=config) as loader:
+            with pytest.raises(LoaderError, match=message):
+                next(iter(loader))
+    for value in (0, 2.7, True, "abc"):
+        with pytest.raises(LoaderError, match="vocab_size must be"):
+            FlexSPLoader([[1, 2]], cost, cluster, vocab_size=value, config=config)
+    for seed in (-1, 1.5, None):
+        with pytest.raises(LoaderError, match="seed must be"):
+            LoaderConfig(batch_size=4, seed=seed)
+    assert LoaderConfig(batch_size=4, seed=np.int64(3)).seed == 3 and type(LoaderConfig(batch_size=4, seed=np.int64(3)).seed) is int
+
+
+def test_a_dataset_that_fails_to_read_an_item_is_named():
+    import flexsp
+    from flexsp.data import FlexSPLoader, LoaderConfig, LoaderError
+
+    class Flaky(list):
+        def __getitem__(self, i):
+            if i == 2:
+                raise OSError("disk read failed")
+            return super().__getitem__(i)
+    cost = flexsp.CostModel(alpha1=1e-6, alpha2=1e-4, beta1=1e-3, comm_bytes_per_token=1e3,
+                            alltoall_bandwidth={2: 1e9}, token_capacity=64, meta={"sharding": "none"})
+    with FlexSPLoader(Flaky([[1, 2, 3], [4, 5], [6, 7], [8]]), cost, flexsp.Cluster(num_gpus=2, gpus_per_node=2),
+                      config=LoaderConfig(batch_size=4, lookahead=0, prefetch=False)) as loader:
+        with pytest.raises(LoaderError, match="dataset item 2 could not be read: OSError: disk read failed"):
+            next(iter(loader))
+
+
+def test_run_plan_refuses_ids_the_cast_or_the_embedding_would_change():
+    """``run_plan`` truncated float ids (1.9 trained as 1) and read booleans as 0 and 1."""
+    from flexsp.errors import PlanError
+    from flexsp.runtime.step import _rows
+    for rows, message in (([torch.tensor([1.9, 2.7])], "batch\\[0\\] \\(token ids\\): must be a 1-D sequence of integers"),
+                          ([torch.tensor([1, 2]), torch.tensor([True, False])], "batch\\[1\\] \\(token ids\\)"),
+                          ([torch.tensor([1, 50])], "batch\\[0\\]: token 1 is 50, outside the vocabulary 0..49"),
+                          ([torch.tensor([-1, 2])], "batch\\[0\\]: token 0 is -1")):
+        with pytest.raises(PlanError, match=message):
+            _rows(rows, 50)
+    tokens, targets, supervised = _rows([torch.tensor([1, 2, 3], dtype=torch.int32)], 50)
+    assert targets is None and supervised == 2
 
 
 def test_loader_names_the_bad_row_before_training():
