@@ -74,7 +74,7 @@ def test_a_bad_item_on_one_rank_raises_the_same_error_everywhere():
     assert len(messages) == 1, messages
     message = messages.pop()
     assert message.startswith("loading global batch ")
-    assert "failed on rank 2: OSError: disk read of item" in message
+    assert "failed on rank 2: LoaderError: dataset item 7 could not be read: OSError: disk read of item 7" in message
     assert all(o["seconds"] < FAILURE_TIMEOUT for o in out)   # no rank waited for a timeout
 
 

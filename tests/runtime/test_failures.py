@@ -90,7 +90,8 @@ def _in_step_worker(rank, world_size):
 def test_data_error_on_one_rank_is_raised_on_every_rank():
     messages = run_distributed(_data_error_worker, 4, timeout=TIMEOUT)
     assert len(set(messages)) == 1
-    assert messages[0] == "loading global batch 0 of epoch 0 failed on rank 2: OSError: disk read failed for item 6"
+    assert messages[0] == ("loading global batch 0 of epoch 0 failed on rank 2: LoaderError: dataset item 6 could not be "
+                           "read: OSError: disk read failed for item 6")
 
 
 def test_bad_shard_on_one_rank_is_raised_on_every_rank_before_collectives():
