@@ -16,6 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from flexsp.errors import FlexSPError, PlanError
+from flexsp.inputs import limit, too_large
 from flexsp.plan.bounds import coupled_lower_bound, lower_bound
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.communicator_memory import describe_reservation, pool_degrees, reserve_communicators
@@ -160,6 +161,8 @@ def simulate(distribution: LengthDistribution, cost: CostModel, cluster: Cluster
     (for ``--replay``)."""
     if steps < 1 or batch_size < 1:
         raise FlexSPError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
+    if steps * batch_size > limit("sequences"):   # every step's draw is held at once (bounds, workers)
+        raise FlexSPError(too_large(f"the simulation ({steps:,} steps x {batch_size:,})", steps * batch_size, "sequences"))
     pool = distribution.lengths[distribution.lengths <= context]
     if pool.size == 0:
         raise FlexSPError(f"no sequence of {distribution.name} fits the context limit {context}")

@@ -67,7 +67,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "on CPU, wall on GPU)")
     s.add_argument("--force", action="store_true",
                    help=f"write the profile even when the compute fit's mean |relative error| is above "
-                        f"{FIT_ERROR_LIMIT:.0%} (it is refused otherwise: the timings were too noisy to plan with)")
+                        f"{FIT_ERROR_LIMIT * 100:.0f}%% (it is refused otherwise: the timings were too noisy to plan with)")
     s.add_argument("--skip-comm", action="store_true", help="no all-to-all or ring sweep even under torchrun")
     s.add_argument("--interconnect", default="auto",
                    help="fill the SP degrees this run could not measure (all-to-all bandwidth, ring axis) from a "
@@ -150,6 +150,7 @@ def _run(args: argparse.Namespace) -> int:
     for name in ("repeats", "warmup"):
         if getattr(args, name) < (1 if name == "repeats" else 0):
             raise CostModelError(f"--{name} must be >= {1 if name == 'repeats' else 0}, got {getattr(args, name)}")
+    _check_before_measuring(args)
     requested = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     created = _init_distributed("cuda" if requested.startswith("cuda") else "cpu")
     state: dict[str, Any] = {"pool": None, "ok": False}
@@ -160,6 +161,37 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if created:
             _teardown(state["pool"], state["ok"])
+
+
+def _check_before_measuring(args: argparse.Namespace) -> None:
+    """Every setting a sweep would trip on, checked before the first measurement (minutes on a big model):
+    the device and dtype, the counts, the memory fraction, and that the outputs can be written."""
+    import math
+
+    import torch
+
+    from flexsp.errors import CostModelError
+    from flexsp.inputs import writable_file
+    from flexsp.profile.compute import DTYPES
+    if args.device not in ("auto", "cpu", "cuda") and not (args.device.startswith("cuda:") and args.device[5:].isdigit()):
+        raise CostModelError(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CostModelError(f"--device {args.device}: no CUDA device is available here")
+    if args.device.startswith("cuda:") and int(args.device[5:]) >= torch.cuda.device_count():
+        raise CostModelError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if args.dtype != "auto" and args.dtype not in DTYPES:
+        raise CostModelError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
+    for name in ("run_layers", "num_gpus", "gpus_per_node"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise CostModelError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.usable <= 1:
+        raise CostModelError(f"--usable must be a fraction in (0, 1], got {args.usable}")
+    if args.memory_gb is not None and not (math.isfinite(args.memory_gb) and args.memory_gb > 0):
+        raise CostModelError(f"--memory-gb must be > 0 GiB, got {args.memory_gb}")
+    if args.check is None:   # --check validates a saved profile and writes no cost model
+        writable_file(args.output, "cost model", CostModelError)
+    if args.report is not None:
+        writable_file(args.report, "--report", CostModelError)
 
 
 def _run_in_world(args: argparse.Namespace, requested: str, state: dict[str, Any]) -> int:

@@ -424,6 +424,8 @@ def run(args: argparse.Namespace) -> int:
         raise FlexSPError("--device cuda: no CUDA device is available here")
     if args.repeats < 1:
         raise FlexSPError(f"--repeats must be >= 1, got {args.repeats}")
+    from flexsp.inputs import writable_file
+    writable_file(args.output, "selftest report", FlexSPError)   # before the checks, not after them
     device = torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device(name)
     memory = torch.cuda.get_device_properties(device).total_memory if name == "cuda" else None
     setup = plan_model(torch, device, args.shape, args.hf_config, args.tokens, memory)

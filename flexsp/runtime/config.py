@@ -43,6 +43,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):
                 raise FlexSPError(f"{name} must be a torch.dtype or None, got {value!r}")
+            if value is not None and not value.is_floating_point:   # autocast would drop it with a warning: fp32
+                raise FlexSPError(f"{name} must be a floating-point dtype (bf16, fp16, fp32, fp64), got {value}")
         if self.backend not in BACKENDS:
             raise FlexSPError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from flexsp.errors import PlanError
+from flexsp.inputs import integer
 from flexsp.plan.cluster import is_tile_start, node_size, tile_starts, tileable
 from flexsp.runtime.failures import stop_watchers
 from flexsp.runtime.sp.ring_comm import place, pool_splits, split_blocks
@@ -119,10 +120,9 @@ class GroupPool:
             chosen = tuple(d for d in (1 << i for i in range(self.world_size.bit_length()))
                            if tileable(d, self.world_size, g))
         else:
-            try:
-                chosen = tuple(sorted(set(int(d) for d in degrees)))
-            except (TypeError, ValueError):
-                raise PlanError(f"pool degrees must be whole numbers, got {degrees!r}") from None
+            if isinstance(degrees, (str, bytes)) or not isinstance(degrees, Iterable):
+                raise PlanError(f"pool degrees must be a collection of whole numbers, got {degrees!r}")
+            chosen = tuple(sorted({integer(d, "each pool degree", PlanError) for d in degrees}))   # 1.9 is not 1
             bad = [d for d in chosen if not tileable(d, self.world_size, g)]
             if bad or not chosen:
                 raise PlanError(f"pool degrees {bad or list(chosen)} have no tile (world size {self.world_size}, "

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flexsp.errors import PlanError
+from flexsp.inputs import integer
 from flexsp.plan.cluster import tile_starts, ulysses_split
 
 
@@ -68,7 +69,7 @@ def pool_splits(degrees: tuple[int, ...], splits: Iterable[tuple[int, int]] | No
     out = set()
     for pair in pairs:
         try:
-            u, r = (int(x) for x in pair)
+            u, r = (integer(x, "a split's degree", PlanError, minimum=None) for x in pair)   # 1.5 is not 1
         except (TypeError, ValueError):
             raise PlanError(f"a split is a (ulysses, ring) pair of ints, got {pair!r}") from None
         if u < 1 or r < 1:
