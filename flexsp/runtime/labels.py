@@ -52,7 +52,8 @@ def integers(value: Any, what: str, error: type[FlexSPError], *, allow_bool: boo
         raise error(f"{what}: a meta tensor holds no values")
     if t.dim() != 1 or t.is_floating_point() or t.is_complex() or (t.dtype == torch.bool and not allow_bool):
         raise error(f"{what}: must be a 1-D sequence of integers, got shape {tuple(t.shape)} dtype {t.dtype}")
-    if t.dtype == torch.uint64 and t.device.type == "cpu" and bool(t.view(torch.int64).lt(0).any()):   # >= 2**63
+    if (t.dtype == torch.uint64 and t.device.type == "cpu" and type(t) is torch.Tensor   # values readable here
+            and bool(t.view(torch.int64).lt(0).any())):   # the bits of a value >= 2**63
         raise error(f"{what}: holds a value above {torch.iinfo(torch.int64).max}")
     return t.to(torch.long)
 
@@ -60,8 +61,9 @@ def integers(value: Any, what: str, error: type[FlexSPError], *, allow_bool: boo
 def out_of_vocabulary(ids: torch.Tensor, vocab_size: int | None, where: str, error: type[FlexSPError]) -> None:
     """Refuse token ids outside ``0..vocab_size - 1`` (only negative ones when the vocabulary is unknown): the
     embedding would fail on them inside the step, after its collectives started, on CUDA as a device assert.
-    Checked on the CPU only (where datasets hold rows): on a device it would cost a host sync per row."""
-    if ids.device.type != "cpu":
+    Checked on plain CPU tensors only (where datasets hold rows): on a device it would cost a host sync per row,
+    and a tensor subclass (a fake tensor tracing the step, a DTensor) may hold no values to read."""
+    if ids.device.type != "cpu" or type(ids) is not torch.Tensor:
         return
     bad = ids.lt(0) | (ids.ge(vocab_size) if vocab_size is not None else False)
     if bool(bad.any()):
