@@ -65,11 +65,22 @@ def out_of_vocabulary(ids: torch.Tensor, vocab_size: int | None, where: str, err
     and a tensor subclass (a fake tensor tracing the step, a DTensor) may hold no values to read."""
     if ids.device.type != "cpu" or type(ids) is not torch.Tensor:
         return
-    bad = ids.lt(0) | (ids.ge(vocab_size) if vocab_size is not None else False)
-    if bool(bad.any()):
-        j = _first(bad)
-        span = f"the vocabulary 0..{vocab_size - 1}" if vocab_size is not None else "the ids >= 0"
+    outside = _outside(ids, vocab_size)
+    if outside is not None:
+        j, span = outside
         raise error(f"{where}: token {j} is {int(ids[j])}, outside {span}")
+
+
+def _outside(values: torch.Tensor, vocab_size: int | None, checked: torch.Tensor | None = None
+             ) -> tuple[int, str] | None:
+    """The first position (among ``checked``, default all) whose value is no id of the vocabulary (negative, or
+    at least ``vocab_size`` when it is known), and the ids that would be valid, in words; None when there is none."""
+    bad = values.lt(0) | (values.ge(vocab_size) if vocab_size is not None else False)
+    if checked is not None:
+        bad &= checked
+    if not bool(bad.any()):
+        return None
+    return _first(bad), f"the vocabulary 0..{vocab_size - 1}" if vocab_size is not None else "the ids >= 0"
 
 
 def _column(value: Any, name: str, where: str, n: int) -> torch.Tensor:
@@ -128,10 +139,9 @@ def read_targets(columns: Mapping[str, Any], ids: torch.Tensor, where: str,
     if LABELS in present:
         labels = _column(columns[LABELS], LABELS, where, n)
         real = labels.ne(IGNORE_INDEX)
-        bad = real & (labels.lt(0) | (labels.ge(vocab_size) if vocab_size is not None else False))
-        if bool(bad.any()):
-            j = _first(bad)
-            span = f"the vocabulary 0..{vocab_size - 1}" if vocab_size is not None else "the ids >= 0"
+        outside = _outside(labels, vocab_size, real)
+        if outside is not None:
+            j, span = outside
             raise LabelsError(f"{where}, column 'labels': position {j} holds {int(labels[j])}, outside {span} "
                               f"and not {IGNORE_INDEX} (no loss)")
         keep = real
