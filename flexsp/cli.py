@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from flexsp.errors import FlexSPError, PlanError
-from flexsp.inputs import LIMITS, limit, parse_tokens, set_limit, writable_file
+from flexsp.inputs import LIMITS, limit, over_cap, parse_tokens, set_limit, writable_file
 from flexsp.plan.analytic import cost_from_hardware
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.communicator_memory import COMMUNICATOR_BYTES, describe_reservation, pool_degrees, reserve_communicators
@@ -277,12 +277,10 @@ def _bounded(args) -> None:
     """Counts that size an allocation, checked against their caps before anything is allocated."""
     cap = limit("sequences")
     if getattr(args, "batch_size", None) is not None and args.batch_size > cap:
-        raise FlexSPError(f"--batch-size {args.batch_size} is over the cap of {cap} sequences; raise it with "
-                          f"--max-input sequences=N or ${LIMITS['sequences'][0]}")
+        raise FlexSPError(over_cap("--batch-size", args.batch_size, "sequences", "sequences"))
     for flag in ("gpus", "gpus_per_node"):
         if getattr(args, flag, None) is not None and getattr(args, flag) > limit("gpus"):
-            raise FlexSPError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is over the cap of {limit('gpus')} "
-                              f"GPUs; raise it with --max-input gpus=N or ${LIMITS['gpus'][0]}")
+            raise FlexSPError(over_cap(f"--{flag.replace('_', '-')}", getattr(args, flag), "gpus", "GPUs"))
     if getattr(args, "workers", None) is not None and args.workers > 4 * (os.cpu_count() or 1):
         raise FlexSPError(f"--workers {args.workers}: more than 4x this machine's {os.cpu_count()} CPUs")
 

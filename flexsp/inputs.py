@@ -137,6 +137,13 @@ def set_limit(assignment: str) -> None:
     os.environ[LIMITS[name][0]] = str(parse_size(value, what=name))
 
 
+def over_cap(what: str, value: int, name: str, unit: str) -> str:
+    """The message for a count given on the command line or in a file above the cap ``name``: what it is, the
+    cap, and how to raise it."""
+    return (f"{what} {value} is over the cap of {limit(name)} {unit}; raise it with --max-input {name}=N or "
+            f"${LIMITS[name][0]}")
+
+
 def too_large(what: str, size: int, name: str) -> str:
     variable = LIMITS[name][0]
     return (f"{what} has {size} {name.split('_')[-1]}, over the cap of {limit(name)}; "

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from flexsp.errors import PlanError
-from flexsp.inputs import (INT64_MAX, LIMITS, exact_sum, integer, limit, load_json, number, parse_json, too_large,
-                           write_text)
+from flexsp.inputs import (INT64_MAX, LIMITS, exact_sum, integer, limit, load_json, number, over_cap, parse_json,
+                           too_large, write_text)
 from flexsp.plan.cluster import is_tile_start
 from flexsp.plan.lengths import as_lengths
 from solver.types import LazyItems
@@ -380,8 +380,7 @@ def _gpus(value: Any, what: str) -> int:
     model, tile tables) sizes allocations by it, so 2**62 is an error here, not a MemoryError there."""
     n = integer(value, what, PlanError)
     if n > limit("gpus"):
-        raise PlanError(f"{what} {n} is over the cap of {limit('gpus')} GPUs; raise it with "
-                        f"--max-input gpus=N or ${LIMITS['gpus'][0]}")
+        raise PlanError(over_cap(what, n, "gpus", "GPUs"))
     return n
 
 
