@@ -78,8 +78,7 @@ def load_config(source: str | os.PathLike | Any):
         try:
             return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as exc:   # transformers raises OSError, ValueError, KeyError, its own validation errors
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise UnsupportedModelError(f"cannot read model config {path / 'config.json'}: {reason}") from None
+            raise UnsupportedModelError(f"cannot read model config {path / 'config.json'}: {_reason(exc)}") from None
     if str(source) in tiny_archs():
         return tiny_config(str(source))
     if path.is_dir():
@@ -126,11 +125,15 @@ def from_config(config: str | os.PathLike | Any, *, dtype: torch.dtype | None = 
     try:
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
     except (RuntimeError, ValueError, TypeError, AttributeError) as exc:   # e.g. a negative size in the config
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise UnsupportedModelError(f"cannot build a model from {config}: {reason}") from exc
+        raise UnsupportedModelError(f"cannot build a model from {config}: {_reason(exc)}") from exc
     if dtype is not None or device is not None:
         model = model.to(device=device, dtype=dtype)
     return prepare_model(model, **prepare)
+
+
+def _reason(exc: Exception) -> str:
+    """The first line of what transformers or torch said (their messages run to paragraphs), at most 300 characters."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def check_fits(cfg: Any, source: Any, dtype: torch.dtype | None, device: Any, attn_implementation: str = "sdpa") -> None:
