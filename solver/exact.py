@@ -134,15 +134,7 @@ def exact_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int) -> Schedu
         return None
     schedule = Schedule(tuple(_groups(mb, f, loads, degrees, usable, num_gpus, pair_s, pair_t, pair_r, starts)
                               for mb in _micro_batches(full, step, h, pair_t, pair_r, starts)))
-    if costs.placeable is not None:
-        index = {d: k for k, d in enumerate(degrees)}
-        for groups in schedule.micro_batches:
-            per_degree = np.zeros(len(degrees), dtype=np.int64)
-            for group in groups:
-                per_degree[index[group.degree]] += 1
-            if not costs.placeable(per_degree):
-                return None
-    return schedule
+    return schedule if schedule.places(costs) else None
 
 
 def _pairs_of(s: int, starts: np.ndarray, count: int) -> slice:

@@ -206,7 +206,7 @@ class MicroBatchPacker:
             per_degree[c.k] += c.mult
         key = per_degree.tobytes()
         if key not in self._placeable:
-            self._placeable[key] = bool(self.costs.placeable(per_degree))
+            self._placeable[key] = self.costs.places(per_degree)
         return self._placeable[key]
 
     def _expand(self, classes: list[_GroupClass], num_buckets: int) -> BinPacking:

@@ -407,7 +407,7 @@ class BatchSearch:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             trial[k] = held[k] + mid
-            if self.costs.placeable(trial):
+            if self.costs.places(trial):
                 lo = mid
             else:
                 hi = mid - 1
@@ -971,27 +971,13 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
         # cut-short search must still return a plan no worse than theirs
         for fallback in fallbacks:
             candidate = fallback()
-            if score(candidate) < best_time and places(candidate, costs):
+            if score(candidate) < best_time and candidate.places(costs):
                 best, best_time = candidate, score(candidate)
     if len(lengths) <= options.exact_max_sequences or options.milp_time_limit > 0:
         polished = search.milp(best)
-        if polished is not None and score(polished) < best_time and places(polished, costs):
+        if polished is not None and score(polished) < best_time and polished.places(costs):
             best = polished
     return marked(best, search.cut_short)
-
-
-def places(schedule: Schedule, costs: DegreeCosts) -> bool:
-    """Whether every micro-batch of ``schedule`` gets ranks (``DegreeCosts.placeable``; always where degrees
-    nest). The search's own plans do (the packer and ``tighten`` check it); another strategy's plan or the
-    MILP's may not, and one the planner must repair can end slower than the search's plan it beat."""
-    if costs.placeable is None:
-        return True
-    index = {d: k for k, d in enumerate(costs.degrees)}
-    for groups in schedule.micro_batches:
-        got = groups.degrees.tolist() if isinstance(groups, GroupColumns) else [g.degree for g in groups]
-        if not costs.placeable(np.bincount([index[d] for d in got], minlength=len(costs.degrees))):
-            return False
-    return True
 
 
 def marked(schedule: Schedule, cut_short: bool) -> Schedule:

@@ -73,7 +73,7 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
         trial = per_degree.copy()
         trial[k] -= removed
         trial[k + 1] += 1
-        return bool(costs.placeable(trial))
+        return costs.places(trial)
     for step in range(MAX_STEPS):
         if deadline is not None and time.perf_counter() > deadline:
             break

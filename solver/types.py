@@ -82,6 +82,11 @@ class DegreeCosts:
     def index(self, degree: int) -> int:
         return self.degrees.index(degree)
 
+    def places(self, per_degree: np.ndarray) -> bool:
+        """Whether a micro-batch with ``per_degree`` groups of each degree index gets ranks: always where the
+        degrees nest (``placeable`` None; the caller keeps GPUs within N), else ``placeable``'s answer."""
+        return self.placeable is None or bool(self.placeable(per_degree))
+
     def all_seconds(self, lengths: np.ndarray) -> np.ndarray:
         """``[len(lengths), num_degrees]`` seconds, memory aside: one call for every degree."""
         return self.seconds(np.asarray(lengths, dtype=np.float64)[:, None], np.arange(self.num_degrees)[None, :])
@@ -260,6 +265,18 @@ class Schedule:
 
     def time(self, lengths: np.ndarray, costs: DegreeCosts) -> float:
         return float(sum(self.micro_batch_times(lengths, costs)))
+
+    def places(self, costs: DegreeCosts) -> bool:
+        """Whether every micro-batch gets ranks (``DegreeCosts.places``). The search's own plans do (the packer
+        and ``tighten`` check as they go); another strategy's, the MILP's or the subset DP's may not."""
+        if costs.placeable is None:
+            return True
+        index = {d: k for k, d in enumerate(costs.degrees)}
+        for groups in self.micro_batches:
+            got = groups.degrees.tolist() if isinstance(groups, GroupColumns) else [g.degree for g in groups]
+            if not costs.places(np.bincount([index[d] for d in got], minlength=len(costs.degrees))):
+                return False
+        return True
 
     @property
     def num_sequences(self) -> int:
