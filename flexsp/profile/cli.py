@@ -188,6 +188,10 @@ def _check_before_measuring(args: argparse.Namespace) -> None:
         raise CostModelError(f"--usable must be a fraction in (0, 1], got {args.usable}")
     if args.memory_gb is not None and not (math.isfinite(args.memory_gb) and args.memory_gb > 0):
         raise CostModelError(f"--memory-gb must be > 0 GiB, got {args.memory_gb}")
+    memory_lengths = args.memory_lengths or sorted(set(args.lengths or []))[-3:]
+    if (args.memory_lengths or args.lengths) and len(set(memory_lengths)) < 2:
+        raise CostModelError(f"the memory profile fits a slope and needs 2 distinct lengths, got {memory_lengths} "
+                             f"({'--memory-lengths' if args.memory_lengths else 'the longest 3 of --lengths'})")
     if args.check is None:   # --check validates a saved profile and writes no cost model
         writable_file(args.output, "cost model", CostModelError)
     if args.report is not None:
@@ -383,6 +387,7 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
 
     estimates = []
     memory_lengths = args.memory_lengths or lengths[-3:]
+    _check_lengths_fit(lengths, memory_lengths, spec, device_memory_bytes(setup.device), setup.device)
 
     runs = args.warmup + args.repeats
     swept = runner.spec
@@ -439,6 +444,18 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
         estimates.append("device memory (CPU RAM stands in for GPU memory)" if not args.memory_gb
                          else "device memory (given, CPU run)")
     return compute, mem, cap, estimates, kinds
+
+
+def _check_lengths_fit(lengths: list[int], memory_lengths: list[int], spec, device_bytes: float, device) -> None:
+    """Refuse a length whose hidden states alone (2 bytes x hidden per token, one copy: far below what a layer
+    saves) exceed the device's memory, before a run asks the allocator for terabytes."""
+    from flexsp.errors import CostModelError
+    for flag, values in (("--lengths", lengths), ("--memory-lengths", memory_lengths)):
+        longest = max(values)
+        if 2.0 * spec.hidden * longest > device_bytes:
+            raise CostModelError(f"{flag}: a {longest:,}-token sequence's hidden states alone need "
+                                 f"{2.0 * spec.hidden * longest / 2**30:,.0f} GiB, more than this {device.type} "
+                                 f"device's {device_bytes / 2**30:,.0f} GiB; profile shorter lengths")
 
 
 def _per_kind(spec) -> bool:

@@ -427,7 +427,8 @@ def run(args: argparse.Namespace) -> int:
     from flexsp.inputs import writable_file
     writable_file(args.output, "selftest report", FlexSPError)   # before the checks, not after them
     device = torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device(name)
-    memory = torch.cuda.get_device_properties(device).total_memory if name == "cuda" else None
+    from flexsp.profile.memory import device_memory_bytes
+    memory = device_memory_bytes(device)        # the host's RAM on the CPU: a shape it cannot hold is refused
     setup = plan_model(torch, device, args.shape, args.hf_config, args.tokens, memory)
     spec, lengths = setup["spec"], setup["lengths"]
     rows = [_kernels(torch, device, spec)]

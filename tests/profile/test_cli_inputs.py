@@ -30,6 +30,8 @@ def _run(argv, monkeypatch):
     (["--memory-gb", "-1"], "--memory-gb must be > 0 GiB, got -1.0"),
     (["-o", "/nonexistent/c.json"], "cannot write cost model /nonexistent/c.json"),
     (["--report", "/nonexistent/r.json"], "cannot write --report /nonexistent/r.json"),
+    (["--lengths", "256"], "needs 2 distinct lengths, got [256] (the longest 3 of --lengths)"),
+    (["--memory-lengths", "1K,1K"], "needs 2 distinct lengths, got [1024, 1024] (--memory-lengths)"),
 ])
 def test_profile_refuses_a_bad_setting_before_measuring(argv, message, tmp_path, monkeypatch, capsys):
     argv = argv if "-o" in argv else [*argv, "-o", str(tmp_path / "c.json")]
@@ -61,3 +63,22 @@ def test_simulate_caps_the_sequences_it_draws():
     out = subprocess.run([sys.executable, "-m", "flexsp", "simulate", "--gpus", "8", "--steps", str(10**12),
                           "--batch-size", "4", "--quiet"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "over the cap of" in out.stderr and "--max-input sequences=N" in out.stderr
+
+
+def test_profile_refuses_a_length_no_device_holds():
+    """A length whose hidden states alone exceed the device's memory: one line, not the allocator's traceback."""
+    out = subprocess.run([sys.executable, "-m", "flexsp", "profile", "--skip-comm", "--lengths", f"256,{10**12}",
+                          "-o", "/dev/null"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "--lengths: a 1,000,000,000,000-token sequence's hidden states alone need" in out.stderr
+
+
+def test_selftest_on_the_cpu_refuses_what_its_memory_cannot_hold():
+    """The CPU selftest sizes itself against the host's RAM as the CUDA one does against the GPU's."""
+    from flexsp.profile.memory import device_memory_bytes
+    from flexsp.profile.selftest import plan_model
+    from flexsp.profile.selftest_model import SelftestError
+    cpu = torch.device("cpu")
+    with pytest.raises(SelftestError, match="pick a smaller --shape or --tokens"):
+        plan_model(torch, cpu, None, None, 10**12, device_memory_bytes(cpu))
+    assert plan_model(torch, cpu, None, None, None, device_memory_bytes(cpu))["vocab_note"] == ""
