@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue as queue_module
 import socket
 import sys
 import time
@@ -103,8 +104,10 @@ def worker(rank: int, args, port: int, queue) -> None:
         executor = StepExecutor(m, torch.optim.SGD(m.parameters(), lr=0.0), GroupPool(splits=[(2, 2)]))
         poison_allocator(device, 256 * 2**20)
         result, kernels = ran.kernels_in(lambda: executor.run_plan(plan(), batch(cfg.vocab, device)))
+        # the gradients go by value (numpy): a tensor would go as a shared-memory handle that the parent can
+        # no longer open once this process has exited, and the result would be lost
         out = {"rank": rank, "loss": result.loss, "degrees": list(result.degrees), "kernels": kernels,
-               "grads": flat_grads(m).cpu()}
+               "grads": flat_grads(m).cpu().numpy()}
         executor.close()
         dist.destroy_process_group()
         queue.put(out)
@@ -156,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     while len(outs) < WORLD and time.monotonic() < deadline:
         try:
             item = queue.get(timeout=1.0)
-        except Exception:
-            if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+        except queue_module.Empty:
+            # a rank that died, or every rank gone with results missing: nothing more will come
+            if queue.empty() and (any(p.exitcode not in (None, 0) for p in procs)
+                                  or all(p.exitcode is not None for p in procs)):
                 break
             continue
         outs[item["rank"]] = item
@@ -173,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = not errors and not missing
     if ok:
         want = reference(args)
-        errs = [float((o["grads"] - want).abs().max() / want.abs().max()) for o in (outs[r] for r in range(WORLD))]
-        finite = all(bool(torch.isfinite(outs[r]["grads"]).all()) for r in range(WORLD))
+        grads = [torch.from_numpy(outs[r]["grads"]) for r in range(WORLD)]
+        errs = [float((g - want).abs().max() / want.abs().max()) for g in grads]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
         report.update(degrees=outs[0]["degrees"], kernels=outs[0]["kernels"], losses=[outs[r]["loss"] for r in range(WORLD)],
                       max_relative_error=max(errs), finite=finite)
         ok = finite and max(errs) <= report["tolerance"]
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(tolerance {report['tolerance']:.0e}); attention {ran.describe(report['kernels'])}; {RING_NOT_CARRIED}")
     else:
         line = (f"FAILED: ranks {missing} did not finish within --timeout {args.timeout:.0f} s" if report["timed_out"]
-                else f"FAILED: {report.get('errors') or report.get('missing') or report}")
+                else f"FAILED: {errors}" if errors else f"FAILED: ranks {missing} ended without sending a result")
     report["summary"] = line
     print(("pass: " if ok else "") + line)
     if args.output is not None:
