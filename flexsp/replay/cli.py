@@ -63,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="write the full report as JSON")
     o.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown")
-    o.add_argument("--gantt", type=Path, default=None, help="write a Gantt chart, predicted above replayed (PNG)")
+    o.add_argument("--gantt", type=Path, default=None, help="write a Gantt chart, predicted above replayed (.png, .pdf or .svg)")
     o.add_argument("--quiet", action="store_true", help="no per-group progress lines")
     p.set_defaults(func=run)
     return p
@@ -131,15 +131,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """``--json``, ``--markdown`` and ``--gantt`` writable, ``--gantt`` in a format matplotlib writes, checked
-    before the replay, whose minutes an unwritable output would otherwise waste at the end."""
+    """``--json``, ``--markdown`` and ``--gantt`` writable, ``--gantt`` a picture (``.png``, ``.pdf`` or ``.svg``, as
+    every FlexSP plot), checked before the replay, whose minutes an unwritable output would otherwise waste at the end."""
     from flexsp.inputs import writable_file
     if args.gantt is not None:
-        from matplotlib.backend_bases import FigureCanvasBase
-        formats = sorted(FigureCanvasBase.get_supported_filetypes())
-        if args.gantt.suffix.lower().lstrip(".") not in formats:   # none: matplotlib would write NAME.png instead
-            raise FlexSPError(f"--gantt {args.gantt}: a picture needs one of the suffixes matplotlib writes "
-                              f"({', '.join('.' + f for f in formats)}), e.g. {args.gantt.with_suffix('.png').name}")
+        from flexsp.evaluation.plots import figure_path
+        try:
+            figure_path(args.gantt)
+        except FlexSPError as exc:
+            raise FlexSPError(f"--gantt {exc}") from None
     for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.gantt, "--gantt")):
         if path is not None:
             writable_file(path, what, FlexSPError)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flexsp.evaluation.plots import save_with_provenance
 from flexsp.replay.report import ReplayReport
 
 
@@ -44,6 +45,4 @@ def plot_replay_gantt(report: ReplayReport, path: str | Path, title: str | None 
     if label:
         fig.text(0.01, 0.005, label, fontsize=6.5)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_with_provenance(fig, path, source="flexsp replay")

@@ -40,6 +40,8 @@ def test_replay_command_writes_table_json_and_gantt(files, capsys):
     assert data["meta"]["model"]["hidden"] == 32 and data["meta"]["device_type"] == "cpu"
     assert "| micro-batch | group |" in (tmp / "r.md").read_text()
     assert (tmp / "r.png").stat().st_size > 5000
+    from flexsp.evaluation.plots import png_provenance
+    assert png_provenance(tmp / "r.png")["Source"] == "flexsp replay"   # as every FlexSP plot says where it came from
 
 
 def test_replay_command_refuses_another_model_shape_and_batch(files, capsys):

@@ -72,8 +72,8 @@ def test_many_empty_micro_batches_are_refused_against_the_groups_cap(monkeypatch
     ("--json", "missing/r.json", r"cannot write --json .*missing/r.json: folder .*missing does not exist"),
     ("--markdown", "missing/r.md", r"cannot write --markdown .*missing/r.md: folder .*missing does not exist"),
     ("--gantt", "missing/r.png", r"cannot write --gantt .*missing/r.png: folder .*missing does not exist"),
-    ("--gantt", "r.txt", r"--gantt .*r.txt: a picture needs one of the suffixes matplotlib writes \(.* \.png, .*\), "
-                         r"e.g. r.png$"),
+    ("--gantt", "r.txt", r"--gantt .*r.txt: a picture needs one of the suffixes .png, .pdf, .svg, e.g. r.png$"),
+    ("--gantt", "r.jpg", r"--gantt .*r.jpg: a picture needs one of the suffixes .png, .pdf, .svg, e.g. r.png$"),
     ("--gantt", "gantt", r"--gantt .*gantt: a picture needs one of the suffixes .*, e.g. gantt.png$"),
     ("--json", ".", r"--json .* is a folder; give a file name"),
 ])
