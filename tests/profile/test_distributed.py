@@ -71,7 +71,7 @@ def _profile_cli_worker(rank, world_size, out_dir):
     code = main(["profile", "--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
                  "--vocab", "64", "--lengths", "32,64,128,256", "--repeats", "2", "--warmup", "1", "--clock", "cpu",
                  "--statistic", "min",   # CPU time and the fastest repeat: a loaded machine cannot flatten the fit
-                 "--comm-sizes", "64K,1M,4M", "--memory-gb", "1", "--threads", "1", "--check", "auto",
+                 "--comm-sizes", "256K,4M,16M", "--memory-gb", "1", "--threads", "1", "--check", "auto",
                  "--gpus-per-node", str(world_size), "--quiet", "--force", "-o", f"{out_dir}/cost.json"])
     return code
 

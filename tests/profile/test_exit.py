@@ -14,7 +14,7 @@ from runtime.distributed import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--vocab", "64",
-        "--lengths", "32,64,128,256", "--repeats", "1", "--warmup", "0", "--clock", "cpu", "--comm-sizes", "256K,1M,4M",
+        "--lengths", "32,64,128,256", "--repeats", "1", "--warmup", "0", "--clock", "cpu", "--comm-sizes", "256K,4M,16M",
         "--memory-gb", "1", "--threads", "1", "--quiet", "--force"]
 
 

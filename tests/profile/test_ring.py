@@ -65,7 +65,7 @@ def _profile_worker(rank, world_size, out):
     from flexsp.profile.cli import main
     return main(["profile", "--layers", "2", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
                  "--vocab", "64", "--lengths", "32,64,128,256", "--repeats", "2", "--warmup", "1", "--clock", "cpu",
-                 "--statistic", "min", "--comm-sizes", "64K,1M,4M", "--ring-sizes", ",".join(map(str, RING_SIZES)),
+                 "--statistic", "min", "--comm-sizes", "256K,4M,16M", "--ring-sizes", ",".join(map(str, RING_SIZES)),
                  "--memory-gb", "1", "--threads", "1", "--interconnect", "nvlink-ib", "--quiet", "--force", "-o", out])
 
 

@@ -98,9 +98,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             except queue_module.Empty:
                 if time.monotonic() > deadline:
                     break
-                if any(p.exitcode not in (None, 0) for p in procs if p.pid) and all(
-                        p.exitcode is not None for i, p in enumerate(procs) if i not in outcomes):
-                    break   # ranks died without reporting (segfault, killed)
+                if all(p.exitcode is not None for i, p in enumerate(procs) if i not in outcomes) and results.empty():
+                    break   # ranks gone without reporting (segfault, killed, a result lost): nothing more will come
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
