@@ -63,7 +63,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="write the full report as JSON")
     o.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown")
-    o.add_argument("--gantt", type=Path, default=None, help="write a Gantt chart, predicted above replayed (.png, .pdf or .svg)")
+    o.add_argument("--gantt", type=Path, default=None,
+                   help="write a Gantt chart, predicted above replayed (.png, .pdf or .svg)")
     o.add_argument("--quiet", action="store_true", help="no per-group progress lines")
     p.set_defaults(func=run)
     return p
