@@ -54,3 +54,13 @@ class TrainConfig:
             raise FlexSPError(f"unknown training settings {unknown}; valid: "
                               f"{', '.join(f.name for f in dataclasses.fields(self))}")
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, config: "TrainConfig | None", settings: dict[str, Any]) -> "TrainConfig":
+        """The config an API call runs with: ``config`` (default ``TrainConfig()``) with keyword ``settings``
+        applied; anything but a ``TrainConfig`` is named here, not as an AttributeError deep in the first step."""
+        if config is not None and not isinstance(config, cls):
+            raise FlexSPError(f"config must be a flexsp.runtime.TrainConfig, got {type(config).__name__} (keyword "
+                              f"settings such as sharding='none' go by name)")
+        config = config or cls()
+        return config.replace(**settings) if settings else config

@@ -112,11 +112,7 @@ def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings:
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    if config is not None and not isinstance(config, TrainConfig):
-        raise FlexSPError(f"config must be a flexsp.runtime.TrainConfig, got {type(config).__name__} (keyword "
-                          f"settings such as sharding='none' go by name)")
-
-    config = (config or TrainConfig()).replace(**settings) if settings else (config or TrainConfig())
+    config = TrainConfig.of(config, settings)
     sharding, param_dtype, reduce_dtype = config.sharding, config.param_dtype, config.reduce_dtype
     if not (dist.is_available() and dist.is_initialized()):
         raise FlexSPError("shard_model needs an initialised process group (torch.distributed.init_process_group); "

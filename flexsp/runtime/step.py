@@ -208,15 +208,13 @@ class StepExecutor:
             raise FlexSPError(f"{type(model).__name__} is not an SPModel (flexsp.runtime.models.protocol): it needs "
                               f"sp_heads(), fsdp_units() and shard_loss()")
         # wrong types named here, not as an AttributeError deep in the first step
-        if config is not None and not isinstance(config, TrainConfig):
-            raise FlexSPError(f"config must be a flexsp.runtime.TrainConfig, got {type(config).__name__}")
         if cost is not None and not isinstance(cost, CostModel):
             raise FlexSPError(f"cost must be a flexsp.CostModel or None, got {type(cost).__name__}")
         if not hasattr(pool, "world_size") or not hasattr(pool, "rank"):
             raise FlexSPError(f"pool must be a flexsp.runtime.GroupPool, got {type(pool).__name__}")
         if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
             raise FlexSPError(f"optimizer must be a torch optimizer (step() and zero_grad()), got {type(optimizer).__name__}")
-        self.config = (config or TrainConfig()).replace(**settings) if settings else (config or TrainConfig())
+        self.config = TrainConfig.of(config, settings)
         self.model, self.optimizer, self.pool, self.backend, self.cost = model, optimizer, pool, self.config.backend, cost
         self.num_heads, self.num_kv_heads = model.sp_heads()
         if self.config.recompute is not None and callable(getattr(model, "set_recompute", None)):
