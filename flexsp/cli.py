@@ -206,10 +206,7 @@ def _outputs(*pairs: tuple[Path | None, str]) -> None:
     for path, what in pairs:
         if path is not None:
             if what in ("--plot", "--gantt"):
-                try:
-                    figure_path(path)
-                except FlexSPError as exc:
-                    raise FlexSPError(f"{what} {exc}") from None
+                figure_path(path, what)
             writable_file(path, what, FlexSPError)
 
 

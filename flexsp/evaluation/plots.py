@@ -35,15 +35,15 @@ def plan_digest(plan: Plan, lengths) -> str:
 FORMATS = (".png", ".pdf", ".svg")   # what save_with_provenance writes, each with its provenance
 
 
-def figure_path(path: str | Path) -> Path:
+def figure_path(path: str | Path, what: str = "") -> Path:
     """``path`` checked to name a picture: a ``.png``/``.pdf``/``.svg`` suffix, else a ``ValueError`` (of the
-    ``FlexSPError`` family) saying so: matplotlib would add ``.png`` itself and write, perhaps over, a
-    file other than the one named."""
+    ``FlexSPError`` family) saying so, after ``what`` (the flag that gave it): matplotlib would add ``.png``
+    itself and write, perhaps over, a file other than the one named."""
     from flexsp.errors import FlexSPError
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
-        raise FlexSPError(f"{path}: a picture needs one of the suffixes {', '.join(FORMATS)}, e.g. "
-                          f"{path.with_suffix('.png').name}")
+        raise FlexSPError(f"{what + ' ' if what else ''}{path}: a picture needs one of the suffixes "
+                          f"{', '.join(FORMATS)}, e.g. {path.with_suffix('.png').name}")
     return path
 
 

@@ -137,10 +137,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     from flexsp.inputs import writable_file
     if args.gantt is not None:
         from flexsp.evaluation.plots import figure_path
-        try:
-            figure_path(args.gantt)
-        except FlexSPError as exc:
-            raise FlexSPError(f"--gantt {exc}") from None
+        figure_path(args.gantt, "--gantt")
     for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.gantt, "--gantt")):
         if path is not None:
             writable_file(path, what, FlexSPError)
