@@ -188,7 +188,7 @@ def _check_before_measuring(args: argparse.Namespace) -> None:
         raise CostModelError(f"--usable must be a fraction in (0, 1], got {args.usable}")
     if args.memory_gb is not None and not (math.isfinite(args.memory_gb) and args.memory_gb > 0):
         raise CostModelError(f"--memory-gb must be > 0 GiB, got {args.memory_gb}")
-    memory_lengths = args.memory_lengths or sorted(set(args.lengths or []))[-3:]
+    memory_lengths = _memory_lengths(args, args.lengths or [])
     if (args.memory_lengths or args.lengths) and len(set(memory_lengths)) < 2:
         raise CostModelError(f"the memory profile fits a slope and needs 2 distinct lengths, got {memory_lengths} "
                              f"({'--memory-lengths' if args.memory_lengths else 'the longest 3 of --lengths'})")
@@ -386,7 +386,7 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
     from flexsp.profile.preflight import duration, sweep_flops, sweep_seconds
 
     estimates = []
-    memory_lengths = args.memory_lengths or lengths[-3:]
+    memory_lengths = _memory_lengths(args, lengths)
     _check_lengths_fit(lengths, memory_lengths, spec, device_memory_bytes(setup.device), setup.device)
 
     runs = args.warmup + args.repeats
@@ -444,6 +444,11 @@ def _sweep_on_rank0(args, runner, setup, spec, pool, lengths, on_gpu, say):
         estimates.append("device memory (CPU RAM stands in for GPU memory)" if not args.memory_gb
                          else "device memory (given, CPU run)")
     return compute, mem, cap, estimates, kinds
+
+
+def _memory_lengths(args: argparse.Namespace, lengths: list[int]) -> list[int]:
+    """The memory profile's lengths: ``--memory-lengths``, else the 3 longest of the sweep's."""
+    return args.memory_lengths or sorted(set(lengths))[-3:]
 
 
 def _check_lengths_fit(lengths: list[int], memory_lengths: list[int], spec, device_bytes: float, device) -> None:
