@@ -137,17 +137,19 @@ def set_limit(assignment: str) -> None:
     os.environ[LIMITS[name][0]] = str(parse_size(value, what=name))
 
 
+def raise_hint(name: str) -> str:
+    """How a user raises the cap ``name``: every over-cap message ends with it."""
+    return f"raise it with --max-input {name}=N or ${LIMITS[name][0]}"
+
+
 def over_cap(what: str, value: int, name: str, unit: str) -> str:
     """The message for a count given on the command line or in a file above the cap ``name``: what it is, the
     cap, and how to raise it."""
-    return (f"{what} {value} is over the cap of {limit(name)} {unit}; raise it with --max-input {name}=N or "
-            f"${LIMITS[name][0]}")
+    return f"{what} {value} is over the cap of {limit(name)} {unit}; {raise_hint(name)}"
 
 
 def too_large(what: str, size: int, name: str) -> str:
-    variable = LIMITS[name][0]
-    return (f"{what} has {size} {name.split('_')[-1]}, over the cap of {limit(name)}; "
-            f"raise it with --max-input {name}=N or ${variable}")
+    return f"{what} has {size} {name.split('_')[-1]}, over the cap of {limit(name)}; {raise_hint(name)}"
 
 
 def read_json(path: str | Path, what: str, error: type[FlexSPError]) -> Any:

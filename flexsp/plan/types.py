@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from flexsp.errors import PlanError
-from flexsp.inputs import (INT64_MAX, LIMITS, exact_sum, integer, limit, load_json, number, over_cap, parse_json,
-                           too_large, write_text)
+from flexsp.inputs import (INT64_MAX, exact_sum, integer, limit, load_json, number, over_cap, parse_json,
+                           raise_hint, too_large, write_text)
 from flexsp.plan.cluster import is_tile_start
 from flexsp.plan.lengths import as_lengths
 from solver.types import LazyItems
@@ -326,7 +326,7 @@ class Plan:
         batches = len(data["micro_batches"])
         if batches > limit("groups"):   # each needs a group: millions of empty ones fail here, not after building
             raise PlanError(f"the plan has {batches} micro-batches, which need at least {batches} groups, over the cap "
-                            f"of {limit('groups')}; raise it with --max-input groups=N or ${LIMITS['groups'][0]}")
+                            f"of {limit('groups')}; {raise_hint('groups')}")
         count = sum(len(mb["groups"]) for mb in data["micro_batches"]
                     if isinstance(mb, Mapping) and isinstance(mb.get("groups"), list))
         if count > limit("groups"):   # checked before a Group is built: each costs hundreds of bytes

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn, Sequenc
 import numpy as np
 
 from flexsp.errors import FlexSPError
-from flexsp.inputs import INT64_MAX, LIMITS, integer, limit, number, read_json, too_large
+from flexsp.inputs import INT64_MAX, integer, limit, number, raise_hint, read_json, too_large
 from flexsp.plan.cost import CostModel
 from flexsp.plan.specs import GPUS, ModelSpec
 from flexsp.plan.types import Plan
@@ -299,8 +299,7 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _over(what: str, cap: str) -> str:
-    return (f"{what} is longer than the cap of {limit(cap)} bytes; raise it with --max-input {cap}=N "
-            f"or ${LIMITS[cap][0]}")
+    return f"{what} is longer than the cap of {limit(cap)} bytes; {raise_hint(cap)}"
 
 
 def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
