@@ -147,7 +147,7 @@ def make_varlen(kernel: Callable, l2norm: bool) -> Callable:
         if ratio > 1:   # grouped value heads: each key head serves ``ratio`` value heads
             q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
         out = kernel(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=None,
-                     output_final_state=False, cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=l2norm)
+                     output_final_state=False, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=l2norm)
         out = out[0] if isinstance(out, tuple) else out
         return out[0].to(v.dtype)
 

@@ -74,16 +74,45 @@ def test_recurrence_restarts_per_sequence_and_zeroes_padding():
         assert float(t.grad[:15].abs().max()) > 0
 
 
+class _UnwrittenGradients(torch.autograd.Function):
+    """A varlen kernel's backward as flash-linear-attention's may leave it on CUDA (its gradient buffers are
+    ``empty``): every gradient row past ``cu_seqlens[-1]`` unwritten, NaN here. The real rows' gradients are
+    those of ``compute`` (autograd through it)."""
+
+    @staticmethod
+    def forward(ctx, end, compute, *xs):
+        with torch.enable_grad():
+            ctx.inner = [x.detach().requires_grad_() for x in xs]
+            ctx.out = compute(*ctx.inner)
+        ctx.end = end
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = torch.autograd.grad(ctx.out, ctx.inner, grad)
+        grads = [g.clone() for g in grads]
+        for g in grads:
+            g[:, ctx.end:] = float("nan")          # [1, tokens, ...]: the rows the kernel does not own
+        return (None, None, *grads)
+
+
 def test_hostile_varlen_kernel():
     """A stand-in for flash-linear-attention's varlen kernel that, as a CUDA kernel may, leaves garbage in
-    rows outside cu_seqlens and returns fp32: the output and gradient equal the per-length path's."""
+    the rows outside cu_seqlens, in its output and in every gradient it returns, and returns fp32: the output
+    and the gradients equal the per-length path's."""
     rule = _rule()
+    seen = []
 
     def hostile(q, k, v, g=None, beta=None, cu_seqlens=None, use_qk_l2norm_in_kernel=True, **_):
+        seen.append(cu_seqlens)
         cu = cu_seqlens.tolist()
-        out = torch.full(v.shape, float("nan"), dtype=torch.float32)
-        parts = [rule(*(t[:, a:b] for t in (q, k, v, g, beta))).float() for a, b in zip(cu[:-1], cu[1:])]
-        return torch.cat([torch.cat(parts, dim=1), out[:, cu[-1]:]], dim=1), None
+
+        def compute(*xs):
+            out = torch.full(xs[2].shape, float("nan"), dtype=torch.float32)
+            parts = [rule(*(t[:, a:b] for t in xs)).float() for a, b in zip(cu[:-1], cu[1:])]
+            return torch.cat([torch.cat(parts, dim=1), out[:, cu[-1]:]], dim=1)
+
+        return _UnwrittenGradients.apply(cu[-1], compute, q, k, v, g, beta), None
 
     gen = torch.Generator().manual_seed(1)
     bounds, rows = (0, 7, 9, 14), 16
@@ -99,6 +128,9 @@ def test_hostile_varlen_kernel():
     for x, y in zip(a, b):
         assert not torch.isnan(y.grad).any() and torch.equal(y.grad[14:], torch.zeros_like(y.grad[14:]))
         assert torch.allclose(x.grad, y.grad, rtol=0, atol=1e-5)
+    # every layer of a micro-batch hands the kernel one int64 bounds tensor (fla's caches are keyed on it)
+    ulysses_recurrence(*b, ctx, rule, varlen=make_varlen(hostile, True))
+    assert seen[0] is seen[1] and seen[0].dtype == torch.int64
 
 
 def test_conv_restarts_per_sequence():

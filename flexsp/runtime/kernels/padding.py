@@ -46,11 +46,20 @@ class _ZeroOutside(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (real,) = ctx.saved_tensors
-        return _rows_where(real, grad), None
+        return keep_rows(real, grad), None
 
 
-def _rows_where(real: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def keep_rows(real: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its rows outside ``real`` set to exactly zero (``where``: NaN there is dropped too)."""
     return torch.where(real.view(-1, *([1] * (x.dim() - 1))), x, 0.0)
+
+
+def guard_rows(real: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``xs`` unchanged, except that their gradients outside ``real`` come back exactly zero: put in front of
+    a kernel whose backward may leave those rows unwritten."""
+    if not torch.is_grad_enabled():
+        return xs
+    return tuple(_ZeroOutside.apply(x, real) if x.requires_grad else x for x in xs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,13 +80,10 @@ class Rows:
 
     def guard(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``(q, k, v)`` unchanged, except that their gradients outside the bounds come back zero."""
-        if not torch.is_grad_enabled():
-            return q, k, v
-        wrap = lambda x, real: _ZeroOutside.apply(x, real) if x.requires_grad else x  # noqa: E731
-        return wrap(q, self.q), wrap(k, self.k), wrap(v, self.k)
+        return (*guard_rows(self.q, q), *guard_rows(self.k, k, v))
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
-        return _rows_where(self.q, out)
+        return keep_rows(self.q, out)
 
     def partial(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [tq, heads, dim], lse [heads, tq])`` with every row that saw no key (padding, no key,
@@ -87,7 +93,7 @@ class Rows:
         return out.masked_fill(live.t().unsqueeze(-1).logical_not(), 0.0), torch.where(live, lse, -math.inf)
 
     def grads(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
-        return _rows_where(self.q, dq), _rows_where(self.k, dk), _rows_where(self.k, dv)
+        return keep_rows(self.q, dq), keep_rows(self.k, dk), keep_rows(self.k, dv)
 
 
 def contained(kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], q: torch.Tensor,

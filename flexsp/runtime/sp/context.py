@@ -9,6 +9,7 @@ decide which SP axis serves the group.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -69,6 +70,12 @@ class AttentionContext:
     @property
     def degree(self) -> int:
         return self.trades.degree
+
+    @cached_property
+    def cu_seqlens_int64(self) -> torch.Tensor:
+        """``cu_seqlens`` as int64 (flash-linear-attention's bounds type), cast once per micro-batch on the device:
+        every layer gets the same tensor, so fla's caches keyed on it hit instead of redoing (and syncing) per layer."""
+        return self.cu_seqlens.long()
 
     @classmethod
     def packed(cls, bounds: Sequence[int], device: torch.device | str | None = None, *,

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from flexsp.runtime.kernels.padding import guard_rows, keep_rows, real_rows
 from flexsp.runtime.sp.context import AttentionContext, ShardingError
 from flexsp.runtime.sp.segments import by_sequence
 
@@ -74,7 +75,8 @@ def ulysses_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     ``q``/``k`` ``[tokens/d, key_heads, dk]``, ``v`` ``[tokens/d, value_heads, dv]``, ``g``/``beta``
     ``[tokens/d, value_heads]``. ``local(q, k, v, g, beta)`` takes one batch ``[n, length, ...]`` of equal-length
     sequences (the model's own torch function); ``varlen(q, k, v, g, beta, cu_seqlens)``, when given,
-    takes the whole stream at once (flash-linear-attention's kernel) and may leave padding rows unwritten."""
+    takes the whole stream at once (flash-linear-attention's kernel; int64 bounds, the same tensor for every
+    layer of a micro-batch) and may leave padding rows unwritten, in its output and in its gradients."""
     _check_axis(ctx, "linear attention")
     d = ctx.degree
     key_heads, value_heads = k.shape[1], v.shape[1]
@@ -91,9 +93,9 @@ def ulysses_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     bounds = _bounds(ctx)
     rows = v.shape[0]
     if varlen is not None:
-        out = varlen(q, k, v, g, beta, ctx.cu_seqlens)
-        real = (torch.arange(rows, device=out.device) < bounds[-1])[:, None, None]
-        out = torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))   # unwritten rows: zero
+        # the kernel may leave padding rows unwritten in its output and in every gradient it returns: both zeroed
+        real = real_rows(bounds, rows, v.device)
+        out = keep_rows(real, varlen(*guard_rows(real, q, k, v, g, beta), ctx.cu_seqlens_int64))
     else:
         (out,) = by_sequence(lambda *xs: (local(*xs),), [q, k, v, g, beta], bounds, rows)
     return ctx.trades.head_to_seq(out) if d > 1 else out
