@@ -5,8 +5,8 @@ not run ahead of the device. ``set_sync_debug_mode`` needs a GPU; here every cop
 (``aten._to_copy``, ``aten.copy_``) is watched under ``FakeTensorMode`` with CUDA targets, pinning is
 emulated (a CPU-only torch has no pinned allocator), and every host -> CUDA copy the packing makes
 (Ulysses ``group_inputs``, the zigzag layout and ``RingTensors`` of a ring group, ``pack`` of
-sequences already on the GPU, the idle rank's context) must start from pinned memory with
-``non_blocking=True``.
+sequences already on the GPU, the idle rank's context) and every one a layer makes (a chunked layer's
+bounds, ``by_sequence``'s index) must start from pinned memory with ``non_blocking=True``.
 """
 import traceback
 
@@ -110,12 +110,22 @@ def _executor_step_up_to_forward(monkeypatch):
     assert executor._idle().ctx.cu_seqlens.device == CUDA   # what an idle micro-batch runs
 
 
+def _per_layer_bounds():
+    """What a layer builds from host ints on every call: a chunked layer's cut bounds (``attend`` hands them to
+    ``bounds_tensor``) and ``by_sequence``'s row index (the causal convolution; a recurrence without fla)."""
+    from flexsp.runtime.kernels.layout import bounds_tensor
+    from flexsp.runtime.sp.segments import by_sequence
+    assert bounds_tensor((0, 16, 32, 40), 64, CUDA, "cu_seqlens").device == CUDA
+    (out,) = by_sequence(lambda x: (x,), [torch.zeros(64, 8, device=CUDA)], (0, 40, 50, 60), 64)
+    assert out.device == CUDA
+
+
 def _pageable(watch):
     return [site for pinned, non_blocking, site in watch.copies if not (pinned and non_blocking)]
 
 
 @pytest.mark.parametrize("packing,copies", [(_host_packed_groups, 8), (_device_sequences_packed, 3),
-                                            (_executor_step_up_to_forward, 8)])
+                                            (_executor_step_up_to_forward, 8), (_per_layer_bounds, 3)])
 def test_the_step_packing_copies_to_cuda_only_from_pinned_memory(watch, packing, copies, monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=True), watch:
         packing(monkeypatch) if packing is _executor_step_up_to_forward else packing()

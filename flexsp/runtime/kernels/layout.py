@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from flexsp.errors import FlexSPError
+from flexsp.runtime.transfer import host_tensor
 
 Bounds = Sequence[int] | torch.Tensor
 
@@ -45,7 +46,7 @@ def bounds_tensor(cu: Bounds, tokens: int, device: torch.device, name: str) -> t
         return cu.to(device=device, dtype=torch.int32)
     bounds = [int(b) for b in cu]
     check_bounds(bounds, tokens, name)
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
+    return host_tensor(bounds, torch.int32, device)   # a chunked layer's cut bounds, per layer: never a blocking copy
 
 
 def max_len(cu: Bounds, given: int | None, name: str) -> int:

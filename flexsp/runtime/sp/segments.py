@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from flexsp.runtime.transfer import host_tensor
+
 
 def length_buckets(bounds: Sequence[int]) -> dict[int, list[int]]:
     """Sequence start offsets grouped by sequence length (``bounds``: ``[0, end_1, ..., end_n]``)."""
@@ -30,7 +32,7 @@ def by_sequence(fn: Callable[..., Sequence[torch.Tensor]], tensors: Sequence[tor
     device = tensors[0].device
     outs: list[torch.Tensor] | None = None
     for length, starts in length_buckets(bounds).items():
-        index = (torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)).reshape(-1)
+        index = (host_tensor(starts, torch.int64, device).unsqueeze(1) + torch.arange(length, device=device)).reshape(-1)
         got = fn(*(t.index_select(0, index).reshape(len(starts), length, *t.shape[1:]) for t in tensors))
         if outs is None:
             outs = [o.new_zeros((rows, *o.shape[2:])) for o in got]
