@@ -148,7 +148,11 @@ def shard_model(model: nn.Module, config: TrainConfig | None = None, **settings:
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    register_fsdp_forward_method(model, "shard_loss")   # shard_loss unshards the root like forward does
+    # the root's entry points besides forward unshard it like forward does (a router model's statistics pre-pass
+    # calls batch_statistics on the root directly)
+    for method in ("shard_loss", "batch_statistics"):
+        if callable(getattr(model, method, None)):
+            register_fsdp_forward_method(model, method)
     for module in [*units, model]:
         module.set_gradient_divide_factor(1.0)          # sum, not mean, over ranks
         module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)

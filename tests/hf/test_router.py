@@ -2,8 +2,8 @@
 
 4 gloo ranks, fp64, every token supervised: one SGD step of a tiny Mixtral with ``output_router_logits``
 under the heterogeneous family plan (degrees 4, 2, 1, an idle rank; padded shards; three micro-batches:
-the statistics pre-pass) and under a one-micro-batch plan (the statistics of the step's own forward),
-against ``model(input_ids, attention_mask, labels)`` on the right-padded batch. The step reports the
+the statistics pre-pass; once more under FSDP2, ``shard_model(sharding="full")``) and under a one-micro-batch
+plan (the statistics of the step's own forward), against ``model(input_ids, attention_mask, labels)`` on the right-padded batch. The step reports the
 total and the auxiliary part apart."""
 import copy
 
@@ -36,21 +36,26 @@ def _padded(sequences):
 
 
 def _worker(rank, world, plans):
-    from flexsp.runtime import GroupPool, StepExecutor
+    from flexsp.runtime import GroupPool, StepExecutor, TrainConfig, shard_model
     pool = GroupPool()
     out = []
-    for plan in plans:
+    for plan, sharding in plans:
         sp = prepare_model(tiny_model("mixtral", output_router_logits=True), max_seqlen=max(LENGTHS))
-        with StepExecutor(sp, torch.optim.SGD(sp.parameters(), lr=LR), pool, backend="sdpa") as ex:
+        config = TrainConfig(param_dtype=None, sharding=sharding, backend="sdpa")
+        if sharding != "none":   # FSDP2: the statistics pre-pass must unshard the root as forward does
+            shard_model(sp, config)
+        with StepExecutor(sp, torch.optim.SGD(sp.parameters(), lr=LR), pool, config=config) as ex:
             result = ex.run_plan(Plan.from_dict(plan), batch())
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in sp.parameters()]
         out.append({"loss": result.loss, "aux": result.aux_loss,
-                    "params": torch.cat([p.detach().reshape(-1) for p in sp.parameters()])})
+                    "params": torch.cat([p.detach().reshape(-1) for p in full])})
     return out
 
 
 @pytest.fixture(scope="module")
 def runs():
-    plans = [heterogeneous_plan().to_dict(), ONE_MICRO_BATCH.to_dict()]
+    plans = [(heterogeneous_plan().to_dict(), "none"), (ONE_MICRO_BATCH.to_dict(), "none"),
+             (heterogeneous_plan().to_dict(), "full")]
     return run_distributed(_worker, 4, plans, timeout=240)
 
 
