@@ -66,4 +66,4 @@ def shard_group(fetch: Callable[[int], Row], micro_batch: int, group: Group, ran
         cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, real_tokens=shard.real_tokens,
         ranks=tuple(group.ranks), local_rank=tuple(group.ranks).index(rank), group=ctx.group,
         indices=tuple(int(indices[s]) for s in group.seq_ids), ring=ctx.ring,
-        supervised=sum(r.supervised for r in rows))
+        supervised=sum(r.supervised for r in rows), bounds=ctx.bounds)

@@ -152,6 +152,7 @@ class MicroBatchShard:
     indices: tuple[int, ...]          # dataset indices of the group's sequences
     ring: Any = None                  # a Ulysses x ring group's RingContext (then group = its Ulysses part)
     supervised: int | None = None     # supervised targets of the group's sequences (every rank of it: the same)
+    bounds: tuple[int, ...] | None = None   # ``cu_seqlens`` as host ints (the per-sequence kernels and the rule read these)
 
     @property
     def degree(self) -> int:
@@ -159,6 +160,6 @@ class MicroBatchShard:
 
     def context(self, backend: str = "auto") -> AttentionContext:
         """The ``AttentionContext`` a ``TinyLM``-style model takes for this shard (no host copy:
-        ``cu_seqlens`` is already on the device)."""
+        ``cu_seqlens`` is already on the device, its host ints travel beside it)."""
         return AttentionContext(cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, group=self.group,
-                                backend=backend, ring=self.ring)
+                                backend=backend, ring=self.ring, bounds=self.bounds)

@@ -338,9 +338,14 @@ class StepExecutor:
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != bounds or cu.device != self.device:
             raise PlanError(f"{where}: cu_seqlens must be int32 [{bounds}] on {self.device}, got "
                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
-        host = None if ring else tuple(accumulate((int(lengths[s]) for s in group.seq_ids), initial=0))
+        # host bounds: sdpa reads no device, and the rule sees the length mix (a ring shard: its zigzag chunks')
+        if ring:
+            local = shard.ring.tensors.host_local
+            host = local[shard.ring.comm.index] if shard.ring.comm.index < len(local) else None
+        else:
+            host = tuple(accumulate((int(lengths[s]) for s in group.seq_ids), initial=0))
         ctx = AttentionContext(cu_seqlens=cu, max_seqlen=int(shard.max_seqlen), group=handle, backend=self.backend,
-                               ring=shard.ring if ring else None, bounds=host)   # host bounds: sdpa reads no device
+                               ring=shard.ring if ring else None, bounds=host)
         return _Work(shard.input_ids, shard.position_ids, shard.labels, ctx, int(shard.real_tokens), group)
 
     def _pack(self, tokens: Sequence[torch.Tensor], targets: Sequence[torch.Tensor | None] | None,

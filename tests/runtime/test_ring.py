@@ -146,8 +146,18 @@ def _loader_step(pool, limit):
     step = next(iter(loader))
     loader.close()
     model = _model()
-    StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.5), pool, backend="sdpa").step(step)   # the one step path
-    return model, step
+    executor = StepExecutor(model, torch.optim.SGD(model.parameters(), lr=0.5), pool, backend="sdpa")
+    checked, seen = executor._check_shard, []
+    executor._check_shard = lambda *a: seen.append(checked(*a)) or seen[-1]
+    executor.step(step)   # the one step path
+    # every context the step and the shard hand the layers has the host bounds run_plan's has (the per-sequence
+    # kernels need them with device cu_seqlens; the kernel rule reads the length mix from them)
+    bounds = []
+    for shard, work in zip(step.micro_batches, seen):
+        group = step.plan.micro_batches[shard.micro_batch].group_of_rank(pool.rank)
+        _, want = group_inputs(group, [batch[i] for i in shard.indices], pool.rank, "cpu", pool=pool)
+        bounds.append((work.ctx.bounds, shard.context().bounds, want.bounds))
+    return model, step, bounds
 
 
 def _step_worker(rank, world_size, plan, planned, limit):
@@ -158,7 +168,7 @@ def _step_worker(rank, world_size, plan, planned, limit):
     planned_model = _model()
     StepExecutor(planned_model, torch.optim.SGD(planned_model.parameters(), lr=0.5), pool,
                  backend="sdpa").run_plan(Plan.from_dict(planned), _batch())
-    loaded_model, loaded = _loader_step(pool, limit)
+    loaded_model, loaded, loaded_bounds = _loader_step(pool, limit)
     errors = []
     for bad in ({"ring": 8, "ranks": range(8)}, {"ring": 2, "ranks": range(2)}):   # 1 x 8 and 1 x 2: not pooled
         p = Plan(num_gpus=8, predicted_time=0.0, micro_batches=(MicroBatch((
@@ -171,6 +181,7 @@ def _step_worker(rank, world_size, plan, planned, limit):
     return {"params": vector(model), "planned_params": vector(planned_model), "result": result,
             "loader_params": vector(loaded_model), "loader_indices": loaded.indices,
             "loader_rings": sorted({g.ring for mb in loaded.plan.micro_batches for g in mb.groups}),
+            "loader_bounds": loaded_bounds,
             "stats": pool.stats, "splits": pool.splits, "errors": errors}
 
 
@@ -192,6 +203,7 @@ def test_hybrid_plan_step_equals_one_process():
         assert sorted(run["loader_indices"]) == list(range(len(LENGTHS)))   # the loader's batch is this batch
         assert abs(run["loader_params"] - want).max() < 1e-10
         assert run["loader_rings"][-1] > 1                                     # and its plan had ring groups
+        assert run["loader_bounds"] and all(step == shard == want is not None for step, shard, want in run["loader_bounds"])
         assert run["splits"] == ((1, 4), (2, 2), (2, 4))
         assert run["result"].loss == pytest.approx(loss.item(), rel=1e-12)
     assert sum(r["result"].tokens_processed for r in runs) == sum(LENGTHS)   # every token once
