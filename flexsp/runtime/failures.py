@@ -89,8 +89,16 @@ def _agreed_error(reports: list[dict[str, str] | None]) -> FlexSPError:
     return RankFailure(f"rank {first_rank}: {first['type']}: {first['message']}")
 
 
+def runs_nccl(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether CUDA tensors on ``group`` go through NCCL: backend ``"nccl"``, a device map naming it (``"cpu:gloo,
+    cuda:nccl"``), or none named (``init_process_group()``: torch picks NCCL for CUDA tensors) on a CUDA torch."""
+    name = str(dist.get_backend(group))
+    return "nccl" in name or (name == "undefined" and torch.cuda.is_available())
+
+
 def flag_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a tensor for a world collective must live: the current GPU under NCCL, else the CPU."""
+    """Where a tensor for a world collective must live: the current GPU under NCCL alone, else the CPU (a
+    world with a CPU backend beside NCCL takes CPU tensors)."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -181,7 +189,10 @@ class ControlGroup:
     def close(self) -> None:
         """Release the side group (local; call on every rank once it is no longer used)."""
         if self.group is not None:
-            dist.destroy_process_group(self.group)
+            try:
+                dist.destroy_process_group(self.group)
+            except ValueError:
+                pass   # already gone: the failure watcher aborted every group after an NCCL failure
             self.group = None
             self.distributed = False
 
@@ -264,7 +275,7 @@ class FailureChannel:
         # Separate connections for this thread and the watcher; the same store if it is not TCP.
         self._store = _tcp_client(default, timedelta(seconds=30)) or default
         watch_store = _tcp_client(default, timedelta(seconds=30)) or default
-        self._nccl = dist.get_backend() == "nccl"
+        self._nccl = runs_nccl()
         self._record: str | None = None
         self._ignored: set[bytes] = set()
         self._lock = threading.Lock()

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from flexsp.errors import PlanError
 from flexsp.inputs import integer
 from flexsp.plan.cluster import is_tile_start, node_size, tile_starts, tileable
-from flexsp.runtime.failures import stop_watchers
+from flexsp.runtime.failures import runs_nccl, stop_watchers
 from flexsp.runtime.sp.ring_comm import place, pool_splits, split_blocks
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class GroupPool:
         """One small all-reduce on the world and on each of this rank's groups (rings included), in the
         pool's global creation order: members of a group reach it in the same order, so this cannot
         deadlock, and every communicator exists before the first step."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if runs_nccl() else torch.device("cpu")
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe)
         seen: set[int] = set()

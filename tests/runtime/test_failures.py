@@ -108,3 +108,37 @@ def test_failure_inside_a_step_reaches_every_rank_without_hanging():
     # connection closes): seconds, not the process group's timeout.
     assert max(r["seconds"] for r in results) < 30
     assert results[2]["cause"] == "RuntimeError"
+
+
+def _close_after_abort(rank, world_size):
+    """After an NCCL failure the watcher aborts every group (``_abort_process_group`` empties c10d's registry;
+    gloo has no abort, so the proxy destroys the world the same way): closing the loader's side group then
+    must leave the caller's ``RankFailure`` in place."""
+    from flexsp.runtime.failures import ControlGroup
+    control = ControlGroup(30.0)
+    dist.destroy_process_group()
+    try:
+        try:
+            raise RankFailure("rank 1 failed in step 7")
+        finally:
+            control.close()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_closing_the_side_group_after_an_abort_keeps_the_callers_error():
+    assert run_distributed(_close_after_abort, 2, timeout=TIMEOUT) == ["RankFailure: rank 1 failed in step 7"] * 2
+
+
+@pytest.mark.parametrize("backend,cuda,nccl", [("nccl", True, True), ("gloo", True, False),
+                                                ("cpu:gloo,cuda:nccl", True, True), ("undefined", True, True),
+                                                ("undefined", False, False)])
+def test_every_way_a_world_names_nccl_counts(monkeypatch, backend, cuda, nccl):
+    """The failure watcher's NCCL abort and the pool's warm-up device follow NCCL wherever it serves CUDA
+    tensors: a device map, or ``init_process_group()`` with no backend on a CUDA torch (lazy: NCCL for CUDA)."""
+    from flexsp.runtime.failures import flag_device, runs_nccl
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert runs_nccl() is nccl
+    if backend != "nccl":   # a CPU backend beside NCCL takes the agreement's CPU tensors
+        assert flag_device() == torch.device("cpu")
