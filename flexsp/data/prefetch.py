@@ -72,7 +72,8 @@ class Prefetch(Generic[T]):
 
 
 def device_tensors(obj: Any, depth: int = 6) -> Iterator[torch.Tensor]:
-    """The CUDA tensors inside ``obj``: its dataclass fields, tuples, lists and dicts, ``depth`` levels down."""
+    """The CUDA tensors inside ``obj``: its dataclass fields (but those marked ``host_only``, ``step.HOST_ONLY``),
+    tuples, lists and dicts, ``depth`` levels down."""
     if isinstance(obj, torch.Tensor):
         if obj.is_cuda:
             yield obj
@@ -81,7 +82,8 @@ def device_tensors(obj: Any, depth: int = 6) -> Iterator[torch.Tensor]:
         return
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from device_tensors(getattr(obj, f.name), depth - 1)
+            if not f.metadata.get("host_only"):   # a step's plan, indices, lengths: host data, long at scale
+                yield from device_tensors(getattr(obj, f.name), depth - 1)
     elif isinstance(obj, (tuple, list)):
         for item in obj:
             yield from device_tensors(item, depth - 1)

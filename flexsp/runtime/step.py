@@ -26,8 +26,9 @@ import time
 import warnings
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
+from types import MappingProxyType
 from typing import Any, Sequence
 
 import numpy as np
@@ -51,6 +52,10 @@ from flexsp.runtime.shard import MicroBatchShard, group_inputs, loss_tokens
 from flexsp.runtime.sp.context import IGNORE_INDEX, PAD_TOKEN, AttentionContext, ShardingError, check_heads
 
 
+# dataclass field metadata: the field holds no device tensor (``flexsp.data.prefetch.device_tensors`` skips it)
+HOST_ONLY = MappingProxyType({"host_only": True})
+
+
 @dataclass(frozen=True)
 class Step:
     """What this rank runs in one optimizer step, as ``flexsp.data.FlexSPLoader`` yields it and
@@ -59,9 +64,10 @@ class Step:
     epoch: int
     index: int                                  # global batch within the epoch
     step: int                                   # steps taken by this loader's run, resumes included
-    plan: Plan                                  # seq id i of the plan is dataset item ``indices[i]``
-    indices: tuple[int, ...]
-    lengths: tuple[int, ...]
+    # host-only fields (``HOST_ONLY``): a walk for the step's device tensors skips them (131,072 ints each at scale)
+    plan: Plan = field(metadata=HOST_ONLY)      # seq id i of the plan is dataset item ``indices[i]``
+    indices: tuple[int, ...] = field(metadata=HOST_ONLY)
+    lengths: tuple[int, ...] = field(metadata=HOST_ONLY)
     num_tokens: int                             # real tokens in the global batch
     loss_tokens: int                            # supervised targets in the global batch: divide summed losses by it
     micro_batches: tuple[MicroBatchShard, ...]  # only those this rank takes part in, in plan order

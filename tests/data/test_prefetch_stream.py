@@ -115,3 +115,20 @@ def test_on_a_cpu_there_is_no_stream_and_errors_reach_the_caller():
     with pytest.raises(ValueError, match="item 3 is unreadable"):
         Prefetch(fails).result()
     assert not list(device_tensors(torch.zeros(3)))
+
+
+class _Unwalkable(tuple):
+    """A step's indices or lengths (131,072 ints at scale): walking them for tensors costs the training thread."""
+
+    def __iter__(self):
+        raise AssertionError("walked a host-only field")
+
+
+def test_the_walk_for_device_tensors_skips_a_steps_host_only_fields():
+    from flexsp import Plan
+    from flexsp.runtime.step import Step
+    host = _Unwalkable(range(5))
+    step = Step(epoch=0, index=0, step=0, plan=Plan(num_gpus=1, predicted_time=0.0, micro_batches=()), indices=host,
+                lengths=host, num_tokens=0, loss_tokens=0, micro_batches=(Shard(_cuda(4), torch.zeros(4), None),),
+                last=False, plan_wait=0.0, load_seconds=0.0, fallback=False)
+    assert [t.shape for t in device_tensors(step)] == [torch.Size([4])]
