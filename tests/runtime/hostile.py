@@ -17,6 +17,10 @@ Hopper with cuDNN 9.19, ``HOPPER``): it selects cuDNN or Flash by what ``sdpa_ke
 first where its constraints hold (max_q > 128, no GQA, one cu_seqlens tensor for q and k when causal),
 *raises* when only cuDNN is enabled and they do not, saves the backend for its own backward, and its
 backward op takes that ``backend`` (``SDPBackend`` value). ``Trace.calls`` records which backend ran.
+
+``install(..., auto=True)`` installs torch 2.14's instead: no selection, cuDNN taken by itself wherever it is
+eligible (``auto_cudnn``: max_q > 128, no GQA, window ``(-1, -1)``), decided again by its backward op, with
+token-major statistics in its cuDNN branch (another layout than Flash's).
 """
 from __future__ import annotations
 
@@ -222,6 +226,50 @@ def selecting_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, c
                          POISON["value"])
 
 
+# --- torch 2.14's varlen_attn: cuDNN taken by itself where eligible, no selection, other statistics layout ---
+def auto_cudnn(query, key, max_q, window_size, enable_gqa=False) -> bool:
+    """torch 2.14's ``_can_use_cudnn`` (device, cuDNN version and dtype taken as met): max_q > 128, no GQA and
+    window ``(-1, -1)`` - never a causal call (``(-1, 0)``)."""
+    return max_q > 128 and list(window_size) == [-1, -1] and not enable_gqa and query.shape[1] == key.shape[1]
+
+
+def _no_window(window_size, max_q, max_k) -> list[int]:
+    """A window reaching keys after the query is taken only where it covers every key: the same as none."""
+    left, right = (-1, -1) if window_size is None else tuple(window_size)
+    if right > 0:
+        assert left >= max_k - 1 and right >= max_q - 1, f"window {window_size} does not cover every key"
+        return [-1, -1]
+    return [left, right]
+
+
+def auto_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.14's ``varlen_attn``: cuDNN wherever ``auto_cudnn`` holds, its lse token-major ``[tokens, heads, 1]``
+    (not Flash's ``[heads, tokens]``: what cuDNN's statistics may be)."""
+    cudnn = auto_cudnn(query, key, max_q, window_size, enable_gqa)
+    result = hostile_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux,
+                                 scale=scale, window_size=_no_window(window_size, max_q, max_k), enable_gqa=enable_gqa)
+    Trace.calls[-1]["backend"] = "cudnn" if cudnn else "flash"
+    if cudnn and return_aux is not None and return_aux.lse:
+        out, lse = result
+        return out, lse.t().contiguous().unsqueeze(-1)
+    return result
+
+
+def auto_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                         rng_state, scale=None, window_size=None):
+    """torch 2.14's backward op: decides cuDNN again by the same rule (it is not told the forward's), and its
+    cuDNN branch reads ``lse`` as token-major statistics."""
+    window = [-1, -1] if window_size is None else list(window_size)
+    cudnn = auto_cudnn(query, key, max_q, window)
+    if cudnn:
+        lse = lse.reshape(query.shape[0], query.shape[1]).t()
+    grads = hostile_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k,
+                                    is_causal, rng_state, scale, _no_window(window, max_q, max_k))
+    Trace.calls[-1]["backend"] = "cudnn" if cudnn else "flash"
+    return grads
+
+
 def hostile_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
@@ -255,7 +303,7 @@ def hostile_flash_attn_varlen_sink_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max
 
 
 def install(setter=setattr, poison: float = float("nan"), facts: DeviceFacts | None = None, flash=None, *,
-            selecting: bool = False) -> VarlenAPI:
+            selecting: bool = False, auto: bool = False) -> VarlenAPI:
     """The stand-ins in place of ``varlen_attn`` and flash-attn, the rule told the CPU runs them (``facts``:
     ``HOPPER`` with ``selecting``, else ``FACTS``). ``flash``: the flash-attn function to stand in (default:
     flash-attn 2's), its features read from its signature as ``flash.installed`` reads the real one's."""
@@ -263,6 +311,9 @@ def install(setter=setattr, poison: float = float("nan"), facts: DeviceFacts | N
     if selecting:
         api = VarlenAPI.detect(selecting_varlen_attn, Aux, selecting_varlen_backward, select_backend)
         assert api is not None and api.selects
+    elif auto:
+        api = VarlenAPI.detect(auto_varlen_attn, Aux, auto_varlen_backward, auto_cudnn=True)
+        assert api is not None and not api.selects and api.auto_cudnn
     else:
         api = VarlenAPI.detect(hostile_varlen_attn, Aux, hostile_varlen_backward)
         assert api is not None and not api.selects

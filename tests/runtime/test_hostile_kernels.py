@@ -221,6 +221,29 @@ def test_ring_blocks_with_their_own_bounds_and_plain_varlen_run_flash(monkeypatc
     assert _ran() == [("forward", "flash", 4), ("autograd backward", "flash", 4)]
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_a_torch_that_takes_cudnn_by_itself_keeps_flash_in_the_lse_forms(monkeypatch, heads, kv_heads):
+    """torch 2.14 takes cuDNN inside ``varlen_attn`` wherever it is eligible (non-causal, no GQA, max_q > 128),
+    decides again in its backward op and has no selection to ask for Flash; cuDNN's statistics need not be
+    Flash's ``[heads, tokens]``. The ring's lse forms (a non-causal block; the backward op fed merged
+    statistics) stay exact: a covering window holds every call to Flash."""
+    hostile.install(monkeypatch.setattr, NAN, auto=True)
+    tq, tk, cu_q, cu_k = 300, 260, (0, 200, 290), (0, 150, 250)
+    q, k, v = _qkv(tq, heads, kv_heads, torch.float32, tk=tk)
+    i32 = lambda cu: torch.tensor(cu, dtype=torch.int32)  # noqa: E731
+    spec = LseSpec(i32(cu_q), i32(cu_k), 200, 150, False, 0.25, "varlen")
+    with torch.no_grad():
+        out, lse = lse_forward(q, k, v, spec)
+        dout = _weights(out, 5)
+        grads = lse_backward(dout, q, k, v, out, lse, spec)
+    assert {b for _, b, _ in _ran()} == {"flash"} and len(_ran()) == 2
+    leaves, want, want_lse = _exact(q, k, v, cu_q, cu_k, causal=False)
+    torch.testing.assert_close(lse[:, :cu_q[-1]].double(), want_lse[:, :cu_q[-1]], **TOL[torch.float32])
+    torch.testing.assert_close(out.double(), want, **TOL[torch.float32])
+    for got, exp in zip(grads, torch.autograd.grad((want * dout.double()).sum(), leaves)):
+        torch.testing.assert_close(got.double(), exp, **TOL[torch.float32])
+
+
 def test_varlen_cudnn_is_refused_where_the_torch_does_not_select(monkeypatch):
     from flexsp.runtime.kernels import AttentionError
     hostile.install(monkeypatch.setattr, NAN, DeviceFacts("cpu", (9, 0), varlen=True, kernel_dtypes=hostile.FLOATS,

@@ -21,6 +21,10 @@ fit - the executor's one-token idle micro-batch, short micro-batches, the ring's
 own bounds - runs Flash. The backward gets the forward's backend (the op's ``backend`` argument where
 its schema has one; torch's ``_select_backend``, asked under the same choice, where it exists). Older
 releases (no selection: 2.10-2.13, whose ``_should_use_cudnn`` returns False) run Flash whatever is asked.
+torch 2.14 takes cuDNN by itself (``_can_use_cudnn``: sm90/sm100, cuDNN >= 9.18, max_q > 128, no GQA, window
+``(-1, -1)``, so never a causal call) with no selection to ask for Flash, and cuDNN's statistics need not have
+Flash's layout: there a non-causal call gets a window covering every key (``VarlenAPI.window``), which is the
+same attention and keeps Flash, in the forward and in the backward op (which decides again by the same rule).
 
 Everything here is raw: rows outside ``cu_seqlens`` are unspecified (``padding.py`` makes them zero).
 """
@@ -49,6 +53,7 @@ class VarlenAPI:
     backward_op: Callable[..., Any] | None
     backward_args: tuple[str, ...]        # the backward op's argument names, in order
     select: Callable[..., Any] | None = None   # torch's own backend selection (``_select_backend``), if any
+    auto_cudnn: bool = False              # takes eligible cuDNN by itself, with no way to ask for Flash (2.14)
 
     @property
     def selects(self) -> bool:
@@ -58,7 +63,7 @@ class VarlenAPI:
     @classmethod
     def detect(cls, fn: Callable[..., Any] | None, aux: Any = None,
                backward_op: Callable[..., Any] | None = None,
-               select: Callable[..., Any] | None = None) -> "VarlenAPI | None":
+               select: Callable[..., Any] | None = None, auto_cudnn: bool = False) -> "VarlenAPI | None":
         if fn is None:
             return None
         try:
@@ -80,7 +85,8 @@ class VarlenAPI:
                     names = ()
         return cls(fn=fn, causal_arg=causal, aux=aux if "return_aux" in params else None,
                    scale="scale" in params, gqa="enable_gqa" in params,
-                   backward_op=backward_op if names else None, backward_args=names, select=select)
+                   backward_op=backward_op if names else None, backward_args=names, select=select,
+                   auto_cudnn=auto_cudnn)
 
     # --- calls --------------------------------------------------------------------------------
     def _prepare(self, q, k, v, scale: float, repeat_kv: bool):
@@ -94,6 +100,16 @@ class VarlenAPI:
             q = q * factor
         return q, k, v, group, factor
 
+    def window(self, causal: bool, window: int | None, max_q: int, max_k: int) -> tuple[int, int]:
+        """The ``window_size`` of a call. A non-causal, windowless call on a torch that takes cuDNN by itself
+        (``auto_cudnn``: only at ``(-1, -1)``, forward and backward op alike) gets a window covering every key
+        instead: the same attention, held to Flash, whose statistics layout the lse forms and the backward
+        they feed assume."""
+        if self.auto_cudnn and not self.selects and not causal and window is None:
+            cover = max(max_q, max_k, 1)
+            return (cover, cover)
+        return _window(causal, window)
+
     def takes_window(self, backward: bool) -> bool:
         """A left window can be passed (``window_size``), to the backward op too when ``backward``."""
         return self.causal_arg == "window_size" and (not backward or "window_size" in self.backward_args)
@@ -105,7 +121,7 @@ class VarlenAPI:
         q, k, v, group, _ = self._prepare(q, k, v, scale, repeat_kv)
         kwargs: dict[str, Any] = {}
         if self.causal_arg == "window_size":
-            kwargs["window_size"] = _window(causal, window)
+            kwargs["window_size"] = self.window(causal, window, max_q, max_k)
         else:
             kwargs["is_causal"] = causal
         if self.scale:
@@ -136,7 +152,7 @@ class VarlenAPI:
         values = {"grad_out": dout, "query": qp, "key": kp, "value": vp, "out": out, "lse": lse,
                   "cu_seq_q": cu_q, "cu_seq_k": cu_k, "max_q": max_q, "max_k": max_k, "is_causal": causal,
                   "rng_state": torch.zeros(2, dtype=torch.uint64, device=q.device), "scale": scale,
-                  "window_size": list(_window(causal, window)), "backend": backend_value(backend)}
+                  "window_size": list(self.window(causal, window, max_q, max_k)), "backend": backend_value(backend)}
         args = [values[name] for name in self.backward_args if name in values]
         dq, dk, dv = self.backward_op(*args)
         if not self.scale and factor != 1.0:
@@ -179,7 +195,8 @@ def installed() -> VarlenAPI | None:
     op = getattr(getattr(torch.ops, "torch_attn", None), "_varlen_attn_backward", None)
     try:
         return VarlenAPI.detect(getattr(mod, "varlen_attn", None), getattr(mod, "AuxRequest", None), op,
-                                _select_names(getattr(mod, "_select_backend", None)))
+                                _select_names(getattr(mod, "_select_backend", None)),
+                                auto_cudnn=callable(getattr(mod, "_can_use_cudnn", None)))
     except Exception:
         return None
 
