@@ -143,6 +143,10 @@ class FlexSPTrainer(Trainer):
         if args.gradient_accumulation_steps != 1:
             raise TrainerSetupError(f"gradient_accumulation_steps={args.gradient_accumulation_steps}: under FlexSP one "
                                     f"planned global batch is one optimizer step; raise per_device_train_batch_size")
+        if args.fp16:
+            raise TrainerSetupError("fp16=True with flexsp=True: fp16 needs loss scaling, which the FlexSP step does "
+                                    "not do (the gradient of a mean over the global batch's supervised tokens "
+                                    "underflows in fp16); use bf16=True or fp32")
         if args.flexsp_cost is None and not args.flexsp_tokens_per_rank:
             raise TrainerSetupError("flexsp=True needs flexsp_tokens_per_rank (tokens one rank holds) or flexsp_cost")
         if self.train_dataset is None:
@@ -195,7 +199,7 @@ class FlexSPTrainer(Trainer):
             raise TrainerSetupError("flexsp_refit=True needs flexsp_run_dir: the refit learns from the recorded steps")
         # the Trainer's mixed precision is the step's compute dtype: its autocast wraps compute_loss, which the
         # FlexSP step does not call, so without this an fp32 model under bf16=True would compute in fp32
-        compute = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        compute = torch.bfloat16 if args.bf16 else None   # fp16 is refused in __init__
         self._executor = StepExecutor(self.sp_model, _Deferred(), pool, cost=cost, param_dtype=compute,
                                       probe=None if self._telemetry is None else self._telemetry.probe)
         return loader

@@ -24,7 +24,7 @@ class TrainConfig:
     """``sharding``: how FSDP2 shards model states ("full", "grad_optim", "none"); ``param_dtype``: the
     compute dtype (None: the parameters' own, e.g. fp64 tests), FSDP2's mixed-precision policy where the
     model is sharded, the executor's ``torch.autocast`` where it is not (world 1, "none": ``fsdp.py``);
-    ``reduce_dtype``: FSDP2's gradient reduction dtype (None: the compute dtype); ``backend``: the local attention kernel (``flexsp.runtime.kernels``);
+    fp16 is refused (no loss scaling here); ``reduce_dtype``: FSDP2's gradient reduction dtype (None: the compute dtype); ``backend``: the local attention kernel (``flexsp.runtime.kernels``);
     ``recompute``: activation checkpointing ("none", "selective", "full"; the ``PlanConfig`` value, so the
     capacity the planner assumes is the memory the step keeps), applied by ``StepExecutor`` to a model with
     ``set_recompute``; None leaves the model's own setting."""
@@ -45,6 +45,10 @@ class TrainConfig:
                 raise FlexSPError(f"{name} must be a torch.dtype or None, got {value!r}")
             if value is not None and not value.is_floating_point:   # autocast would drop it with a warning: fp32
                 raise FlexSPError(f"{name} must be a floating-point dtype (bf16, fp16, fp32, fp64), got {value}")
+        if self.param_dtype == torch.float16:
+            raise FlexSPError("param_dtype=torch.float16 needs loss scaling, which the FlexSP step does not do: the "
+                              "gradient of a mean over the global batch's supervised tokens underflows in fp16; use "
+                              "torch.bfloat16 or torch.float32")
         if self.backend not in BACKENDS:
             raise FlexSPError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
 

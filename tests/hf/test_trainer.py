@@ -56,6 +56,7 @@ def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("settings,pattern", [
     (dict(gradient_accumulation_steps=2, flexsp_tokens_per_rank=64), "one planned global batch is one optimizer step"),
     (dict(), "needs flexsp_tokens_per_rank"),
+    (dict(fp16=True, flexsp_tokens_per_rank=64), "fp16=True with flexsp=True: fp16 needs loss scaling"),
 ])
 def test_settings_flexsp_cannot_run_are_named(tmp_path, settings, pattern):
     from datasets import Dataset
