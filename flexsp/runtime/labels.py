@@ -11,7 +11,8 @@ A row may carry several: a token is a target where every mask says 1 (TRL's coll
 and ``labels`` beside a mask must agree with it (-100 exactly where the mask is 0, from the second token on:
 the first is never a target), since two columns that disagree mean the dataset was built wrong. ``read_targets`` turns a row into the per-token targets the
 packing step shifts (``flexsp.runtime.sp.tokens.next_token_labels``, the one place labels are laid out)
-and counts its supervised targets on the host, so the step's denominator needs no device read.
+and counts its supervised targets on the host, so the step's denominator needs no device read (a column
+given on a device is read back once, then checked and counted on the host; the targets go where the tokens are).
 Per-token loss weights are not supported (a target is in or out).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from flexsp.errors import FlexSPError
 from flexsp.runtime.sp.tokens import IGNORE_INDEX
+from flexsp.runtime.transfer import to_device
 
 LABELS = "labels"
 MASKS = ("completion_mask", "assistant_masks")
@@ -84,11 +86,12 @@ def _outside(values: torch.Tensor, vocab_size: int | None, checked: torch.Tensor
 
 
 def _column(value: Any, name: str, where: str, n: int) -> torch.Tensor:
-    """One supervision column as a 1-D int64 tensor of ``n`` entries (masks may be booleans)."""
+    """One supervision column as a 1-D int64 tensor of ``n`` entries on the host (masks may be booleans): a
+    column on a device is read back once here, and every check and the count run on the copy."""
     t = integers(value, f"{where}, column {name!r}", LabelsError, allow_bool=name != LABELS)
     if t.numel() != n:
         raise LabelsError(f"{where}, column {name!r}: {t.numel()} entries but input_ids has {n}")
-    return t
+    return t.cpu()
 
 
 def _sized(value: Any, n: int) -> bool:
@@ -164,6 +167,8 @@ def read_targets(columns: Mapping[str, Any], ids: torch.Tensor, where: str,
                                   f"where the mask is 0")
         keep = on if keep is None else keep & on
     assert keep is not None
-    base = labels if labels is not None else ids.to(torch.long)
-    targets = torch.where(keep, base, torch.full_like(base, IGNORE_INDEX))
+    # the targets live where the tokens do (a host mask beside device ids too); the count stays on the host
+    keep_here = to_device(keep, ids.device)
+    base = to_device(labels, ids.device) if labels is not None else ids.to(torch.long)
+    targets = torch.where(keep_here, base, torch.full_like(base, IGNORE_INDEX))
     return targets, int(keep[1:].sum())

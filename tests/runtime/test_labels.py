@@ -115,6 +115,17 @@ def test_columns_that_change_nothing_are_read_as_before():
     assert t.tolist() == [I, I, 3, 4, 5, 6] and n == 4
 
 
+def test_a_host_mask_beside_device_tokens_gives_targets_where_the_tokens_are():
+    """``run_plan`` rows may hold their ``input_ids`` on the GPU and a mask or labels on the host (or the reverse):
+    the checks and the count run on host copies, the targets are built on the tokens' device ("meta" stands in
+    for CUDA here: a 1-D host tensor cannot meet a CUDA one in ``torch.where``)."""
+    mask = [0, 0, 0, 1, 1, 1, 1, 1]
+    targets, supervised = read_targets({"completion_mask": mask}, torch.arange(8, device="meta"), "batch[0]")
+    assert targets.device.type == "meta" and supervised == 5
+    targets, supervised = read_targets({"labels": [-100, -100, 7, 8]}, torch.arange(4, device="meta"), "batch[1]")
+    assert targets.device.type == "meta" and supervised == 2
+
+
 def test_loader_refuses_token_ids_outside_the_vocabulary_and_bad_settings():
     """Ids past the vocabulary used to reach the embedding inside the step (after its collectives started:
     an IndexError on CPU, a device assert on CUDA); negative ones whatever the vocabulary."""
