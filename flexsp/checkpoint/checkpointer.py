@@ -244,11 +244,13 @@ class Checkpointer:
                 failure = f"the saved loader state does not fit this loader: {exc}"
             self.control.check(failure, what=f"restoring the loader from {path / layout.META}", error=CheckpointError)
         if record.world_size == self.world_size:
-            try:
+            failure = None
+            try:   # agreed: a rank that cannot restore its generators must not leave the others to a collective
                 states = torch.load(path / layout.RNG, weights_only=True)
                 _set_rng_state(states[self.rank])
             except Exception as exc:
-                raise CheckpointError(f"{path / layout.RNG}: unreadable RNG state: {_short(exc)}") from None
+                failure = f"{path / layout.RNG}: unreadable RNG state: {_short(exc)}"
+            self.control.check(failure, what=f"restoring the RNG state from {path / layout.RNG}", error=CheckpointError)
         elif self.rank == 0:
             warnings.warn(f"{path}: saved by {record.world_size} ranks, restored on {self.world_size}: model, "
                           f"optimizer and loader are exact, per-rank RNG streams start afresh", stacklevel=3)
@@ -380,17 +382,26 @@ def _short(exc: BaseException) -> str:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This rank's generators. On CUDA only its own device's (``current_device``): device numbers depend on what
+    the launcher makes visible (one GPU per task under srun, all of them under torchrun), the rank does not."""
     np_state = np.random.get_state()
     return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda_device": (torch.cuda.get_rng_state(torch.cuda.current_device())
+                            if torch.cuda.is_available() else None),
             "python": random.getstate(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        if state.get("cuda_device") is not None:
+            torch.cuda.set_rng_state(state["cuda_device"], device)
+        elif state.get("cuda"):   # saved by an earlier release: every visible device's, by number
+            if device >= len(state["cuda"]):
+                raise CheckpointError(f"saved with {len(state['cuda'])} visible GPUs, this rank runs on cuda:{device}")
+            torch.cuda.set_rng_state(state["cuda"][device], device)
     random.setstate(state["python"])
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
