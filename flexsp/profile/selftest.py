@@ -23,8 +23,10 @@ Checks, each printed as a table row and written to a JSON report (exit code 1 wh
    end of its last backward; a synchronising call is reported with its innermost flexsp call site. The
    LM-head library's own syncs (liger-kernel's ``.item()`` and ``torch.equal``) are outside the check
    (``fused_loss.library_syncs_allowed``); FlexSP's code around them is not.
-5. **all-to-all** on the ranks available: under ``torchrun`` a round trip over the world equals its
-   input; with one rank there is nothing to exchange (skipped).
+5. **all-to-all** on the ranks available: under ``torchrun`` each rank runs checks 1-4 on its own device
+   (``LOCAL_RANK``) as a world of one, then joins the launch's world and a round trip over it must equal its
+   input; rank 0 writes ``--output``, rank r ``<stem>.rank<r><suffix>`` beside it. With one rank there is
+   nothing to exchange (skipped).
 
 The model (``selftest_model``): on CUDA a Llama-3-8B layer shape with 2 layers in bf16 through
 ``shard_model`` (the README's loop), the vocabulary cut only where the device needs it; on CPU a small
@@ -353,18 +355,35 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
 
 
 # --- 5. all-to-all ------------------------------------------------------------------------------------------
+def launched_ranks() -> tuple[int, int, int]:
+    """``(rank, local rank, world size)`` of a ``torchrun`` launch (``(0, 0, 1)`` without one)."""
+    env = os.environ
+    try:
+        return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    except ValueError:
+        raise FlexSPError("RANK, LOCAL_RANK and WORLD_SIZE must be integers (a torchrun launch)") from None
+
+
 def _alltoall(torch, device) -> dict:
+    """The round trip over the launch's world: joined here, after the per-rank checks (each rank a world of one
+    on its own device), and left again."""
     import torch.distributed as dist
 
     from flexsp.runtime.sp.ulysses_comm import head_to_seq, seq_to_head
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    _, _, world = launched_ranks()
+    if world == 1:
         return _row("all-to-all", SKIP, "one rank available: nothing to exchange (run under torchrun for more)")
-    d = dist.get_world_size()
-    x = torch.randn(8, 2 * d, 16, device=device)
-    back = head_to_seq(seq_to_head(x, dist.group.WORLD), dist.group.WORLD)
-    ok = torch.equal(back, x)
-    return _row("all-to-all", PASS if ok else FAIL, f"round trip over {d} ranks {'exact' if ok else 'WRONG'}")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        x = torch.randn(8, 2 * world, 16, device=device)
+        back = head_to_seq(seq_to_head(x, dist.group.WORLD), dist.group.WORLD)
+        ok = torch.equal(back, x)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return _row("all-to-all", PASS if ok else FAIL, f"round trip over {world} ranks {'exact' if ok else 'WRONG'}")
 
 
 # --- the run ------------------------------------------------------------------------------------------------
@@ -374,8 +393,9 @@ def world_of_one():
     import torch.distributed as dist
     if dist.is_initialized():
         if dist.get_world_size() > 1:
-            raise sm.SelftestError("the step checks run at degree 1 on one process: run flexsp selftest without "
-                                   "torchrun (torchrun is only for its all-to-all check, which needs no model)")
+            raise sm.SelftestError("the step checks run at degree 1 on each process, as a world of one: run flexsp "
+                                   "selftest before the process group is started (under torchrun it joins the "
+                                   "launch's world itself, for the all-to-all check)")
         yield
         return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -424,9 +444,19 @@ def run(args: argparse.Namespace) -> int:
         raise FlexSPError("--device cuda: no CUDA device is available here")
     if args.repeats < 1:
         raise FlexSPError(f"--repeats must be >= 1, got {args.repeats}")
+    rank, local, world = launched_ranks()
+    # under torchrun every rank reports its own device: rank 0 to --output, rank r beside it
+    output = args.output if rank == 0 else args.output.with_name(f"{args.output.stem}.rank{rank}{args.output.suffix}")
     from flexsp.inputs import writable_file
-    writable_file(args.output, "selftest report", FlexSPError)   # before the checks, not after them
-    device = torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device(name)
+    writable_file(output, "selftest report", FlexSPError)   # before the checks, not after them
+    if name == "cuda":   # under torchrun each rank checks its own GPU (the node's local rank), not all of them cuda:0
+        if world > 1:
+            if local >= torch.cuda.device_count():
+                raise FlexSPError(f"LOCAL_RANK {local} but {torch.cuda.device_count()} CUDA devices are visible")
+            torch.cuda.set_device(local)
+        device = torch.device(name, torch.cuda.current_device())
+    else:
+        device = torch.device(name)
     from flexsp.profile.memory import device_memory_bytes
     memory = device_memory_bytes(device)        # the host's RAM on the CPU: a shape it cannot hold is refused
     setup = plan_model(torch, device, args.shape, args.hf_config, args.tokens, memory)
@@ -459,8 +489,8 @@ def run(args: argparse.Namespace) -> int:
     report = {"device": label, "torch": torch.__version__, "load_average": load, "model": spec.shape(),
               "params": spec.params, "batch": lengths, "vocab_note": setup["vocab_note"], "checks": rows}
     try:
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        output.write_text(json.dumps({**report, "rank": rank, "world_size": world}, indent=2) + "\n")
     except OSError as exc:
-        raise FlexSPError(f"cannot write {args.output}: {exc.strerror or exc}") from None
-    print(f"wrote {args.output}")
+        raise FlexSPError(f"cannot write {output}: {exc.strerror or exc}") from None
+    print(f"wrote {output}")
     return 1 if any(r["status"] == FAIL for r in rows) else 0

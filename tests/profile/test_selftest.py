@@ -35,3 +35,23 @@ def test_a_wrong_kernel_fails_the_selftest(tmp_path, monkeypatch):
 def test_bad_device_is_one_line(capsys):
     assert main(["selftest", "--device", "tpu"]) == 2
     assert "--device must be cpu or cuda" in capsys.readouterr().err
+
+
+def test_under_torchrun_every_rank_checks_and_the_all_to_all_runs(tmp_path):
+    """``torchrun -m flexsp selftest`` (the docstring's check 5): each rank runs the step checks as a world of
+    one on its own device, then joins the launch's world; the round trip passes and every rank's report is kept
+    (rank 0's at --output). Before, every rank skipped the all-to-all (and, on CUDA, all of them used cuda:0)."""
+    import subprocess
+
+    from scripts import experiment
+    launcher, env = experiment("launch").torchrun(2)
+    out = tmp_path / "selftest.json"
+    proc = subprocess.run([*launcher, "-m", "flexsp", *ARGS, "--output", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for rank, path in enumerate((out, tmp_path / "selftest.rank1.json")):
+        report = json.loads(path.read_text())
+        checks = {c["check"]: c for c in report["checks"]}
+        assert report["rank"] == rank and report["world_size"] == 2
+        assert checks["all-to-all"]["status"] == "pass" and "round trip over 2 ranks exact" in checks["all-to-all"]["detail"]
+        assert checks["step"]["status"] == "pass"
