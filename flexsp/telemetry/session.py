@@ -57,7 +57,13 @@ class Telemetry:
         initialized = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
         self.run_dir, self.cost, self.spec, self.log_every = Path(run_dir), cost, spec, log_every
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # default: the GPU this rank trains on where there is one (init_distributed sets it from LOCAL_RANK); CPU
+        # timing around a CUDA step would time kernel launches, not kernels
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak_flops = device_peak(name, peak_flops)
         self._log = log or _print
@@ -127,6 +133,8 @@ class Telemetry:
 
     # --- telemetry thread -------------------------------------------------------------------------
     def _work(self) -> None:
+        if self.device.type == "cuda":   # this thread's CUDA calls (event reads) on the rank's GPU, not a new context on 0
+            torch.cuda.set_device(self.device)
         while True:
             item = self._queue.get()
             started = time.thread_time()

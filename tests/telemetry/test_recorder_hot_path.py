@@ -70,3 +70,20 @@ def test_hooks_reuse_pooled_events_and_read_the_peak_directly(fake_cuda):
         next((j for j, g in enumerate(mb.groups) if 0 in g.ranks), None) for mb in plan.micro_batches]
     assert all(set(mb) == {"start", "forward", "end", "group", "tokens", "busy"} for mb in record["micro_batches"])
     assert record["seconds"] > 0 and record["probe_seconds"] >= 0
+
+
+def test_telemetry_times_with_cuda_events_on_the_ranks_gpu_by_default(fake_cuda, monkeypatch, tmp_path):
+    """``Telemetry(run_dir, cost)`` without ``device=`` on a GPU rank (the documented call): CUDA events on the
+    rank's current device, not CPU time around asynchronous kernels; its thread reads them on that device (no
+    CUDA context created on GPU 0 by every rank)."""
+    from flexsp.telemetry import Telemetry
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    on = []
+    monkeypatch.setattr(torch.cuda, "set_device", on.append)
+    cost = flexsp.CostModel(alpha1=2e-9, alpha2=2e-6, beta1=1e-4, comm_bytes_per_token=1024,
+                            alltoall_bandwidth={2: 1e9}, token_capacity=256)
+    with Telemetry(tmp_path / "run", cost, log_every=0) as telemetry:
+        assert telemetry.device == torch.device("cuda", 3) and telemetry.probe.cuda
+    assert on == [torch.device("cuda", 3)]
