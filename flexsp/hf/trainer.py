@@ -147,6 +147,14 @@ class FlexSPTrainer(Trainer):
             raise TrainerSetupError("fp16=True with flexsp=True: fp16 needs loss scaling, which the FlexSP step does "
                                     "not do (the gradient of a mean over the global batch's supervised tokens "
                                     "underflows in fp16); use bf16=True or fp32")
+        # loss settings the FlexSP step would silently not apply: it computes the summed next-token loss itself
+        if args.label_smoothing_factor:
+            raise TrainerSetupError(f"label_smoothing_factor={args.label_smoothing_factor} with flexsp=True: the FlexSP "
+                                    f"step computes the plain next-token loss; set it to 0")
+        if self.compute_loss_func is not None:
+            raise TrainerSetupError("compute_loss_func with flexsp=True: the FlexSP step computes its own loss (the "
+                                    "summed next-token loss over the global batch's supervised targets) and would "
+                                    "never call it")
         if args.flexsp_cost is None and not args.flexsp_tokens_per_rank:
             raise TrainerSetupError("flexsp=True needs flexsp_tokens_per_rank (tokens one rank holds) or flexsp_cost")
         if self.train_dataset is None:

@@ -10,7 +10,9 @@
 ``max_length``), which leaves each row with ``input_ids`` and the ``labels`` TRL built (-100 off the loss);
 with ``flexsp=True`` FlexSP's loader then plans and packs each global batch and its step computes TRL's loss
 (sum over the supervised targets / their count in the global batch). TRL's collator, ``packing`` and
-``padding_free`` are what FlexSP replaces: asking for them with ``flexsp=True`` is refused. TRL's per-batch
+``padding_free`` are what FlexSP replaces: asking for them with ``flexsp=True`` is refused, as are the loss
+settings its own step would not apply (``loss_type`` other than ``"nll"``, ``label_smoothing_factor``,
+``compute_loss_func``, ``activation_offloading``). TRL's per-batch
 metrics (entropy, token accuracy) come from its ``compute_loss``, which the FlexSP step does not call: they are
 not logged under FlexSP; the loss and FlexSP's telemetry (``flexsp_run_dir``) are.
 """
@@ -41,6 +43,14 @@ def check_sft_args(args: Any) -> None:
         if getattr(args, name, False):
             raise TrainerSetupError(f"{name}=True with flexsp=True: FlexSP already packs each planned global batch "
                                     f"(padding-free, per SP group); set {name}=False")
+    # what TRL applies in its own compute_loss / training_step, which the FlexSP step replaces
+    if getattr(args, "loss_type", "nll") != "nll":
+        raise TrainerSetupError(f"loss_type={args.loss_type!r} with flexsp=True: the FlexSP step computes the "
+                                f"next-token loss ('nll'); set loss_type='nll'")
+    if getattr(args, "activation_offloading", False):
+        raise TrainerSetupError("activation_offloading=True with flexsp=True: TRL applies it in its own training "
+                                "step, which FlexSP's replaces; set it False (the planner's capacity model already "
+                                "fits each group's activations in memory)")
 
 
 class FlexSPSFTTrainer(FlexSPTrainer, SFTTrainer):

@@ -57,6 +57,7 @@ def test_trainer_with_flexsp_equals_plain_trainer_and_resumes_exactly(tmp_path):
     (dict(gradient_accumulation_steps=2, flexsp_tokens_per_rank=64), "one planned global batch is one optimizer step"),
     (dict(), "needs flexsp_tokens_per_rank"),
     (dict(fp16=True, flexsp_tokens_per_rank=64), "fp16=True with flexsp=True: fp16 needs loss scaling"),
+    (dict(label_smoothing_factor=0.1, flexsp_tokens_per_rank=64), "label_smoothing_factor=0.1 with flexsp=True"),
 ])
 def test_settings_flexsp_cannot_run_are_named(tmp_path, settings, pattern):
     from datasets import Dataset
@@ -66,6 +67,18 @@ def test_settings_flexsp_cannot_run_are_named(tmp_path, settings, pattern):
     args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[], **settings)
     with pytest.raises(TrainerSetupError, match=pattern):
         FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+
+
+def test_a_custom_loss_function_is_refused_not_silently_dropped(tmp_path):
+    from datasets import Dataset
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments, TrainerSetupError
+    from .models import build
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
+                                   flexsp_tokens_per_rank=64)
+    with pytest.raises(TrainerSetupError, match="compute_loss_func with flexsp=True"):
+        FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}),
+                      compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
 
 
 def test_trainer_under_torchrun_joins_the_launch_world(tmp_path):

@@ -96,6 +96,26 @@ def test_trl_packing_is_refused_with_flexsp(tmp_path, setting):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("setting,pattern", [
+    (dict(loss_type="dft"), "loss_type='dft' with flexsp=True"),
+    (dict(activation_offloading=True), "activation_offloading=True with flexsp=True"),
+])
+def test_loss_settings_the_flexsp_step_would_not_apply_are_refused(tmp_path, setting, pattern):
+    """TRL's loss settings live in its compute_loss / training_step, which the FlexSP step replaces: accepted,
+    they would be silently dropped (a different loss than asked for). The Trainer's own (label smoothing, a
+    compute_loss_func) are refused by FlexSPTrainer, which this class is (tests/hf/test_trainer.py)."""
+    from datasets import Dataset
+
+    from flexsp.hf.trainer import TrainerSetupError
+    from flexsp.hf.trl import FlexSPSFTConfig, FlexSPSFTTrainer
+    from .models import build
+    args = FlexSPSFTConfig(output_dir=str(tmp_path), flexsp=True, flexsp_tokens_per_rank=64, use_cpu=True,
+                           report_to=[], bf16=False, **setting)
+    with pytest.raises(TrainerSetupError, match=pattern) as info:
+        FlexSPSFTTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+    assert "\n" not in str(info.value)
+
+
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
