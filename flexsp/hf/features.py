@@ -138,7 +138,8 @@ def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
     """Raise ``UnsupportedModelError`` naming ``model`` and the first feature FlexSP cannot honour.
 
     ``max_seqlen`` (the longest sequence you will train) is no longer needed for sliding windows, which
-    are computed; it is kept for callers and for checks that depend on lengths.
+    are computed; length-dependent rotary embeddings ("longrope", "dynamic") are refused above the length
+    where their frequencies switch (``length_dependent_rope``), checked only when it is given.
     """
     cfg, name = text_config(model), model_name(model)
 
@@ -176,6 +177,31 @@ def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
         layer_features(model)
     except FlexSPError as exc:
         refuse("attention features FlexSP cannot read", str(exc))
+    if max_seqlen is not None:
+        for kind, limit in length_dependent_rope(cfg):
+            if max_seqlen > limit:
+                refuse(f"rope_type {kind!r}", f"its frequencies switch past {limit} tokens by the longest position a "
+                       f"call sees; FlexSP packs sequences and shards them over ranks, so a call's longest position "
+                       f"is not each sequence's: sequences up to {limit} tokens train exactly, the longest here is "
+                       f"{max_seqlen}")
+
+
+def length_dependent_rope(cfg: Any) -> list[tuple[str, int]]:
+    """``(rope_type, tokens)`` of every rotary embedding whose frequencies depend on the longest position of the
+    call (transformers' ``dynamic_rope_update``): "longrope" switches to its long factors past
+    ``original_max_position_embeddings``, "dynamic" rescales past ``max_position_embeddings``."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    per_layer = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    out = []
+    for p in per_layer:
+        kind = p.get("rope_type", p.get("type"))
+        if kind == "longrope":
+            out.append((kind, int(p.get("original_max_position_embeddings")
+                                  or getattr(cfg, "original_max_position_embeddings", None)
+                                  or cfg.max_position_embeddings)))
+        elif kind == "dynamic":
+            out.append((kind, int(cfg.max_position_embeddings)))
+    return out
 
 
 def check_call(module: nn.Module, ctx_max_seqlen: int, *, dropout: float = 0.0, sliding_window: int | None = None,

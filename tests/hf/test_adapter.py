@@ -181,6 +181,24 @@ def test_unsupported_features_are_named(arch, kw, pattern):
     assert isinstance(info.value, FlexSPError)
 
 
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+            "long_factor": [4.0 + i for i in range(4)], "original_max_position_embeddings": 12}
+
+
+@pytest.mark.parametrize("kw,limit", [(dict(rope_parameters=LONGROPE, original_max_position_embeddings=12, pad_token_id=0), 12),
+                                      (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                             "factor": 2.0}, max_position_embeddings=12), 12)],
+                         ids=["longrope", "dynamic"])
+def test_a_rope_that_switches_by_the_calls_longest_position_is_refused_past_its_switch(kw, limit):
+    """transformers' longrope and dynamic RoPE pick their frequencies from the longest position of the call:
+    packed and sharded over ranks, one sequence's tokens would rotate by different frequencies (a review measured
+    1e-2 logit error at degree 2 past the switch). Up to the switch every call rotates as the model does."""
+    model = _tiny("phi3", **kw) if "original_max_position_embeddings" in kw else _tiny("llama", **kw)
+    prepare_model(copy.deepcopy(model), max_seqlen=limit)
+    with pytest.raises(UnsupportedModelError, match=f"rope_type .* past {limit} tokens .* the longest here is 40"):
+        prepare_model(model, max_seqlen=40)
+
+
 @pytest.mark.parametrize("arch,kw,want", [
     ("mistral", {"sliding_window": 5}, {0: Features(window=5), 1: Features(window=5)}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0},
