@@ -225,7 +225,7 @@ class HFCausalLM(nn.Module):
                 labels: torch.Tensor | None = None, router: bool = False):
         """Logits; with ``labels`` the summed LM loss; with ``router`` too, ``(that loss, the router term)``."""
         if ctx is None:
-            ctx = AttentionContext.single(input_ids.numel())
+            ctx = AttentionContext.single(input_ids.numel(), device=input_ids.device)   # bounds where the tokens are
         out = self._decode(input_ids, position_ids, ctx)
         hidden = out.last_hidden_state[0]
         head = self.model.get_output_embeddings()

@@ -316,3 +316,15 @@ def test_config_file_and_empty_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnsupportedModelError, match="no config.json in"):
         load_config(tmp_path / "empty")
+
+
+def test_a_call_without_a_context_builds_its_bounds_where_the_tokens_are(monkeypatch):
+    """``sp(input_ids, position_ids)`` (evaluation, logits): the one-sequence context's ``cu_seqlens`` on the tokens'
+    device; on the host, a Gated DeltaNet layer would hand fla's CUDA kernel CPU bounds."""
+    sp = prepare_model(build("llama"), max_seqlen=max(LENGTHS))
+    seen, real = [], AttentionContext.single
+    monkeypatch.setattr(AttentionContext, "single", classmethod(
+        lambda cls, tokens, backend="auto", device=None: seen.append(device) or real(tokens, backend, device)))
+    ids = torch.arange(1, 6)
+    sp(ids, torch.arange(5))
+    assert seen == [ids.device]
