@@ -119,6 +119,10 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise UnsupportedModelError(f"{type(module).__name__}: FlexSP takes no attention mask (the packed layout "
                                     f"comes from cu_seqlens), got one of shape {tuple(attention_mask.shape)}")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [tokens/d, heads, dim]
+    device = q.device.type
+    if torch.is_autocast_enabled(device):   # as autocast casts SDPA's inputs in the model's own path: fp32 rotary
+        low = torch.get_autocast_dtype(device)   # output beside bf16 v would send fp32 q/k to the kernels and wires
+        q, k, v = q.to(low), k.to(low), v.to(low)
     default = q.shape[-1] ** -0.5
     if scaling is not None and scaling != default:
         q = q * (scaling / default)   # the kernel scales by 1/sqrt(dim); fold the model's own scale into q

@@ -328,3 +328,19 @@ def test_a_call_without_a_context_builds_its_bounds_where_the_tokens_are(monkeyp
     ids = torch.arange(1, 6)
     sp(ids, torch.arange(5))
     assert seen == [ids.device]
+
+
+def test_under_autocast_the_kernels_get_the_autocast_dtype(monkeypatch):
+    """An fp32 model under bf16 autocast (the Trainer's bf16=True): HF's rotary leaves q and k fp32 beside a bf16 v.
+    The model's own path casts SDPA's inputs; FlexSP's attention casts all three, so the kernel rule sees bf16
+    (fp32 would run per-sequence SDPA on a GPU, and an explicit flash or varlen backend would refuse it) and the
+    all-to-all and ring hops carry bf16."""
+    import flexsp.hf.attention as attention
+    sp = prepare_model(build("llama").float(), max_seqlen=max(LENGTHS))
+    seen, real = [], attention.sp_attention
+    monkeypatch.setattr(attention, "sp_attention", lambda q, k, v, *a: seen.append((q.dtype, k.dtype, v.dtype))
+                        or real(q, k, v, *a))
+    ids = torch.arange(1, 17)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sp(ids, torch.cat([torch.arange(10), torch.arange(6)]), AttentionContext.packed((0, 10, 16)))
+    assert seen and all(d == (torch.bfloat16,) * 3 for d in seen)
