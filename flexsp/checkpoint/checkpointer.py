@@ -159,15 +159,19 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:   # DCP shares a writer's error with every rank itself
             raise CheckpointError(f"{what}: {_short(exc)}") from None
         rng = self.control.gather(_rng_state(), what=what, error=CheckpointError)
-        failure = None
+        failure, listing = None, None
         if self.rank == 0:
             try:
-                torch.save(rng, partial / layout.RNG)
+                with open(partial / layout.RNG, "wb") as f:   # synced like DCP's shards: commit syncs directories only
+                    torch.save(rng, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                listing = layout.files_of(partial)   # one listing for all: another node's view may be stale
             except Exception as exc:
                 failure = error_line(exc)
-        self.control.check(failure, what=what, error=CheckpointError)   # also: rng.pt is on disk before listing
+        self.control.check(failure, what=what, error=CheckpointError)
+        names = self.control.gather(listing, what=what, error=CheckpointError)[0]
         try:
-            names = layout.files_of(partial)
             mine = layout.describe(partial, names[self.rank::self.world_size])
         except OSError as exc:
             failure, mine = error_line(exc), {}

@@ -105,3 +105,23 @@ def test_fsdp2_checkpoint_of_4_ranks_restores_on_2_sharded_and_unsharded(tmp_pat
     assert "different set (2)" in message and "resume on 4 ranks" in message
     failed = {out.get("save_failed") for out in loaded}
     assert len(failed) == 1 and "not-a-directory/step-000000000 failed on rank 0: FileExistsError" in failed.pop()
+
+
+def _stale_listing_worker(rank, world, directory):
+    """Rank 1 sees the checkpoint directory without its newest file, as a node's cached listing of a shared
+    filesystem may: the manifest must still name every file (one listing, rank 0's), so the checkpoint restores."""
+    from flexsp.checkpoint import Checkpointer, layout
+    if rank == 1:
+        real = layout.files_of
+        layout.files_of = lambda path: real(path)[:-1]
+    model, opt = _model(fsdp=False)
+    with Checkpointer(directory, model, opt, every=0, timeout=20) as ckpt:
+        ckpt.step = 3
+        ckpt.save()
+    model, opt = _model(fsdp=False)
+    with Checkpointer(directory, model, opt, every=0, timeout=20) as ckpt:
+        return ckpt.restore()
+
+
+def test_a_stale_directory_listing_on_one_rank_leaves_the_manifest_whole(tmp_path):
+    assert run_distributed(_stale_listing_worker, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT) == [3, 3]
