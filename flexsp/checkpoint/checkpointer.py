@@ -403,9 +403,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         if state.get("cuda_device") is not None:
             torch.cuda.set_rng_state(state["cuda_device"], device)
         elif state.get("cuda"):   # saved by an earlier release: every visible device's, by number
-            if device >= len(state["cuda"]):
-                raise CheckpointError(f"saved with {len(state['cuda'])} visible GPUs, this rank runs on cuda:{device}")
-            torch.cuda.set_rng_state(state["cuda"][device], device)
+            saved = state["cuda"]
+            if len(saved) == 1:        # one visible device: it was this rank's, whatever its number is now
+                torch.cuda.set_rng_state(saved[0], device)
+            elif device < len(saved):
+                torch.cuda.set_rng_state(saved[device], device)
+            else:
+                warnings.warn(f"the checkpoint's CUDA generators are those of {len(saved)} visible devices and this "
+                              f"rank runs on cuda:{device}: its CUDA stream starts afresh", stacklevel=4)
     random.setstate(state["python"])
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))

@@ -356,8 +356,11 @@ def _memory_and_syncs(torch, device, built: "sm.Built", plan, batch, tokens: int
 
 # --- 5. all-to-all ------------------------------------------------------------------------------------------
 def launched_ranks() -> tuple[int, int, int]:
-    """``(rank, local rank, world size)`` of a ``torchrun`` launch (``(0, 0, 1)`` without one)."""
+    """``(rank, local rank, world size)`` of a ``torchrun`` launch (``(0, 0, 1)`` without one: a shell that only
+    exports ``WORLD_SIZE``, as batch scripts do, is no launch to join)."""
     env = os.environ
+    if not all(key in env for key in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return 0, 0, 1
     try:
         return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
     except ValueError:

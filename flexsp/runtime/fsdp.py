@@ -80,6 +80,11 @@ def step_autocast(model: nn.Module, requested: torch.dtype | None, explicit: boo
     """
     params = next(model.parameters()).dtype
     same = lambda a, b: (a or params) == (b or params)   # noqa: E731  (None: the parameters' own dtype)
+    computes = getattr(model, PARAM_DTYPE_ATTR, autocast_dtype(model)) if hasattr(model, SHARDING_ATTR) else requested
+    if (computes or params) == torch.float16:   # asked for by name, or fp16 weights computing in their own dtype
+        raise PrecisionError("fp16 compute needs loss scaling, which the FlexSP step does not do: the gradient of a "
+                             "mean over the global batch's supervised tokens underflows in fp16; use bf16 or fp32 "
+                             "(param_dtype=torch.bfloat16 on fp32 weights)")
     if hasattr(model, SHARDING_ATTR):
         prepared = getattr(model, PARAM_DTYPE_ATTR, autocast_dtype(model))
         if explicit and not same(requested, prepared):

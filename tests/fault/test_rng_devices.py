@@ -51,3 +51,21 @@ def test_a_checkpoint_of_the_earlier_format_restores_the_device_of_the_same_numb
     del old["cuda_device"]
     checkpointer._set_rng_state(old)
     assert after.states[3].tolist() == [53, 1]
+
+
+@pytest.mark.parametrize("visible,current,want", [(1, 3, [50, 1]), (2, 5, None)],
+                         ids=["one visible, then cuda:3", "two visible, then cuda:5"])
+def test_earlier_checkpoints_saved_under_another_launcher_still_restore(monkeypatch, visible, current, want):
+    """One saved device was the rank's own, whatever its number is now; several, and this device beyond them: the
+    rank's CUDA stream starts afresh with a warning (as after a world-size change), the checkpoint still restores."""
+    after = _Devices(8, current)
+    after.install(monkeypatch)
+    old = {**checkpointer._rng_state(), "cuda": [torch.tensor([50 + i, 1], dtype=torch.uint8) for i in range(visible)]}
+    del old["cuda_device"]
+    if want is None:
+        with pytest.warns(UserWarning, match="starts afresh"):
+            checkpointer._set_rng_state(old)
+        assert after.states[current].tolist() == [current, 0]
+    else:
+        checkpointer._set_rng_state(old)
+        assert after.states[current].tolist() == want

@@ -55,3 +55,18 @@ def test_under_torchrun_every_rank_checks_and_the_all_to_all_runs(tmp_path):
         assert report["rank"] == rank and report["world_size"] == 2
         assert checks["all-to-all"]["status"] == "pass" and "round trip over 2 ranks exact" in checks["all-to-all"]["detail"]
         assert checks["step"]["status"] == "pass"
+
+
+def test_a_shell_that_only_exports_world_size_is_no_launch(monkeypatch):
+    """Batch scripts export WORLD_SIZE for the job: one selftest run there must not wait to join ranks that
+    never come (a torchrun launch also sets LOCAL_RANK, MASTER_ADDR and MASTER_PORT)."""
+    from flexsp.profile.selftest import launched_ranks
+    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert launched_ranks() == (0, 0, 1)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("RANK", "10")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert launched_ranks() == (10, 2, 8)

@@ -28,6 +28,9 @@ def test_fp16_compute_is_refused_not_trained_without_loss_scaling():
     gradients underflow (a review measured 12% zeros at 100,000 tokens), so fp16 is an error, not a silent loss."""
     with pytest.raises(FlexSPError, match="float16 needs loss scaling.*use torch.bfloat16 or torch.float32"):
         TrainConfig(param_dtype=torch.float16)
+    half = TinyLM(SPEC).half()   # fp16 weights computing in their own dtype: the same underflow, not asked for by name
+    with pytest.raises(FlexSPError, match="fp16 compute needs loss scaling"):
+        StepExecutor(half, torch.optim.SGD(half.parameters(), lr=0.1), GroupPool(), param_dtype=None)
 
 
 @pytest.mark.parametrize("degrees, message", [([1.9], "each pool degree must be an integer, got 1.9"),
