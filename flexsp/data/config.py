@@ -11,6 +11,12 @@ from flexsp.plan.config import PlanConfig
 TOO_LONG_POLICIES = ("error", "skip")
 
 
+def planner_deadline(time_limit: float) -> float:
+    """Seconds the loop waits for the planner when ``fallback_after`` is not set: generous (a spawned
+    interpreter's start, a solve at its time limit plus the plan's conversion and validation), but finite."""
+    return 30.0 + 4.0 * float(time_limit)
+
+
 @dataclass(frozen=True)
 class LoaderConfig:
     """Global-batch and planning settings; identical on every rank (only rank 0 uses most of them).
@@ -24,7 +30,8 @@ class LoaderConfig:
     background planner may solve ahead of training (0: plan synchronously in the loop).
     ``fallback_after``: if the loop has waited this many seconds for a plan, rank 0 plans that
     batch with the fast "greedy" strategy instead, with a warning, counted in ``step.plan.meta
-    ["planner_fallbacks"]`` (None: ``flexsp.data.planning.planner_deadline(plan.time_limit)``).
+    ["planner_fallbacks"]`` (None: ``planner_deadline(plan.time_limit)``, 30 s + 4 x the limit); below ``failure_timeout``
+    where a planner runs ahead (``lookahead`` > 0), or the other ranks would time out before rank 0 falls back.
     ``failure_timeout``: seconds a rank waits for the others' plan or load outcome before it raises;
     a failure on one rank (a bad item, a failed plan) reaches every rank as the same ``LoaderError``.
     ``prefetch``: prepare the next step (plan broadcast, fetch, pack, device copies) on a background
@@ -64,8 +71,18 @@ class LoaderConfig:
             raise LoaderError(f"failure_timeout must be > 0 seconds, got {self.failure_timeout!r}")
         if not isinstance(self.prefetch, bool):
             raise LoaderError(f"prefetch must be True or False, got {self.prefetch!r}")
-        if self.fallback_after is not None and self.fallback_after < 0:
-            raise LoaderError(f"fallback_after must be >= 0 seconds or None, got {self.fallback_after}")
+        if self.fallback_after is not None and not self.fallback_after > 0:
+            raise LoaderError(f"fallback_after must be > 0 seconds or None, got {self.fallback_after}")
+        deadline = self.planner_deadline()
+        if self.lookahead > 0 and deadline >= self.failure_timeout:
+            raise LoaderError(f"the planner's deadline ({deadline:g} s: fallback_after, or 30 s + 4 x plan.time_limit) "
+                              f"is not below failure_timeout ({self.failure_timeout:g} s): a stalled planner would "
+                              f"time the other ranks out before rank 0 falls back; lower fallback_after or raise "
+                              f"failure_timeout")
+
+    def planner_deadline(self) -> float:
+        """Seconds the loop waits for the background planner before rank 0 plans the batch with the fallback."""
+        return self.fallback_after if self.fallback_after is not None else planner_deadline(self.plan.time_limit)
 
     def batching_key(self) -> dict[str, Any]:
         """The settings that decide which sequences form which batch; a resumed run must match them."""

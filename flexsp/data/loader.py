@@ -34,7 +34,7 @@ from flexsp.data.batching import EpochBatches
 from flexsp.data.collate import Row, read_row, shard_group
 from flexsp.data.config import LoaderConfig
 from flexsp.data.errors import LoaderError
-from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, pack_plan, planner_deadline, unpack_plan
+from flexsp.data.planning import AsyncPlanner, PlanBatch, PlannedBatch, Solver, pack_plan, unpack_plan
 from flexsp.data.prefetch import Prefetch
 from flexsp.data.source import read_item, resolve_lengths
 from flexsp.inputs import integer
@@ -204,9 +204,7 @@ class FlexSPLoader:
             self.batches.check_too_long()
             self._planner = AsyncPlanner(self.batches.iterate(*cursor), self.lengths, self._solve,
                                          lookahead=self.config.lookahead, fallback=self._fallback,
-                                         fallback_after=self.config.fallback_after
-                                         if self.config.fallback_after is not None
-                                         else planner_deadline(self.config.plan.time_limit))
+                                         fallback_after=self.config.planner_deadline())
             self._planner_next = cursor
         return self._planner
 
@@ -411,7 +409,8 @@ class FlexSPLoader:
         within its epoch), the dataset (size, and a digest of its lengths on the planning rank), the
         batching settings (seed included) and the world size must match the saved run. A mismatch is a
         ``LoaderError``. ``world_size_change=True`` accepts another world (the ``Checkpointer`` checks
-        that the epoch's batches do not depend on it)."""
+        that the epoch's batches do not depend on it). Call it on every rank: the planning rank's checks are
+        agreed, so every rank raises the same error or none does."""
         if not isinstance(state, dict):
             raise LoaderError(f"loader state must be a dict, got {type(state).__name__}")
         for key in ("epoch", "index", "step", "num_sequences", "batching"):
@@ -443,14 +442,18 @@ class FlexSPLoader:
             raise LoaderError(f"the saved state is for a world of {saved_world} ranks, this loader plans for "
                               f"{self.cluster.num_gpus}; resume through the Checkpointer (which checks that "
                               f"the batches do not change) or pass world_size_change=True")
-        if self.plans_here:
-            if state.get("fingerprint") is not None and state["fingerprint"] != self._fingerprint():
-                raise LoaderError("the saved state is for another dataset (its lengths differ from this one's, "
-                                  "same size); resuming would train on other sequences")
+        failure = None
+        if self.plans_here:   # checks only the planning rank can make, agreed below so that no rank goes on alone
             count = self.batches.count(state["epoch"])
-            if state["index"] > count:
-                raise LoaderError(f"loader state index {state['index']} is past epoch {state['epoch']}'s "
-                                  f"{count} batches")
+            if state.get("fingerprint") is not None and state["fingerprint"] != self._fingerprint():
+                failure = ("the saved state is for another dataset (its lengths differ from this one's, same size); "
+                           "resuming would train on other sequences")
+            elif state["index"] >= max(count, 1):
+                failure = f"loader state index {state['index']} is past epoch {state['epoch']}'s {count} batches"
+        if self._control is not None:
+            self._control.check(failure, what="loading the loader state", error=LoaderError)
+        elif failure is not None:
+            raise LoaderError(failure)
         self._drop_prefetch()
         self._close_planner()
         self._epoch, self._index, self._step = int(state["epoch"]), int(state["index"]), int(state["step"])

@@ -11,11 +11,11 @@ solver that cannot be pickled (a lambda, a closure) runs in a thread instead (``
 ``AsyncPlanner`` keeps at most ``lookahead`` batches submitted beyond the one the loop last took,
 so memory and wasted work stay bounded after a stop. A solver exception comes back as a result,
 never lost in the worker. If the loop has waited ``fallback_after`` seconds (the loader always sets a
-deadline: ``planner_deadline`` of the time limit unless told), the batch being solved is planned at
+deadline: ``LoaderConfig.planner_deadline``), the batch being solved is planned at
 once in the loop's process with ``fallback`` (the greedy strategy), with a warning, and the late
 result is discarded. A worker that missed its deadline is treated like a dead one: a planner process
 that stopped (SIGSTOP), wedged or died is replaced by a fresh one (its in-flight batches resubmitted),
-so one stall costs one deadline, not one per step; up to ``max_restarts`` times, then ``PlannerError``.
+so one stall costs one deadline, not one per step; up to ``max_restarts`` times in a row, then ``PlannerError``.
 The deadline counts from the later of the loop's request and the worker being up (a fresh worker
 gets one deadline to start). A closed pipe is a dead worker, never a raw ``EOFError``/``BrokenPipeError``.
 No batch waits for the first worker's start (an interpreter and its imports, about half a CPU-second,
@@ -56,12 +56,6 @@ MODES = ("auto", "process", "thread")
 _POLL = 0.05   # seconds between checks for a stop request or a dead worker
 MAX_RESTARTS = 3
 READY = (None, None, None, None, 0.0)   # the worker's first message: it is up and reading tasks
-
-
-def planner_deadline(time_limit: float) -> float:
-    """Seconds the loop waits for the planner when ``fallback_after`` is not set: generous (a spawned
-    interpreter's start, a solve at its time limit plus the plan's conversion and validation), but finite."""
-    return 30.0 + 4.0 * float(time_limit)
 
 
 @dataclass(frozen=True)
@@ -238,11 +232,13 @@ def _serve(tasks, results, solve: Solver) -> None:
 
 
 def picklable(obj: object) -> bool:
+    """Whether the spawned planner process can load ``obj``: it pickles, and names nothing of ``__main__`` (the
+    script being run is not the worker's main module: a function defined there pickles, then fails to load)."""
     try:
-        pickle.dumps(obj)
+        data = pickle.dumps(obj)
     except Exception:
         return False
-    return True
+    return b"__main__" not in data
 
 
 class AsyncPlanner:
@@ -260,6 +256,7 @@ class AsyncPlanner:
         self._batches, self._lengths, self._solve = batches, lengths, solve
         self.lookahead, self._fallback, self._fallback_after = lookahead, fallback, fallback_after
         self.max_restarts = max_restarts
+        self._in_a_row = 0   # restarts since the worker last answered: a long run's occasional stall is not fatal
         self.stats = PlannerStats()
         self._started = self._taken = 0
         self._closed = False
@@ -269,8 +266,9 @@ class AsyncPlanner:
             self.mode = "thread"
         else:
             if not picklable(solve):
-                raise LoaderError(f"mode='process' needs a picklable solver (a module-level function or "
-                                  f"flexsp.data.PlanBatch), got {solve!r}; use mode='thread' for this one")
+                raise LoaderError(f"mode='process' needs a solver the planner process can load (a function of an "
+                                  f"importable module, not of the script being run, or flexsp.data.PlanBatch), got "
+                                  f"{solve!r}; use mode='thread' for this one")
             self.mode = "process"
         self._backend: _ProcessBackend | _ThreadBackend | None = None   # a thread: with the first batch submitted;
         # a process: once the first batch is planned here (_launch)
@@ -388,6 +386,7 @@ class AsyncPlanner:
                 if key in self._abandoned:
                     self._abandoned.discard(key)   # the fallback already handed this batch out
                     continue
+                self._in_a_row = 0   # the worker answers: the restarts before it were stalls, not a broken worker
                 batch = self._inflight.popleft()
                 if batch.key != key:
                     raise LoaderError(f"the planner returned batch {key} while {batch.key} was due")
@@ -413,23 +412,26 @@ class AsyncPlanner:
                 result = self._local(late, self._fallback, fallback=True)
                 self.stats.fallbacks += 1
                 warnings.warn(f"{what}: planned it with the fallback (greedy) instead ({self.stats.fallbacks} so far) "
-                              f"and replaced the {self.mode} ({self.stats.restarts} of at most {self.max_restarts} "
-                              f"restarts)", RuntimeWarning, stacklevel=4)
+                              f"and replaced the {self.mode} ({self._in_a_row} in a row, at most "
+                              f"{self.max_restarts})", RuntimeWarning, stacklevel=4)
         self._taken += 1
         self._submit()
         return self._account(result, started)
 
     def _restart(self, problem: str, warn: bool = True) -> None:
         """A dead, stopped or wedged worker: end it, start another and resubmit what it had not answered,
-        at most ``max_restarts`` times in this planner's life (then ``PlannerError``). A process is killed;
-        a thread cannot be, so it is abandoned to finish its solve alone (a daemon, its answers unread)."""
-        if self.stats.restarts >= self.max_restarts:
+        at most ``max_restarts`` times in a row, without an answer from a worker between them (then
+        ``PlannerError``): a days-long run survives its occasional stall, a worker that never answers does
+        not. A process is killed; a thread cannot be, so it is abandoned to finish its solve alone (a daemon,
+        its answers unread)."""
+        if self._in_a_row >= self.max_restarts:
             self._backend.close(0.0)
             raise PlannerError(f"the planner {self.mode} stopped unexpectedly ({problem}) after "
-                               f"{self.stats.restarts} restart(s); see its stderr above for why")
+                               f"{self._in_a_row} restart(s) in a row; see its stderr above for why")
+        self._in_a_row += 1
         self.stats.restarts += 1
         if warn:
-            warnings.warn(f"{problem}; restarting it ({self.stats.restarts} of at most {self.max_restarts})",
+            warnings.warn(f"{problem}; restarting it ({self._in_a_row} in a row, at most {self.max_restarts})",
                           RuntimeWarning, stacklevel=5)
         self._backend.close(0.0)
         self._abandoned.clear()   # a fresh worker never answers the old one's batches

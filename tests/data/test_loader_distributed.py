@@ -172,3 +172,21 @@ def test_solver_exception_raises_on_every_rank_and_processes_exit():
         assert o.error_type == "LoaderError", o
         assert "planning global batch 2 of epoch 0 failed on rank 0: RuntimeError: solver blew up on purpose" in o.error
         assert o.exitcode == 1
+
+
+def _bad_state_worker(rank, world):
+    from flexsp.data import LoaderError
+    config = LoaderConfig(batch_size=8, seed=2, plan=PlanConfig(strategy="greedy"))
+    with FlexSPLoader(token_lists(30, high=100), cost_model(), cluster(world), config, pool=GroupPool()) as loader:
+        try:
+            loader.load_state_dict({**loader.state_dict(), "index": 99})   # only the planning rank can tell
+        except LoaderError as exc:
+            return str(exc)
+        return "accepted"
+
+
+def test_a_state_only_the_planning_rank_can_refuse_is_refused_on_every_rank():
+    """The planning rank checks a state's position against its epoch and its dataset digest; the others cannot.
+    Its verdict is agreed: every rank raises the same error (they went on alone and timed out in the first step)."""
+    out = run_distributed(_bad_state_worker, 2, timeout=60)
+    assert len(set(out)) == 1 and "index 99 is past epoch 0's" in out[0]

@@ -22,6 +22,7 @@ def _state(data, config=CONFIG, **changes):
     ({"step": 1.5}, "'step' must be an integer >= 0"),
     ({"index": True}, "'index' must be an integer"),
     ({"index": 99}, "index 99 is past epoch 0's 4 batches"),
+    ({"index": 4}, "index 4 is past epoch 0's 4 batches"),   # one past the last: no batch to train from
     ({"batching": "x"}, "'batching' must be a dict"),
     ({"world_size": 8}, "world of 8 ranks, this loader plans for 4"),
     ({"world_size": "4"}, "'world_size' must be an integer >= 1, got '4'"),

@@ -122,7 +122,7 @@ def test_a_planner_stopped_after_the_first_batch_costs_one_deadline_then_the_nor
         stopped = _worker(planner)
         os.kill(stopped, signal.SIGSTOP)
         waits = []
-        with pytest.warns(RuntimeWarning, match=r"did not answer within 2 s.*fallback.*replaced the process \(1 of"):
+        with pytest.warns(RuntimeWarning, match=r"did not answer within 2 s.*fallback.*replaced the process \(1 in a row"):
             for _ in range(6):
                 started = time.perf_counter()
                 result = planner.next()
@@ -149,3 +149,61 @@ def test_a_planner_that_keeps_missing_its_deadline_is_a_named_error():
         assert planner.stats.restarts == 1
     finally:
         planner.close()
+
+
+class _StallsNow:
+    """Greedy plans at once, except its calls numbered ``slow`` (1-based), which take ``seconds``: the occasional
+    stall of a long run (a paused host, swapping)."""
+
+    def __init__(self, slow: set[int], seconds: float) -> None:
+        self.slow, self.seconds, self.calls = slow, seconds, 0
+
+    def __call__(self, lengths):
+        self.calls += 1
+        if self.calls in self.slow:
+            time.sleep(self.seconds)
+        return GREEDY(lengths)
+
+
+def test_stalls_far_apart_are_survived_only_a_run_of_them_is_fatal():
+    """The restart budget counts restarts in a row (no answer from a worker between them): a run with two stalls
+    several batches apart keeps training (it died at its (max_restarts + 1)-th stall, however far apart)."""
+    planner = AsyncPlanner(_batches(), LENGTHS, _StallsNow({2, 6}, 1.5), lookahead=1, fallback=GREEDY,
+                           fallback_after=0.3, max_restarts=1, mode="thread")
+    try:
+        with pytest.warns(RuntimeWarning, match=r"replaced the thread \(1 in a row, at most 1\)"):
+            results = [planner.next() for _ in range(8)]
+        assert [r.batch.index for r in results] == list(range(8)) and all(r.plan is not None for r in results)
+        assert planner.stats.fallbacks == 2 and planner.stats.restarts == 2
+    finally:
+        planner.close()
+
+
+def test_a_fallback_deadline_of_zero_or_above_the_failure_timeout_is_refused():
+    from flexsp.data import LoaderError
+    with pytest.raises(LoaderError, match="fallback_after must be > 0"):
+        LoaderConfig(batch_size=8, fallback_after=0)
+    with pytest.raises(LoaderError, match=r"deadline \(38 s.* not below failure_timeout \(20 s\)"):
+        LoaderConfig(batch_size=8, failure_timeout=20)
+    LoaderConfig(batch_size=8, failure_timeout=20, lookahead=0)   # planned in the loop: no deadline to wait out
+
+
+def test_a_solver_defined_in_the_script_being_run_is_planned_in_a_thread(monkeypatch):
+    """A function of ``__main__`` pickles by name, but the spawned planner process cannot load it (its main module
+    is not the script): "auto" plans it in a thread; "process" refuses it in one line. (It died at the first
+    batch the worker solved, then after its restarts stopped the run.)"""
+    import __main__
+
+    from flexsp.data import LoaderError
+
+    def my_planner(lengths):
+        return GREEDY(lengths)
+    my_planner.__module__, my_planner.__qualname__ = "__main__", "my_planner"
+    monkeypatch.setattr(__main__, "my_planner", my_planner, raising=False)
+    planner = AsyncPlanner(_batches(), LENGTHS, my_planner, lookahead=1)
+    try:
+        assert planner.mode == "thread" and planner.next().plan is not None
+    finally:
+        planner.close()
+    with pytest.raises(LoaderError, match="a solver the planner process can load .* not of the script being run"):
+        AsyncPlanner(_batches(), LENGTHS, my_planner, lookahead=1, mode="process")
