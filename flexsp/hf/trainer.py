@@ -130,6 +130,7 @@ class FlexSPTrainer(Trainer):
         self.flexsp_loader = None
         self._executor = None
         self._telemetry = None
+        self._pool = None   # the SP groups of this train() call: closed when it ends
         self._aux_sum, self._aux_steps = 0.0, 0
         if not self.flexsp:
             return
@@ -185,7 +186,7 @@ class FlexSPTrainer(Trainer):
         heads, _ = self.sp_model.sp_heads()
         if self.sp_model.linear_heads:   # a Gated DeltaNet hybrid: degrees must divide its value heads too
             heads = math.gcd(heads, self.sp_model.linear_heads)
-        pool = GroupPool()
+        pool = self._pool = GroupPool()
         seed = args.data_seed if args.data_seed is not None else args.seed
         lengths = [len(row["input_ids"]) for row in self.train_dataset]
         check_supported(self.model, max(lengths))   # a sliding window is fine only if every sequence fits it
@@ -290,3 +291,6 @@ class FlexSPTrainer(Trainer):
             if self._telemetry is not None:
                 self._telemetry.close()
                 self._telemetry = None
+            if self._pool is not None:   # after the executor and the loader built on it; a later train() builds anew
+                self._pool.close()
+                self._pool = None

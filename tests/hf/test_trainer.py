@@ -90,6 +90,7 @@ def test_trainer_under_torchrun_joins_the_launch_world(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [s["world_size"] for s in seen] == [2, 2] and [s["process_index"] for s in seen] == [0, 1]
+    assert all(s["pool_closed_after_train"] for s in seen)   # a second train() would otherwise leave them behind
     assert all(s["parallel_mode"] == "ParallelMode.DISTRIBUTED" and s["dist_world"] == s["loader_world"] == 2
                for s in seen)
     assert [s["should_save"] for s in seen] == [True, False]   # one rank writes checkpoint-2/

@@ -1,7 +1,7 @@
 """The docs' Trainer launch (docs/huggingface.md), run by ``test_trainer.py`` under a 2-rank torchrun:
 ``FlexSPTrainingArguments`` exactly as the docs write them (no ``use_cpu``). Writes what the Trainer
 saw on this rank to ``OUT/rank<r>.json``: its world size and process index, the loader's world,
-whether it logs and saves."""
+whether it logs and saves, and that its SP groups are closed when train() returns."""
 import json
 import os
 import sys
@@ -31,8 +31,13 @@ class Record(TrainerCallback):
                     parallel_mode=str(args.parallel_mode), is_world_process_zero=state.is_world_process_zero,
                     should_save=args.should_save, dist_world=dist.get_world_size() if dist.is_initialized() else 1,
                     loader_world=trainer.flexsp_loader.cluster.num_gpus, use_cpu=args.use_cpu)
+        pools.append(trainer._pool)
+
+
+pools = []
 
 
 trainer = FlexSPTrainer(model=model, args=args, train_dataset=tokenized, callbacks=[Record()])
 trainer.train()
+seen["pool_closed_after_train"] = bool(pools) and pools[-1].closed and trainer._pool is None
 (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
