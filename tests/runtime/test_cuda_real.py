@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from flexsp.runtime.kernels import attend, attend_lse, reference, resolve_backend  # noqa: E402
+from flexsp.runtime.kernels import Features, attend, attend_lse, reference, resolve_backend  # noqa: E402
 from flexsp.runtime.kernels import ran, rule, varlen  # noqa: E402
 from flexsp.runtime.poison import poison_allocator  # noqa: E402
 
@@ -24,8 +24,10 @@ def _qkv(rows, heads=8, kv_heads=2, dim=128, seed=0):
     return [torch.randn(rows, h, dim, generator=g, dtype=torch.float64).cuda() for h in (heads, kv_heads, kv_heads)]
 
 
-def _check(bounds, rows, backend, lse=False):
+def _check(bounds, rows, backend, lse=False, features=None, sink=False):
     base = _qkv(rows)
+    if sink:   # per-head sink logits: a leaf of their own, their gradient checked like q/k/v's
+        base.append(torch.randn(base[0].shape[1], generator=torch.Generator().manual_seed(3), dtype=torch.float64).cuda())
     dev = [t.to(BF16).requires_grad_() for t in base]
     ref = [t.clone().requires_grad_() for t in base]
     cu = torch.tensor(bounds, dtype=torch.int32).cuda()
@@ -36,15 +38,20 @@ def _check(bounds, rows, backend, lse=False):
                                  backend=backend, bounds_q=bounds, bounds_k=bounds)[0]
         want = reference(*ref, bounds, bounds, causal=True)
     else:
-        run = lambda: attend(*dev, cu, max_seqlen=longest, backend=backend, bounds=bounds)  # noqa: E731
-        want = reference(*ref, bounds)
+        f = features or Features()
+        run = lambda: attend(*dev[:3], cu, max_seqlen=longest, backend=backend, bounds=bounds,  # noqa: E731
+                             features=f, sinks=dev[3] if sink else None)
+        want = reference(*ref[:3], bounds, window=f.window, chunk=f.chunk, softcap=f.softcap,
+                         sinks=ref[3] if sink else None)
     out, fwd = ran.kernels_in(run)
     dout = torch.randn(out.shape, dtype=torch.float64, device="cuda")
     grads, bwd = ran.kernels_in(lambda: torch.autograd.grad((out.double() * dout).sum(), dev))
     fwd, bwd = fwd["forward"], bwd["backward"]
     wants = torch.autograd.grad((want * dout).sum(), ref)
     real = bounds[-1]
-    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *wants)):
+    for name, got, exp in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (want, *wants)):
+        if name == "dsinks":   # per head, not per row: no padding rows to check
+            got, exp, real = got[None], exp[None], 1
         assert bool((got[real:] == 0).all()), f"{name}: padding rows are not exactly zero"
         # bf16: within 3% of the largest reference entry (a one-token sequence's dq/dk are exactly 0)
         diff, scale = float((got[:real].double() - exp[:real]).abs().max()), float(exp[:real].abs().max())
@@ -65,6 +72,17 @@ def test_auto_kernel_exact_padding_zero_and_recorded(bounds, rows, lse):
         assert fwd == bwd, f"the backward ran on another backend: {ran.describe({'forward': fwd, 'backward': bwd})}"
     if facts.varlen_selects and max(b - a for a, b in zip(bounds, bounds[1:])) <= varlen.CUDNN_MIN_Q:
         assert "cudnn" not in fwd + bwd
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("features", [Features(window=257), Features(chunk=512), Features(softcap=30.0),
+                                      Features(window=129, softcap=50.0), Features()],
+                         ids=["window", "chunk", "softcap", "window+softcap", "plain"])
+def test_attention_features_on_the_auto_kernel_exact_and_padding_zero(features, sink):
+    """Sliding windows, chunks, softcaps and sinks (Gemma, Llama 4, gpt-oss layers) on whichever kernel ``auto``
+    gives this torch, in bf16 after a poisoned allocator, against the float64 reference."""
+    fwd, bwd = _check((0, 1500, 1501, 2600), 3072, "auto", features=features, sink=sink)
+    print(f"{features} sinks={sink}: {ran.describe({'forward': fwd, 'backward': bwd})}")
 
 
 @pytest.mark.parametrize("bounds,rows", [((0, 1), 64), ((0, 1500, 2600), 2688)], ids=["idle dummy", "long"])
@@ -114,3 +132,44 @@ def test_library_loss_matches_the_own_loss():
     torch.testing.assert_close(mine, own, rtol=2e-3, atol=1e-2)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-3)
+
+
+def test_flash_linear_attention_matches_the_per_sequence_recurrence_with_padding_zero():
+    """Qwen3.5/Qwen3-Next's Gated DeltaNet through flash-linear-attention's varlen kernel (``flexsp.hf``'s
+    path on CUDA), bf16 q/k/v after a poisoned allocator, against transformers' own recurrence run per
+    sequence in float64: output and every gradient, padding rows exactly 0 (fla leaves them unwritten)."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    m = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    from flexsp.hf.linear_attention import fla_varlen
+    torch_rule = getattr(m.torch_chunk_gated_delta_rule, "_flexsp_original", m.torch_chunk_gated_delta_rule)
+    kernel = fla_varlen(torch.device("cuda"), True)
+    assert kernel is not None, "fla is installed but flexsp.hf.linear_attention does not take its kernel"
+    _gated_deltanet_check(kernel, torch_rule, torch.device("cuda"))
+
+
+def _gated_deltanet_check(kernel, torch_rule, device, bounds=(0, 1500, 1501, 2600), rows=3072):
+    from flexsp.runtime import AttentionContext
+    from flexsp.runtime.sp.linear import ulysses_recurrence
+    g = torch.Generator().manual_seed(4)
+    shapes = ((rows, 2, 64), (rows, 2, 64), (rows, 4, 64), (rows, 4), (rows, 4))
+    base = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    base[3] = -torch.rand(shapes[3], generator=g, dtype=torch.float64)          # log decay, as the model's g
+    base[4] = torch.rand(shapes[4], generator=g, dtype=torch.float64)           # beta in (0, 1)
+    base = [t.to(device) for t in base]
+    # the model's dtypes: q/k/v and beta in bf16, g in fp32
+    dev = [t.to(torch.float32 if i == 3 else BF16).requires_grad_() for i, t in enumerate(base)]
+    ref = [t.clone().requires_grad_() for t in base]
+    ctx = AttentionContext.packed(bounds)
+    local = lambda q, k, v, gg, b: torch_rule(q, k, v, g=gg, beta=b, use_qk_l2norm_in_kernel=True)[0]  # noqa: E731
+    want = ulysses_recurrence(*ref, ctx, local)
+    poison_allocator(device)
+    out = ulysses_recurrence(*dev, ctx, local, varlen=kernel)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device)
+    grads = torch.autograd.grad((out.double() * dout).sum(), dev)
+    wants = torch.autograd.grad((want * dout).sum(), ref)
+    out, want, real = out.detach(), want.detach(), bounds[-1]
+    for name, got, exp in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), (out, *grads), (want, *wants)):
+        assert bool((got[real:] == 0).all()), f"{name}: padding rows are not exactly zero"
+        diff, scale = float((got[:real].double() - exp[:real]).abs().max()), float(exp[:real].abs().max())
+        print(f"gated deltanet {name}: max error {diff:.3g}, largest reference entry {scale:.3g}")
+        assert diff <= 5e-2 * scale + 1e-2, f"{name}: off by {diff:.3g}, largest reference entry {scale:.3g}"
