@@ -4,6 +4,7 @@ Imports only torch, pytest and flexsp, so it runs on a bare GPU box. Each check 
 reference or an exact identity, after poisoning the allocator (a large NaN block freed just before), so
 rows a kernel never writes show as NaN rather than as the zeros a fresh allocation may happen to hold.
 """
+import inspect
 import math
 
 import pytest
@@ -141,7 +142,8 @@ def test_flash_linear_attention_matches_the_per_sequence_recurrence_with_padding
     pytest.importorskip("fla.ops.gated_delta_rule")
     m = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     from flexsp.hf.linear_attention import fla_varlen
-    torch_rule = getattr(m.torch_chunk_gated_delta_rule, "_flexsp_original", m.torch_chunk_gated_delta_rule)
+    # the torch recurrence itself: with fla installed, transformers' name dispatches to fla (bf16 only)
+    torch_rule = inspect.unwrap(getattr(m.torch_chunk_gated_delta_rule, "_flexsp_original", m.torch_chunk_gated_delta_rule))
     kernel = fla_varlen(torch.device("cuda"), True)
     assert kernel is not None, "fla is installed but flexsp.hf.linear_attention does not take its kernel"
     _gated_deltanet_check(kernel, torch_rule, torch.device("cuda"))
@@ -159,17 +161,28 @@ def _gated_deltanet_check(kernel, torch_rule, device, bounds=(0, 1500, 1501, 260
     # the model's dtypes: q/k/v and beta in bf16, g in fp32
     dev = [t.to(torch.float32 if i == 3 else BF16).requires_grad_() for i, t in enumerate(base)]
     ref = [t.clone().requires_grad_() for t in base]
-    ctx = AttentionContext.packed(bounds)
+    ctx = AttentionContext.packed(bounds, device)   # its bounds on the device, as the runtime builds them
     local = lambda q, k, v, gg, b: torch_rule(q, k, v, g=gg, beta=b, use_qk_l2norm_in_kernel=True)[0]  # noqa: E731
     want = ulysses_recurrence(*ref, ctx, local)
     poison_allocator(device)
     out = ulysses_recurrence(*dev, ctx, local, varlen=kernel)
+    real = bounds[-1]
+    _close("out", out.detach(), want.detach(), real)
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device)
-    grads = torch.autograd.grad((out.double() * dout).sum(), dev)
+    try:
+        grads = torch.autograd.grad((out.double() * dout).sum(), dev)
+    except RuntimeError as exc:   # fla 0.6 refuses its backward on Hopper with Triton < 3.7.1 (its issue #640)
+        if "Triton" in str(exc):
+            pytest.skip(f"flash-linear-attention refuses its backward on this box: {str(exc)[:160]}")
+        raise
     wants = torch.autograd.grad((want * dout).sum(), ref)
-    out, want, real = out.detach(), want.detach(), bounds[-1]
-    for name, got, exp in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), (out, *grads), (want, *wants)):
-        assert bool((got[real:] == 0).all()), f"{name}: padding rows are not exactly zero"
-        diff, scale = float((got[:real].double() - exp[:real]).abs().max()), float(exp[:real].abs().max())
-        print(f"gated deltanet {name}: max error {diff:.3g}, largest reference entry {scale:.3g}")
-        assert diff <= 5e-2 * scale + 1e-2, f"{name}: off by {diff:.3g}, largest reference entry {scale:.3g}"
+    for name, got, exp in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, wants):
+        _close(name, got, exp, real)
+
+
+def _close(name, got, exp, real):
+    """Padding rows exactly 0; the rest within 5% of the largest reference entry (bf16 through a recurrence)."""
+    assert bool((got[real:] == 0).all()), f"{name}: padding rows are not exactly zero"
+    diff, scale = float((got[:real].double() - exp[:real]).abs().max()), float(exp[:real].abs().max())
+    print(f"gated deltanet {name}: max error {diff:.3g}, largest reference entry {scale:.3g}")
+    assert diff <= 5e-2 * scale + 1e-2, f"{name}: off by {diff:.3g}, largest reference entry {scale:.3g}"
