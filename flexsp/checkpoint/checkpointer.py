@@ -32,7 +32,6 @@ import signal
 import sys
 import threading
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -291,12 +290,10 @@ class _Damaged(CheckpointError):
 
 
 def _skipped(loader: Any) -> list[int] | None:
-    """Which sequences the loader's epochs leave out as too long: with on_too_long="skip" this set
-    depends on the world (the largest SP group's capacity), and the epoch's batches depend on it."""
-    if loader is None or getattr(loader.config, "on_too_long", "error") != "skip":
-        return None
-    too_long = np.asarray(loader.batches.too_long, dtype=np.int64)
-    return [int(too_long.size), zlib.crc32(too_long.tobytes())]
+    """Which sequences the loader's epochs leave out as too long (``FlexSPLoader.left_out``; None for a
+    loader without that method or not skipping)."""
+    left_out = getattr(loader, "left_out", None)
+    return left_out() if callable(left_out) else None
 
 
 def _check_shapes(path: Path, model_state: Mapping[str, Any]) -> None:

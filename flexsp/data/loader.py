@@ -23,6 +23,7 @@ import hashlib
 import logging
 import time
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -129,6 +130,7 @@ class FlexSPLoader:
         self._fallback = self._plan_with("greedy")   # the safe plan when the planner misses its deadline
         self._fallbacks = 0                           # steps planned by the fallback, in the steps' plan meta
         self._digest = self._own_digest = None        # the dataset's digest in the saved state (see state_dict)
+        self._left_out = None                         # rank 0's left_out(), sent with every plan (see state_dict)
         self._lengths: np.ndarray | None = None
         self._batches: EpochBatches | None = None
         self._planner: AsyncPlanner | None = None
@@ -261,7 +263,7 @@ class FlexSPLoader:
         return {"epoch": b.epoch, "index": b.index, "last": b.last, "skipped": b.skipped,
                 "indices": list(b.indices), "lengths": [int(n) for n in self.lengths[list(b.indices)]],
                 "plan": plan, "fallback": result.fallback, "planner_fallbacks": self._fallbacks,
-                "fingerprint": self._fingerprint()}
+                "fingerprint": self._fingerprint(), "left_out": self.left_out()}
 
     def _broadcast(self, payload: dict[str, Any] | None) -> dict[str, Any]:
         if self._control is None:
@@ -330,7 +332,7 @@ class FlexSPLoader:
             raise LoaderError(f"rank {self.rank} expected batch {self._index} of epoch {self._epoch} but rank 0 "
                               f"sent batch {payload['index']} of epoch {payload['epoch']}: were all ranks resumed "
                               f"from the same state?")
-        self._digest = payload["fingerprint"]
+        self._digest, self._left_out = payload["fingerprint"], payload["left_out"]
         plan = unpack_plan(payload["plan"])
         plan = dataclasses.replace(plan, meta={**plan.meta, "planner_fallbacks": payload["planner_fallbacks"]})
         indices, lengths = tuple(payload["indices"]), tuple(payload["lengths"])
@@ -395,7 +397,18 @@ class FlexSPLoader:
                  "world_size": self.cluster.num_gpus}
         if self._digest is not None:   # rank 0's digest of the lengths, sent with every plan: same on every rank
             state["fingerprint"] = self._digest
+        if self._left_out is not None:
+            state["left_out"] = self._left_out
         return state
+
+    def left_out(self) -> list[int] | None:
+        """``[count, crc32]`` of the sequences every epoch leaves out as too long (``on_too_long="skip"``; needs
+        the lengths: the planning rank). The set follows the largest SP group's capacity (cluster, cost model,
+        sharding), and each epoch's batches follow the set: a run resumed on another capacity must match it."""
+        if self.config.on_too_long != "skip":
+            return None
+        too_long = np.ascontiguousarray(self.batches.too_long, dtype=np.int64)
+        return [int(too_long.size), zlib.crc32(too_long.tobytes())]
 
     def _fingerprint(self) -> str:
         """The dataset as the batches see it: a digest of every item's length (planning rank only)."""
@@ -430,6 +443,10 @@ class FlexSPLoader:
         if saved_world is not None and (isinstance(saved_world, bool) or not isinstance(saved_world, int)
                                         or saved_world < 1):
             raise LoaderError(f"loader state 'world_size' must be an integer >= 1, got {saved_world!r}")
+        left_out = state.get("left_out")
+        if left_out is not None and not (isinstance(left_out, list) and len(left_out) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in left_out)):
+            raise LoaderError(f"loader state 'left_out' must be [count, crc32] (integers >= 0), got {left_out!r}")
         if state["num_sequences"] != len(self.dataset):
             raise LoaderError(f"the saved state is for a dataset of {state['num_sequences']} sequences, "
                               f"this one has {len(self.dataset)}")
@@ -450,6 +467,11 @@ class FlexSPLoader:
                            "resuming would train on other sequences")
             elif state["index"] >= max(count, 1):
                 failure = f"loader state index {state['index']} is past epoch {state['epoch']}'s {count} batches"
+            elif state.get("left_out") is not None and state["left_out"] != self.left_out():
+                failure = (f"the saved run left out {state['left_out'][0]} too-long sequence(s) "
+                           f"(on_too_long='skip'); with this cluster and cost model the largest SP group holds "
+                           f"a different set ({self.left_out()[0]} left out), so resuming would lose or repeat "
+                           f"sequences: resume with the saved capacity, or start a new epoch")
         if self._control is not None:
             self._control.check(failure, what="loading the loader state", error=LoaderError)
         elif failure is not None:

@@ -54,3 +54,27 @@ def test_another_seed_is_refused_and_a_good_state_resumes():
         loader.load_state_dict(state)
         assert next(iter(loader)).index == 1
         loader.load_state_dict({**state, "world_size": 8}, world_size_change=True)
+
+
+def test_a_resume_on_another_capacity_that_leaves_out_other_sequences_is_refused():
+    """on_too_long="skip": which sequences an epoch leaves out follows the largest group's capacity, and the
+    epoch's batches follow that set; a state resumed on another capacity (same world) would lose or repeat
+    sequences, so it is refused, through the loader's own load_state_dict, not only the Checkpointer's."""
+    data = token_lists(30)
+    longest = max(len(row) for row in data)
+    skip = LoaderConfig(batch_size=8, seed=2, on_too_long="skip", plan=PlanConfig(strategy="greedy"))
+    # capacity per GPU: the saved run holds every sequence on 4 GPUs, the resumed one not the longest
+    roomy, tight = cost_model(token_capacity=longest), cost_model(token_capacity=(longest - 1) // 4)
+    with FlexSPLoader(data, roomy, cluster(), skip) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    assert state["left_out"][0] == 0
+    with FlexSPLoader(data, tight, cluster(), skip) as loader:
+        with pytest.raises(LoaderError, match=r"left out 0 too-long sequence\(s\).*a different set \([1-9]\d* left out\)"):
+            loader.load_state_dict(state)
+    with FlexSPLoader(data, cost_model(token_capacity=longest * 2), cluster(), skip) as loader:
+        loader.load_state_dict(state)          # more room, the same (empty) set: resumes
+        assert next(iter(loader)).index == 1
+    with FlexSPLoader(data, roomy, cluster(), skip) as loader:
+        with pytest.raises(LoaderError, match=r"'left_out' must be \[count, crc32\]"):
+            loader.load_state_dict({**state, "left_out": "x"})
