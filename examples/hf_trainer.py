@@ -91,7 +91,8 @@ training = FlexSPTrainingArguments(
     # use_cpu: CPU ranks (gloo) for both runs. FlexSP sets it itself where there is no CUDA; the plain
     # Trainer needs it to run DDP over torchrun's ranks on CPUs instead of a world of one per rank.
     use_cpu=True, dataloader_drop_last=False, remove_unused_columns=False, disable_tqdm=True)
-trainer = SameBatches(model=model, args=training, train_dataset=dataset, data_collator=pad)
+trainer = SameBatches(model=model, args=training, train_dataset=dataset,
+                      data_collator=None if args.flexsp else pad)   # FlexSP packs its batches itself
 output = trainer.train(resume_from_checkpoint=True if args.resume else None)
 losses = {int(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h}
 order = np.random.default_rng([args.seed, 0]).permutation(len(dataset))   # both runs' epoch-0 order

@@ -49,6 +49,7 @@ from flexsp.hf.adapter import HFCausalLM
 from flexsp.hf.features import check_supported
 from flexsp.hf.mixers import ring_capable
 from flexsp.hf.prepare import prepare_model
+from flexsp.runtime.labels import SUPERVISION
 
 LOADER_STATE = "flexsp_loader.json"
 STEP_KEY = "flexsp_step"
@@ -112,6 +113,37 @@ class StepStream:
         return self.loader.num_batches()
 
 
+def check_overrides(cls: type) -> None:
+    """Refuse a subclass's ``compute_loss``: the FlexSP step computes the loss itself and would never call it
+    (the Trainer's and TRL's own are what the step reproduces)."""
+    owner = next(c for c in cls.__mro__ if "compute_loss" in vars(c))
+    if not owner.__module__.startswith(("transformers.", "trl.")):
+        raise TrainerSetupError(f"{owner.__name__}.compute_loss with flexsp=True: the FlexSP step computes the "
+                                f"summed next-token loss itself and would never call it; express per-token "
+                                f"supervision as a labels column (-100: no loss) instead")
+
+
+def check_collator(collator: Any, dataset: Any) -> None:
+    """Refuse a data collator whose effect the FlexSP loader (which packs rows itself and never calls one) would
+    drop. Accepted: the Trainer's and TRL's defaults and the padding-only collators, whose batches mean what
+    FlexSP's do (labels column, else every next token)."""
+    from transformers import (DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, DataCollatorWithPadding,
+                              default_data_collator)
+    name = getattr(collator, "__name__", type(collator).__name__)
+    if collator is None or collator is default_data_collator or isinstance(collator, DataCollatorWithPadding):
+        return
+    if isinstance(collator, DataCollatorForSeq2Seq) and collator.label_pad_token_id == -100:
+        return
+    columns = set(getattr(dataset, "column_names", None) or ())
+    if isinstance(collator, DataCollatorForLanguageModeling) and not collator.mlm and not columns & set(SUPERVISION):
+        return   # labels = every input token, as FlexSP's loss without a labels column
+    if type(collator).__module__.startswith("trl.") and type(collator).__name__ == "DataCollatorForLanguageModeling":
+        return   # TRL's own (its masks and labels reach FlexSP as dataset columns)
+    raise TrainerSetupError(f"data_collator={name} with flexsp=True: FlexSP's loader packs each planned batch "
+                            f"itself and never calls a collator, so what it does would be dropped; leave "
+                            f"data_collator unset and put per-token supervision in a labels column (-100: no loss)")
+
+
 def default_cost(config: Any, world: int, tokens_per_rank: int):
     """A made-up cost model of the right shape for ``config`` (profile yours: ``flexsp profile --hf-config
     DIR``): ``flexsp.plan.token_budget.token_budget_cost`` of its text part's layers and hidden size."""
@@ -156,6 +188,16 @@ class FlexSPTrainer(Trainer):
             raise TrainerSetupError("compute_loss_func with flexsp=True: the FlexSP step computes its own loss (the "
                                     "summed next-token loss over the global batch's supervised targets) and would "
                                     "never call it")
+        check_overrides(type(self))
+        check_collator(self.data_collator, self.train_dataset)
+        if args.neftune_noise_alpha:
+            raise TrainerSetupError(f"neftune_noise_alpha={args.neftune_noise_alpha} with flexsp=True: NEFTune scales "
+                                    f"its noise by one padded row's length, and under FlexSP a row is a whole packed "
+                                    f"shard (the noise would shrink as shards grow); set it to None")
+        if not args.average_tokens_across_devices and args.world_size > 1:
+            raise TrainerSetupError("average_tokens_across_devices=False with flexsp=True: the FlexSP step's loss is "
+                                    "the mean over the global batch's supervised tokens (how the plan splits the "
+                                    "batch over ranks must not change it); set it to True")
         if args.flexsp_cost is None and not args.flexsp_tokens_per_rank:
             raise TrainerSetupError("flexsp=True needs flexsp_tokens_per_rank (tokens one rank holds) or flexsp_cost")
         if self.train_dataset is None:
@@ -238,12 +280,20 @@ class FlexSPTrainer(Trainer):
         return torch.tensor(result.loss, dtype=torch.float32, device=self.args.device)
 
     def log(self, logs: dict, *a: Any, **kw: Any) -> None:
-        """The Trainer's log, plus ``aux_loss`` (the router part of the logged loss, averaged alike) when any."""
+        """The Trainer's log, plus ``aux_loss`` when the model adds a router loss: the load-balancing loss before
+        its coefficient (as TRL logs it; the logged loss holds ``coef * aux_loss``), averaged like the loss."""
         if self.flexsp and "loss" in logs and self._aux_steps:
             if self.sp_model is not None and self.sp_model.router is not None:
-                logs["aux_loss"] = round(self._aux_sum / self._aux_steps, 6)
+                logs["aux_loss"] = round(self._aux_sum / self._aux_steps / self.sp_model.router.coef, 6)
             self._aux_sum, self._aux_steps = 0.0, 0
         super().log(logs, *a, **kw)
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """``include_num_input_tokens_seen``: the global batch's tokens (a packed step has no padding to count)."""
+        if not self.flexsp:
+            return super()._track_num_input_tokens(inputs)
+        if self.args.include_num_input_tokens_seen not in ("no", False, None):
+            self.state.num_input_tokens_seen += int(inputs[STEP_KEY].num_tokens)   # the same on every rank
 
     def floating_point_ops(self, inputs) -> int:
         if not self.flexsp:

@@ -18,6 +18,7 @@ not logged under FlexSP; the loss and FlexSP's telemetry (``flexsp_run_dir``) ar
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,9 @@ class FlexSPSFTTrainer(FlexSPTrainer, SFTTrainer):
         super().__init__(*a, **kw)
         if self.flexsp:
             self.train_dataset = labels_only(self.train_dataset)
+            router = self.sp_model.router
+            if router is not None:   # TRL weighs the router loss by its own coefficient (SFTConfig's, else the config's)
+                self.sp_model.router = dataclasses.replace(router, coef=float(self.router_aux_loss_coef))
 
 
 def labels_only(dataset: Any) -> Any:

@@ -81,6 +81,62 @@ def test_a_custom_loss_function_is_refused_not_silently_dropped(tmp_path):
                       compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
 
 
+def _refused(tmp_path, pattern, cls=None, settings=None, columns=None, **trainer_kw):
+    from datasets import Dataset
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments, TrainerSetupError
+    from .models import build
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
+                                   flexsp_tokens_per_rank=64, **(settings or {}))
+    data = Dataset.from_dict(columns or {"input_ids": [[1, 2, 3]]})
+    with pytest.raises(TrainerSetupError, match=pattern) as info:
+        (cls or FlexSPTrainer)(model=build("llama"), args=args, train_dataset=data, **trainer_kw)
+    assert "\n" not in str(info.value)
+
+
+def test_hooks_and_settings_the_flexsp_step_would_skip_are_refused(tmp_path):
+    """What the plain Trainer would apply and FlexSP's step never calls: a collator that rewrites the batch,
+    a subclass's compute_loss, NEFTune's noise (sized by a padded row, here a packed shard)."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from flexsp.hf.trainer import FlexSPTrainer
+
+    class Halved(FlexSPTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return 0.5 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    _refused(tmp_path, "data_collator=<lambda> with flexsp=True", data_collator=lambda rows: rows)
+    _refused(tmp_path, "Halved.compute_loss with flexsp=True", cls=Halved)
+    _refused(tmp_path, "neftune_noise_alpha=5.0 with flexsp=True", settings=dict(neftune_noise_alpha=5.0))
+    # every input token as a label, which a labels column would contradict
+    lm = DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
+    _refused(tmp_path, "data_collator=DataCollatorForLanguageModeling", data_collator=lm,
+             columns={"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]})
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "a": 2}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>")
+
+
+def test_padding_collators_and_the_defaults_are_accepted_and_tokens_seen_are_counted(tmp_path):
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments
+    from .models import build
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6], [7, 8, 9]]})
+    for collator in (None, DataCollatorWithPadding(_tokenizer()), DataCollatorForLanguageModeling(_tokenizer(), mlm=False)):
+        args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
+                                       flexsp_tokens_per_rank=64, per_device_train_batch_size=3, max_steps=1,
+                                       include_num_input_tokens_seen="all", save_strategy="no")
+        trainer = FlexSPTrainer(model=build("llama"), args=args, train_dataset=data, data_collator=collator)
+    trainer.train()
+    assert trainer.state.num_input_tokens_seen == 9   # the batch's tokens (was 0: no input_ids key to count)
+
+
 def test_trainer_under_torchrun_joins_the_launch_world(tmp_path):
     """docs/huggingface.md's arguments (no use_cpu) under a 2-rank gloo torchrun: the Trainer sees a
     world of 2 (#38.3: each rank used to train as a world of one, logging and saving twice)."""

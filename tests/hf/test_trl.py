@@ -144,3 +144,26 @@ def test_the_loader_sees_the_labels_trl_built_and_no_mask_it_left_unapplied(tmp_
     first = prepared[0]
     assert first["input_ids"] == [3 + 1, 3 + 2, 3 + 3, 3 + 4, 3 + 5, 1]   # w1 w2 w3 w4 w5 <eos>
     assert first["labels"] == ([-100] * 3 + first["input_ids"][3:] if completion_only else first["input_ids"])
+
+
+def test_trls_router_coefficient_weighs_the_router_loss_and_the_raw_loss_is_logged(tmp_path):
+    """SFTConfig(router_aux_loss_coef=...) replaces the model's own coefficient in TRL's loss: FlexSP's step weighs
+    the router loss by it too (it kept the model's 0.001), and logs ``aux_loss`` unweighted, as TRL does."""
+    from datasets import Dataset
+
+    from flexsp.hf.families import tiny_model
+    from flexsp.hf.trl import FlexSPSFTConfig, FlexSPSFTTrainer
+    data = Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15]]})
+    logged = {}
+    for flexsp in (True, False):
+        args = FlexSPSFTConfig(output_dir=str(tmp_path / str(flexsp)), flexsp=flexsp, flexsp_tokens_per_rank=64,
+                               use_cpu=True, report_to=[], bf16=False, per_device_train_batch_size=3, max_steps=1,
+                               logging_steps=1, save_strategy="no", router_aux_loss_coef=5.0, optim="sgd")
+        trainer = FlexSPSFTTrainer(model=tiny_model("mixtral", output_router_logits=True), args=args,
+                                   train_dataset=data, processing_class=_tokenizer())
+        if flexsp:
+            assert trainer.sp_model.router.coef == 5.0
+        trainer.train()
+        logged[flexsp] = next(h for h in trainer.state.log_history if "loss" in h)
+    assert logged[True]["loss"] == pytest.approx(logged[False]["loss"], rel=1e-6)
+    assert logged[True]["aux_loss"] == pytest.approx(logged[False]["aux_loss"], rel=1e-5)
