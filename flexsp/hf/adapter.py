@@ -22,7 +22,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flexsp.hf.attention import CONTEXT_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, install
+from flexsp.hf.attention import (CONTEXT_KWARG, POSITIONS_KWARG, RECEIPT_KWARG, RECOMPUTE_ATTR, install,
+                                 temperature_tuned)
 from flexsp.hf.features import (FEATURES_ATTR, UnsupportedModelError, attention_modules, decoder_of, layer_features,
                                 logit_transform, model_name, text_config)
 from flexsp.runtime.models.fused_loss import lm_head_loss
@@ -87,11 +88,9 @@ class HFCausalLM(nn.Module):
                 setattr(module, FEATURES_ATTR, features[index])
         self.features = features
         self.logit_scale, self.logit_softcap = logit_transform(model)
-        # Llama 4's attention temperature tuning scales NoPE layers' queries by the row's index in the call,
-        # not its position id: the same as native only while every row index stays below floor_scale - 1
-        floors = [int(m.floor_scale) for m in attention_modules(model).values()
-                  if getattr(m, "attn_temperature_tuning", False) and getattr(m, "use_rope", True) is False]
-        self.temperature_floor = min(floors) if floors else None
+        # Llama 4's attention temperature tuning scales NoPE layers' queries by the row index in the call; its
+        # layers get this shard's position ids so FlexSP's attention rescales them by position (exact when packed)
+        self.temperature_tuned = any(temperature_tuned(m) for m in attention_modules(model).values())
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
             raise UnsupportedModelError(f"{self.name}: the output embedding is {type(head).__name__}, not a Linear "
@@ -185,12 +184,6 @@ class HFCausalLM(nn.Module):
                 raise UnsupportedModelError(f"{self.name}: input_ids hold the image/video/audio placeholder token "
                                             f"{token}; FlexSP trains the language model on text only (no pixel or "
                                             f"audio inputs)")
-        if self.temperature_floor is not None and max(input_ids.numel(), ctx.max_seqlen) >= self.temperature_floor:
-            raise UnsupportedModelError(
-                f"{self.name}: attention temperature tuning (NoPE layers) scales queries by their index in the "
-                f"packed row, not their position in the sequence; FlexSP is exact only while shards and sequences "
-                f"stay below floor_scale={self.temperature_floor} tokens (got a shard of {input_ids.numel()} and a "
-                f"sequence of {ctx.max_seqlen})")
         heads, kv_heads = self.sp_heads()
         check_heads(heads, kv_heads, ctx.degree)
         if ctx.ring is not None and not ring_capable(self.mixers):   # before any collective of this forward
@@ -207,6 +200,8 @@ class HFCausalLM(nn.Module):
         no_mask = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)
         receipt: list = []
         extra = {"output_router_logits": True} if self.router is not None else {}
+        if self.temperature_tuned:
+            extra[POSITIONS_KWARG] = position_ids
         out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=no_mask,
                            use_cache=False, **extra, **{CONTEXT_KWARG: ctx, RECEIPT_KWARG: receipt})
         layers = int(text_config(self.model).num_hidden_layers)

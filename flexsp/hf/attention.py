@@ -24,6 +24,7 @@ from flexsp.runtime.sp.context import AttentionContext
 
 CONTEXT_KWARG = "flexsp_attention"   # the forward kwarg that carries the AttentionContext
 RECOMPUTE_ATTR = "flexsp_recompute_attention"   # set on a layer's modules: recompute the attention core in backward
+POSITIONS_KWARG = "flexsp_positions"  # this shard's position ids, for layers that scale by position (Llama 4)
 RECEIPT_KWARG = "flexsp_receipt"     # a list each FlexSP attention call appends to: proof SP really ran
 _MARK = "_flexsp_original"           # attribute of an installed wrapper: the function it wraps
 
@@ -82,9 +83,12 @@ def make_wrapper(original: Callable | None) -> Callable:
                            attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any):
         ctx = kwargs.pop(CONTEXT_KWARG, None)
         receipt = kwargs.pop(RECEIPT_KWARG, None)
+        positions = kwargs.pop(POSITIONS_KWARG, None)
         if ctx is None:
             fn = original if original is not None else _eager_of(module)
             return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        if positions is not None:
+            query = temperature_fixed(module, query, positions)
         out = flexsp_attention(module, query, key, value, attention_mask, ctx, **kwargs)
         if receipt is not None:
             receipt.append(getattr(module, "layer_idx", None))
@@ -92,6 +96,28 @@ def make_wrapper(original: Callable | None) -> Callable:
 
     setattr(flexsp_or_original, _MARK, original)
     return flexsp_or_original
+
+
+def temperature_scale(module: nn.Module, index: torch.Tensor) -> torch.Tensor:
+    """Llama 4's attention temperature tuning of a NoPE layer: fp32 query scales at token ``index``."""
+    return torch.log1p(torch.floor((index.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def temperature_tuned(module: nn.Module) -> bool:
+    """A layer that scales its queries by position (``attn_temperature_tuning`` on a NoPE layer; ``use_rope``
+    is transformers' 0/1 from ``no_rope_layers``)."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not bool(getattr(module, "use_rope", True))
+
+
+def temperature_fixed(module: nn.Module, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``query [1, heads, rows, dim]`` scaled by each token's position in its sequence instead of its row index
+    in the call: transformers scales by ``arange(rows)``, which equals the position only for one unpacked
+    sequence (the same in fp64; one extra rounding in bf16)."""
+    if not temperature_tuned(module):
+        return query
+    rows = query.shape[2]
+    fix = temperature_scale(module, positions.reshape(-1)) / temperature_scale(module, torch.arange(rows, device=query.device))
+    return (query.float() * fix.view(1, 1, rows, 1)).to(query.dtype)
 
 
 def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -21,8 +21,10 @@ FAMILIES = {
     "gpt_oss": {"sliding_window": WINDOW, **MOE},
     "granitemoe_swa": {"sliding_window": WINDOW, **MOE},
     "mistral": {"sliding_window": WINDOW},
+    # the NoPE layer's temperature tuning crosses its floor inside every sequence but the shortest
     "llama4_text": {"attention_chunk_size": CHUNK, "layer_types": ["chunked_attention", "full_attention"],
-                    "no_rope_layers": [1, 0], **MOE},
+                    "no_rope_layers": [1, 0], "attn_temperature_tuning": True, "floor_scale": 3, "attn_scale": 0.5,
+                    **MOE},
     "granite": {"logits_scaling": 4.0},
 }
 
