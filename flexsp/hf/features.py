@@ -86,11 +86,15 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
     softcap = getattr(cfg, "attn_logit_softcapping", None)
     modules = attention_modules(model)
     out = {}
+    # Qwen2-style configs derive layer_types from use_sliding_window and max_window_layers: there the types are
+    # the whole truth (a full_attention layer has no window even with sliding_window set)
+    derived = bool(types) and getattr(cfg, "max_window_layers", None) is not None
     for i in range(layers):
         kind = types[i] if i < len(types) else None
         # a config whose layer types name no sliding layer (none, or attention vs linear: MiniMax) builds its
         # mask with the window on every attention layer, as Mistral's does
-        w = window if (kind == SLIDING or (SLIDING not in types and kind != CHUNKED)) else None
+        everywhere = SLIDING not in types and kind != CHUNKED and not derived
+        w = window if (kind == SLIDING or everywhere) else None
         module = modules.get(i)
         if module is not None and hasattr(module, "sliding_window"):
             w = module.sliding_window

@@ -204,6 +204,10 @@ def test_a_rope_that_switches_by_the_calls_longest_position_is_refused_past_its_
     ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0},
      {0: Features(window=6), 1: Features(window=6)}),
     ("qwen2", {"sliding_window": 6}, {0: Features(), 1: Features()}),          # use_sliding_window False
+    # Qwen2-MoE derives its layer types the other way round (max_window_layers=0: every layer full): the types
+    # decide, not the window (it was put on every layer: a silently different attention past 6 tokens)
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
+                   "output_router_logits": False}, {0: Features(), 1: Features()}),
     ("gemma2", {"head_dim": 8, "sliding_window": 5}, {0: Features(window=5, softcap=50.0), 1: Features(softcap=50.0)}),
     ("gpt_oss", {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8, "sliding_window": 5},
      {0: Features(window=5), 1: Features()}),
