@@ -274,3 +274,79 @@ def test_simulate_names_the_layer_kinds_of_an_analytic_preset(capsys):
                  "--strategies", "flexsp", "--quiet", "--time-limit", "5"]) == 0
     out = capsys.readouterr().out
     assert "layers: 52 window 1024, 10 full" in out and "analytic" in out
+
+
+# --- what the spec counts against what transformers builds ----------------------------------------
+def _matrices(config) -> int:
+    """Weights of >= 2 dimensions (norms and biases, which the spec leaves out, are 1-D) of the model built
+    on the meta device: every family at its published default size, in a moment."""
+    import torch
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.dim() >= 2)
+
+
+@pytest.mark.parametrize("config", [
+    T.LlamaConfig(), T.Gemma2Config(), T.Gemma3TextConfig(), T.GptOssConfig(), T.MixtralConfig(), T.Qwen3MoeConfig(),
+    T.Qwen3NextConfig(), T.Qwen3_5TextConfig(), T.Llama4TextConfig(),
+    T.DeepseekV3Config(), T.MiniCPM3Config(),                                          # latent attention
+    T.Starcoder2Config(), T.GPTNeoXConfig(), T.PhiConfig(), T.ApertusConfig(), T.GPT2Config(),   # two-matrix MLPs
+    T.FalconConfig(),                                                                   # multi-query
+], ids=lambda c: c.model_type)
+def test_parameters_are_those_transformers_builds(config):
+    """Model states follow ``params``: DeepSeek's latent attention read as plain attention (x3.8 its attention
+    weights), a two-matrix MLP as gate-up-down (x1.3-1.6) and Falcon's one kv head as 71 were silently off."""
+    spec = spec_from_hf_config(config)
+    assert spec.params == pytest.approx(_matrices(config), rel=0.01)   # GPT-2's learned positions: 0.6%
+
+
+def _forward_flops(config, length: int) -> float:
+    """Forward FLOPs of a tiny model's eager forward (torch's counter), the score and PV matmuls' upper
+    (non-causal) halves taken off: what a causal kernel does."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=torch.randint(0, config.vocab_size, (1, length)))
+    spec = spec_from_hf_config(config)
+    return counter.get_total_flops() - spec.softmax_layers * 2 * spec.attention_width * length * length
+
+
+@pytest.mark.parametrize("config", [
+    T.DeepseekV3Config(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                       n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+                       qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=2, topk_group=1,
+                       hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                       vocab_size=128),
+    # transformers runs every Llama 4 expert on every token: the compute is all experts', not top-1's
+    T.Llama4TextConfig(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=112,
+                       interleave_moe_layer_step=2, attention_chunk_size=4096, hidden_size=64,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                       vocab_size=128),
+], ids=lambda c: c.model_type)
+def test_forward_flops_are_what_the_model_computes(config):
+    measured = _forward_flops(config, 48)
+    assert spec_from_hf_config(config).training_flops([48]) / 3 == pytest.approx(measured, rel=0.01)
+
+
+def test_registered_analytic_models_are_their_published_configs():
+    """The registry's Gemma-3-27B and Qwen3.5-27B are what spec_from_hf_config reads from their configs (their q/k
+    norms were missing: 3-13% more tokens per GPU than fit)."""
+    gemma = T.Gemma3TextConfig(hidden_size=5376, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+                               head_dim=128, intermediate_size=21504, vocab_size=262208, sliding_window=1024)
+    qwen = T.Qwen3_5TextConfig(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                               head_dim=256, intermediate_size=17408, vocab_size=248320, linear_num_key_heads=16,
+                               linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128)
+    for name, config in (("gemma-3-27b", gemma), ("qwen3.5-27b", qwen)):
+        mine, read = get_model(name), spec_from_hf_config(config)
+        fields = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_size", "tie_embeddings", "kinds",
+                  "qk_norm", "attn_gate", "linear", "experts", "latent", "gated_ffn")
+        assert {f: getattr(mine, f) for f in fields} == {f: getattr(read, f) for f in fields}, name
+
+
+@pytest.mark.parametrize("head_dim", [0, -16, 16.5, True])
+def test_a_bad_head_dim_is_one_line(head_dim):
+    with pytest.raises(CostModelError, match="head_dim must be an integer >= 1") as info:
+        ModelSpec(2, 64, 4, 2, 128, 256, head_dim=head_dim)
+    assert "\n" not in str(info.value)

@@ -70,7 +70,7 @@ def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
     linear-attention layer moves its convolution's input (q, k at the key width, v at the value width) and
     its gates b and a (one value per value head) to the head-split layout, and the recurrence's output (the
     value width) back; its z gate is applied after the output returns, so it stays put."""
-    per_token = spec.softmax_layers * (2 * spec.q_dim + 2 * spec.kv_dim)
+    per_token = spec.softmax_layers * spec.ulysses_width
     linear = spec.mixer_layers("linear")
     if linear:
         shape = spec.linear_shape
@@ -81,7 +81,7 @@ def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
 def attention_alphas(spec: ModelSpec, flops: float) -> tuple[float, dict[int, float], dict[int, float]]:
     """(alpha1, window_alpha, chunk_alpha): seconds per attention pair (``flexsp.plan.layers.pairs``) of the
     full, each window's and each chunk's layers: ``3 (fwd + bwd) x 2 q_dim`` FLOPs per pair and layer."""
-    per_pair = 3 * 2 * spec.q_dim / flops
+    per_pair = 3 * 2 * spec.attention_width / flops
     windows: dict[int, float] = {}
     chunks: dict[int, float] = {}
     for kind, n in spec.kind_counts().items():
@@ -113,7 +113,6 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
         if not getattr(gpu, name) > 0:
             raise CostModelError(f"GPU {name} must be > 0, got {getattr(gpu, name)}")
     flops = gpu.peak_flops * gpu.efficiency
-    kv_dim = model.kv_dim
     precision = precision_for(num_gpus, sharding)
     act_per_token = activation_bytes_per_token(model, recompute, precision)
     attention_work, linear_work = recompute_work(recompute)
@@ -133,7 +132,7 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
         token_capacity=capacity,
         heads=heads,
         kv_heads=math.gcd(model.kv_heads, heads),
-        ring_bytes_per_token=3 * model.softmax_layers * 2 * kv_dim * 2,
+        ring_bytes_per_token=3 * model.softmax_layers * model.ring_width * 2,
         ring_bandwidth=gpu.inter_node_bandwidth,
         ring_hop_latency=3 * model.softmax_layers * gpu.inter_node_latency,
         window_alpha={w: attention_work * a for w, a in windows.items()},

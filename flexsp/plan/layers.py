@@ -74,6 +74,32 @@ FULL = LayerKind()
 
 
 @dataclass(frozen=True)
+class LatentShape:
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): q through a ``q_rank`` bottleneck (0: a direct
+    projection), k and v through one shared ``kv_rank`` latent; each head's q/k is ``nope + rope`` wide (the
+    spec's head size) and its v ``v_dim``. Only the weights and the v width differ from plain attention."""
+
+    q_rank: int
+    kv_rank: int
+    nope: int
+    rope: int
+    v_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("q_rank", "kv_rank", "nope", "rope", "v_dim"):
+            value, least = getattr(self, name), 0 if name in ("q_rank", "nope", "rope") else 1
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise CostModelError(f"latent attention {name} must be a whole number >= {least}, got {value!r}")
+
+    def params(self, hidden: int, heads: int) -> int:
+        """q (bottleneck or direct), the shared kv latent with the rope key, its per-head k/v up-projection, out."""
+        qk = self.nope + self.rope
+        q = hidden * self.q_rank + self.q_rank * heads * qk if self.q_rank else hidden * heads * qk
+        return (q + hidden * (self.kv_rank + self.rope) + self.kv_rank * heads * (self.nope + self.v_dim)
+                + heads * self.v_dim * hidden)
+
+
+@dataclass(frozen=True)
 class LinearShape:
     """A linear-attention layer's heads (Gated DeltaNet as in Qwen3-Next / Qwen3.5): ``k_heads`` query/key
     heads of ``k_dim``, ``v_heads`` value heads of ``v_dim``, a causal depthwise convolution of ``conv`` taps."""

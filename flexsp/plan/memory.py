@@ -129,6 +129,16 @@ _SAVED = {
                                    "full": (4, 0, 0, 0, 0)},
     ("transformers", "bf16"): {"none": (16, 6, 4, 8, 4), "selective": (16, 4, 4, 8, 0), "full": (2, 0, 0, 0, 0)},
 }
+# Gemma 2/3/4's layers add a norm after the attention and after the FFN ("sandwich" norms): measured on their
+# transformers layers (flexsp.profile.activations, several shapes), 16 x hidden more under autocast and 20 x
+# hidden under bf16, and Gemma's q/k norms keep 2 x (q_dim + kv_dim) more than Qwen3's, which _SAVED counts.
+_SANDWICH = {"autocast": 16, "bf16": 20}
+_SANDWICH_FAMILIES = ("gemma2", "gemma3", "gemma4", "vaultgemma")
+# A MoE layer of transformers' experts, beyond its FFN's 8 x ffn per active expert, each active expert's copy
+# of the token (2 x hidden) and the router's fp32 logits: measured on Mixtral and Qwen3-MoE layers (several
+# hidden sizes, expert widths, expert and top-k counts; within 2%), autocast keeps another 8 x expert FFN and
+# (6 x hidden) per active expert less 2 x hidden, bf16 another 2 x hidden per active expert.
+_MOE_EXTRA = {"autocast": (8, 6, -2), "bf16": (0, 2, 0)}   # (x active x expert FFN, x active x hidden, x hidden)
 # Outside the layers, per token: the final norm's input and output and the loss's bf16 input (autocast 12 x
 # hidden, bf16 8 x hidden), the labels (int64) and the loss's log-sum-exp (fp32): 12 bytes.
 _HEAD = {"autocast": 12, "bf16": 8}
@@ -168,15 +178,20 @@ def layer_activation_bytes(spec: Any, kind: Any, recompute: str | bool = "none",
     linear-attention layer keeps, instead of q/k/v, its projection outputs (q, k, v, z, b, a: 2 bytes each),
     the convolution outputs (q, k, v), the recurrence's output (fp32 before its gated norm, and bf16 after)
     and the chunked form's fp32 state per 64-token chunk. The MoE and linear figures are counts of what
-    those layers are built to save, not yet measured (the runtime's layers are in progress)."""
+    those layers are built to save; the MoE figures are measured on transformers' Mixtral and Qwen3-MoE layers
+    (``_MOE_EXTRA``), the linear ones not yet. Gemma's sandwich norms add ``_SANDWICH``."""
     recompute, precision = check_recompute(recompute), check_precision(precision)
     h, q, kv, f, heads = _SAVED[(spec.implementation, precision)][recompute]
     if recompute == "full":
         return float(h * spec.hidden)
     total = h * spec.hidden
+    if spec.family.startswith(_SANDWICH_FAMILIES):
+        total += _SANDWICH[precision] * spec.hidden + (2 * (spec.q_dim + spec.kv_dim) if spec.qk_norm else 0)
     if kind.moe:
-        total += 8 * (spec.active_experts * spec.moe_ffn + spec.shared_ffn) + 2 * spec.active_experts * spec.hidden \
-            + 4 * spec.experts
+        k = spec.active_experts
+        per_ffn, per_copy, per_hidden = _MOE_EXTRA[precision]
+        total += 8 * (k * spec.moe_ffn + spec.shared_ffn) + 2 * k * spec.hidden + 4 * spec.experts \
+            + per_ffn * k * spec.moe_ffn + per_copy * k * spec.hidden + per_hidden * spec.hidden
     else:
         total += f * spec.ffn
     if kind.softmax:

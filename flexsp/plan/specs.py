@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from flexsp.errors import CostModelError
-from flexsp.plan.layers import FULL, LayerKind, LinearShape, check_runs, pairs, runs
+from flexsp.plan.layers import FULL, LatentShape, LayerKind, LinearShape, check_runs, pairs, runs
 
 SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 
@@ -77,12 +77,18 @@ class ModelSpec:
     implementation: str = "flexsp"        # what builds the layers: "flexsp" (TinyLM) or "transformers"
     attn_gate: bool = False               # attention output gated per head (Qwen3-Next / Qwen3.5: q_proj x 2)
     qk_norm: bool = False                 # RMSNorm on q and k per head (Qwen3, Gemma 3): more activations
+    latent: LatentShape | None = None     # multi-head latent attention (DeepSeek-V3): its weights and v width
+    gated_ffn: bool = True                # gate, up and down (SwiGLU); False: up and down (GPT-2, GPT-NeoX, Phi)
 
     def __post_init__(self) -> None:
         for field in SHAPE_FIELDS:   # layers may be 0: the embedding and head alone (profiling extrapolates blocks)
             value, least = getattr(self, field), 0 if field == "layers" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise CostModelError(f"model {self.name!r}: {field} must be an integer >= {least}, got {value!r}")
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int)
+                                          or self.head_dim < 1):
+            raise CostModelError(f"model {self.name!r}: head_dim must be an integer >= 1 (or None: hidden // heads), "
+                                 f"got {self.head_dim!r}")
         if self.heads % self.kv_heads:
             raise CostModelError(f"model {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads "
                                  f"({self.kv_heads})")
@@ -112,6 +118,11 @@ class ModelSpec:
         elif self.active_experts or self.shared_ffn or self.expert_ffn:
             raise CostModelError(f"model {self.name!r}: active_experts/expert_ffn/shared_ffn given but no layer is "
                                  f"MoE; give experts (and MoE layer kinds)")
+        if self.latent is not None and not isinstance(self.latent, LatentShape):
+            raise CostModelError(f"model {self.name!r}: latent must be a LatentShape, got {self.latent!r}")
+        if self.latent is not None and self.head_size != self.latent.nope + self.latent.rope:
+            raise CostModelError(f"model {self.name!r}: latent attention's q/k head is nope + rope = "
+                                 f"{self.latent.nope + self.latent.rope}, but head_dim is {self.head_size}")
         if self.linear is not None and not isinstance(self.linear, LinearShape):
             raise CostModelError(f"model {self.name!r}: linear must be a LinearShape, got {self.linear!r}")
 
@@ -129,6 +140,26 @@ class ModelSpec:
     def kv_dim(self) -> int:
         """Width of K (or V) per token: kv heads x head size (``hidden * kv_heads / heads`` without head_dim)."""
         return self.kv_heads * self.head_size
+
+    @property
+    def v_head_size(self) -> int:
+        """Width of one head's v and output: the head size, except in latent attention (``latent.v_dim``)."""
+        return self.latent.v_dim if self.latent is not None else self.head_size
+
+    @property
+    def attention_width(self) -> float:
+        """Multiply-adds per attention pair per layer over QK^T and PV, halved: ``q_dim`` for plain attention."""
+        return self.heads * (self.head_size + self.v_head_size) / 2
+
+    @property
+    def ulysses_width(self) -> int:
+        """Elements one token sends per softmax layer in Ulysses' all-to-alls: q, k, v in and the output back."""
+        return self.q_dim + self.kv_dim + self.kv_heads * self.v_head_size + self.heads * self.v_head_size
+
+    @property
+    def ring_width(self) -> int:
+        """Elements of K and V one token passes around a ring per softmax layer."""
+        return self.kv_dim + self.kv_heads * self.v_head_size
 
     @property
     def linear_shape(self) -> LinearShape:
@@ -193,6 +224,8 @@ class ModelSpec:
     def _mixer_params(self, kind: LayerKind) -> float:
         if kind.softmax:
             gate = self.hidden * self.q_dim if self.attn_gate else 0
+            if self.latent is not None:
+                return self.latent.params(self.hidden, self.heads) + gate
             return self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden + gate
         shape = self.linear_shape
         k, v = shape.key_width, shape.value_width   # in-projections q, k, v, z, b, a; conv over q, k, v; out
@@ -200,7 +233,7 @@ class ModelSpec:
 
     def _ffn_params(self, kind: LayerKind, active: bool) -> float:
         if not kind.moe:
-            return 3 * self.hidden * self.ffn
+            return (3 if self.gated_ffn else 2) * self.hidden * self.ffn
         experts = self.active_experts if active else self.experts
         return self.hidden * self.experts + 3 * self.hidden * (experts * self.moe_ffn + self.shared_ffn)
 
@@ -235,14 +268,15 @@ class ModelSpec:
 
     def training_flops(self, lengths: Iterable[int]) -> float:
         """Forward + backward FLOPs of a step over sequences of ``lengths`` tokens: ``6 x linear_params`` per
-        token, and per sequence of ``s`` tokens causal attention's ``6 x (heads x head_size) x pairs``
+        token, and per sequence of ``s`` tokens causal attention's ``6 x attention_width x pairs`` (``heads x
+        head_size``; latent attention averages its q/k and v widths)
         (``s^2`` per full layer, less for windows and chunks: ``flexsp.plan.layers.pairs``; QK^T and PV, 2 FLOPs
         a multiply-add, half the square, three passes), plus 3x the linear-attention recurrences' forward
         FLOPs. The one count behind MFU (``flexsp.telemetry``), the selftest's TFLOP/s and the profile's sweep
         estimate."""
         s = np.asarray(lengths if isinstance(lengths, np.ndarray) else list(lengths), dtype=np.float64)
         tokens = float(s.sum())
-        return (6.0 * self.linear_params * tokens + 6.0 * self.q_dim * self.attention_pairs(s)
+        return (6.0 * self.linear_params * tokens + 6.0 * self.attention_width * self.attention_pairs(s)
                 + 3.0 * self.mixing_flops_per_token() * tokens)
 
     def shape(self) -> dict[str, Any]:
@@ -313,8 +347,12 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
     family = str(getattr(text, "model_type", "llama"))
     name = name or f"hf:{family}:{getattr(config, 'name_or_path', '') or 'config'}"
     head_dim = getattr(text, "head_dim", None)
-    if getattr(text, "qk_nope_head_dim", None) is not None:      # DeepSeek MLA: q/k heads of nope + rope dims
-        head_dim = int(text.qk_nope_head_dim) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
+    latent = None
+    if getattr(text, "kv_lora_rank", None) is not None:          # DeepSeek MLA: q/k heads of nope + rope dims
+        nope, rope = int(text.qk_nope_head_dim or 0), int(getattr(text, "qk_rope_head_dim", 0) or 0)
+        latent = LatentShape(int(getattr(text, "q_lora_rank", 0) or 0), int(text.kv_lora_rank), nope, rope,
+                             int(getattr(text, "v_head_dim", None) or nope + rope))
+        head_dim = nope + rope
     hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
     experts = int(_first(text, "num_local_experts", "num_experts", "n_routed_experts") or 0)
     moe_layers = _moe_layers(text, layers) if experts else set()
@@ -327,23 +365,36 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         if family.startswith("llama4"):                            # one shared expert as wide as a routed one
             shared_ffn = expert_ffn
     kinds = [_hf_kind(text, i, name, family, i in moe_layers) for i in range(layers)]
+    active = int(getattr(text, "num_experts_per_tok", 0) or 0) if moe_layers else 0
+    if family.startswith("llama4") and moe_layers:
+        active = experts   # transformers' Llama4TextMoe runs every expert on every token (scores zero the rest)
     linear = None
     if any(k.mixer == "linear" for k in kinds):
         linear = LinearShape(int(text.linear_num_key_heads), int(text.linear_num_value_heads),
                              int(text.linear_key_head_dim), int(text.linear_value_head_dim),
                              int(getattr(text, "linear_conv_kernel_dim", 4) or 4))
-    return ModelSpec(layers=layers, hidden=hidden, heads=heads,
-                     kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        kv_heads = 1                                               # Falcon-7B's multi-query attention
+    return ModelSpec(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                      ffn=ffn, vocab=int(text.vocab_size), name=name, family=family,
                      head_dim=None if head_dim is None or int(head_dim) * heads == hidden else int(head_dim),
                      tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                      kinds=runs(kinds), experts=experts if moe_layers else 0,
-                     active_experts=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe_layers else 0,
+                     active_experts=active,
                      expert_ffn=expert_ffn if moe_layers and expert_ffn != ffn else 0,
                      shared_ffn=shared_ffn if moe_layers else 0, linear=linear, implementation="transformers",
                      attn_gate=family.startswith(("qwen3_next", "qwen3_5")),
-                     qk_norm=family.startswith(_QK_NORM_FAMILIES) or bool(getattr(text, "use_qk_norm", False)))
+                     qk_norm=family.startswith(_QK_NORM_FAMILIES) or bool(getattr(text, "use_qk_norm", False)),
+                     latent=latent, gated_ffn=family not in _PLAIN_MLP_FAMILIES)
 
+
+# transformers families whose MLP is two matrices (up, activation, down), not gated: their parameters, FLOPs and
+# model states would read 1.3-1.6x high as gate-up-down
+_PLAIN_MLP_FAMILIES = frozenset((
+    "apertus", "arcee", "biogpt", "bloom", "codegen", "falcon", "fuyu", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo",
+    "gpt_neox", "gpt_neox_japanese", "gptj", "jais2", "mpt", "nanochat", "nemotron", "openai-gpt", "opt", "persimmon",
+    "phi", "starcoder2", "xglm"))
 
 # transformers families whose attention normalises q and k per head (their modeling files' q_norm / k_norm)
 _QK_NORM_FAMILIES = ("qwen3", "gemma3", "olmo2", "olmo3")
@@ -441,12 +492,13 @@ register_model(ModelSpec(24, 2880, 64, 8, 2880, 201088, "gpt-oss-20b", family="g
                          kinds=runs([_WINDOW_128, LayerKind("full", sinks=True, moe=True)] * 12),
                          experts=32, active_experts=4, implementation="transformers"))
 register_model(ModelSpec(62, 5376, 32, 16, 21504, 262208, "gemma-3-27b", family="gemma3_text", head_dim=128,
-                         tie_embeddings=True, implementation="transformers",
+                         tie_embeddings=True, implementation="transformers", qk_norm=True,
                          kinds=runs(LayerKind("window", 1024) if (i + 1) % 6 else FULL for i in range(62))))
 # Qwen3.5-27B's text decoder: 64 layers, 3 Gated DeltaNet layers (16 key, 48 value heads of 128) to 1 gated
 # full-attention layer (24 heads, 4 KV heads of 256)
 register_model(ModelSpec(64, 5120, 24, 4, 17408, 248320, "qwen3.5-27b", family="qwen3_5_text", head_dim=256,
                          implementation="transformers", linear=LinearShape(16, 48, 128, 128, 4), attn_gate=True,
+                         qk_norm=True,
                          kinds=runs(([LayerKind("linear")] * 3 + [FULL]) * 16)))
 
 GPUS: Mapping[str, GPUSpec] = {

@@ -62,7 +62,7 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
         "sharding": dict(memory or {}).get("sharding", "full"),   # flexsp.plan.memory: what the capacity assumed
         "comm": {"gpus_per_node": gpus_per_node, "links": links,
                  "fits": {str(b.degree): b.to_dict() for b in bandwidths},
-                 "comm_bytes_per_token": "2 * layers * (2 * q_dim + 2 * kv_dim) * bytes_per_element "
+                 "comm_bytes_per_token": "2 * layers * (q, k, v and output widths) * bytes_per_element "
                                          "(flexsp.plan.analytic.comm_bytes_per_token, per layer kind)"},
     }
     if kinds is not None:
@@ -72,11 +72,11 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
     if ring is not None:
         meta["ring"] = {"measured": True, **dict(ring_layout or {}), "fit": ring.to_dict(),
                         "ring_hop_latency": "3 * layers * fitted latency",
-                        "ring_bytes_per_token": "3 * softmax layers * 2 * kv_dim * bytes_per_element"}
+                        "ring_bytes_per_token": "3 * softmax layers * (K + V width) * bytes_per_element"}
         axis = {"heads": spec.heads, "kv_heads": spec.kv_heads,
                 # K and V cross the ring three times a step, per layer: forward, and backward passes K/V
                 # again and dK/dV back (flexsp.plan.analytic); each hop of each pass pays the latency once.
-                "ring_bytes_per_token": 3 * spec.softmax_layers * 2 * spec.kv_dim * bytes_per_element,
+                "ring_bytes_per_token": 3 * spec.softmax_layers * spec.ring_width * bytes_per_element,
                 "ring_bandwidth": ring.bandwidth, "ring_hop_latency": 3 * spec.softmax_layers * ring.latency}
     return CostModel(alpha1=compute.alpha1, alpha2=compute.alpha2, beta1=compute.beta1,
                      comm_bytes_per_token=comm_bytes_per_token(spec, bytes_per_element),

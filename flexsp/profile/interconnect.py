@@ -72,7 +72,7 @@ def with_interconnect(cost: CostModel, spec: ModelSpec, name: str, bytes_per_ele
               for d in (2 ** i for i in range(1, up_to.bit_length())) if d <= up_to and d not in measured}
     ring_measured = bool((cost.meta.get("ring") or {}).get("measured")) and cost.ring_bandwidth is not None
     ring = {} if ring_measured else {   # a measured ring axis (flexsp.profile.ring) is kept as it is
-        "ring_bytes_per_token": 3 * spec.layers * 2 * spec.kv_dim * bytes_per_element,
+        "ring_bytes_per_token": 3 * spec.softmax_layers * spec.ring_width * bytes_per_element,
         "ring_bandwidth": preset.inter_node_bandwidth, "ring_hop_latency": 3 * spec.layers * preset.latency}
     assumed: dict[str, Any] = {
         "interconnect": preset.name, "source": preset.source, "gpus_per_node": node,
