@@ -29,7 +29,7 @@ from flexsp.hf.features import (FEATURES_ATTR, UnsupportedModelError, attention_
 from flexsp.runtime.models.fused_loss import lm_head_loss
 from flexsp.hf.mixers import install_mixers, ring_capable
 from flexsp.hf.route import route_context
-from flexsp.hf.router import RouterLoss, real_rows
+from flexsp.hf.router import RouterLoss, real_rows, router_flag
 from flexsp.plan.memory import check_recompute
 from flexsp.runtime.sp.context import AttentionContext, ShardingError, check_heads
 from flexsp.runtime.sp.linear import check_linear_heads
@@ -106,6 +106,7 @@ class HFCausalLM(nn.Module):
         self.frozen = freeze_non_language(model, self.name)   # a composite model's vision/audio towers: untouched
         self.placeholders = placeholder_ids(model)   # image/video/audio token ids FlexSP refuses in input_ids
         self.router = RouterLoss.of(model)   # None: no router auxiliary loss to add
+        self.router_flag = router_flag(model)   # transformers reads it on every forward: a change must not pass
         self.batch_coupled = self.router is not None   # flexsp.runtime.coupled: the executor sums its statistics
 
     def set_recompute(self, recompute: str) -> None:
@@ -184,6 +185,9 @@ class HFCausalLM(nn.Module):
                 raise UnsupportedModelError(f"{self.name}: input_ids hold the image/video/audio placeholder token "
                                             f"{token}; FlexSP trains the language model on text only (no pixel or "
                                             f"audio inputs)")
+        if router_flag(self.model) != self.router_flag:
+            raise UnsupportedModelError(f"{self.name}: output_router_logits changed to {not self.router_flag} after "
+                                        f"prepare_model, which read the router loss once; set it before prepare_model")
         heads, kv_heads = self.sp_heads()
         check_heads(heads, kv_heads, ctx.degree)
         if ctx.ring is not None and not ring_capable(self.mixers):   # before any collective of this forward

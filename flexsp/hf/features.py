@@ -53,13 +53,23 @@ def text_config(model: nn.Module) -> Any:
 
 
 def decoder_of(model: nn.Module) -> nn.Module | None:
-    """The decoder stack under an LM head: ``get_decoder()``, or the ``model`` attribute where that returns
-    the LM itself (Llama 4's text LM names its base ``language_model`` but stores it as ``model``)."""
+    """The decoder stack under an LM head: ``get_decoder()``, followed down while it returns an LM (the model
+    itself: Llama 4's text LM names its base ``language_model`` but stores it as ``model``; or another LM with a
+    head: Llama 4's multimodal class returns its text LM) to that LM's ``model``."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is model:
-        inner = getattr(model, "model", None)
-        return inner if isinstance(inner, nn.Module) else decoder
+    for _ in range(3):
+        if decoder is None or not (decoder is model or _has_lm_head(decoder)):
+            return decoder
+        inner = getattr(decoder, "model", None)
+        if not isinstance(inner, nn.Module) or inner is decoder:
+            return decoder
+        model, decoder = decoder, inner
     return decoder
+
+
+def _has_lm_head(module: nn.Module) -> bool:
+    heads = getattr(module, "get_output_embeddings", None)
+    return callable(heads) and heads() is not None
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:

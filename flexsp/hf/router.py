@@ -53,6 +53,12 @@ class RouterTerm:
             self.probs.dtype)
 
 
+def router_flag(model: nn.Module) -> bool:
+    """``output_router_logits`` as the family's forward reads it: from the text config (a multimodal MoE class's
+    own config flag adds no loss there), which for a causal LM is its config."""
+    return bool(getattr(text_config(model), "output_router_logits", False))
+
+
 @dataclass(frozen=True)
 class RouterLoss:
     """The router auxiliary loss of one model: ``coef * load_balancing_loss(..., num_experts, top_k)``."""
@@ -66,8 +72,7 @@ class RouterLoss:
         """None when the model adds no router loss (``output_router_logits`` off or a zero coefficient);
         raises ``UnsupportedModelError`` for one whose loss FlexSP cannot reproduce."""
         cfg, name = text_config(model), model_name(model)
-        if not getattr(cfg, "output_router_logits", False) and not getattr(model.config, "output_router_logits",
-                                                                           False):
+        if not router_flag(model):
             return None
         if getattr(cfg, "router_z_loss_coef", None):
             raise UnsupportedModelError(f"{name} adds a router z-loss (config.router_z_loss_coef="

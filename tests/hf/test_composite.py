@@ -73,3 +73,24 @@ def test_mrope_text_positions_are_the_models_own():
         ours = sp(p.input_ids, p.position_ids, AttentionContext.packed(p.cu_seqlens))
         native = torch.cat([sp.model(input_ids=s[None]).logits[0] for s in seqs])
     assert float((ours - native).abs().max() / native.abs().max()) < 1e-12
+
+
+def test_llama4_multimodal_class_trains_its_text_model():
+    """``Llama4ForConditionalGeneration`` (what Llama 4 checkpoints load as): its ``get_decoder()`` is its text
+    LM, head and all; FlexSP follows it down to the decoder (it failed with an AttributeError read as a
+    refusal), and the packed loss on text equals the native model's per sequence."""
+    import copy
+
+    from transformers import AutoModelForImageTextToText
+
+    from flexsp.hf.families import tiny_config
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_config("llama4"), attn_implementation="sdpa").double()
+    native = copy.deepcopy(model)
+    sp = prepare_model(model, max_seqlen=max(LENGTHS))
+    sequences = batch()[:4]
+    shard = pack(sequences, degree=1)
+    got = sp(shard.input_ids, shard.position_ids, AttentionContext.packed(shard.cu_seqlens), labels=shard.labels)
+    with torch.no_grad():
+        want = sum(float(native(input_ids=s[None], labels=s[None]).loss) * (len(s) - 1) for s in sequences)
+    assert float(got) == pytest.approx(want, rel=1e-6)   # HF casts its logits to fp32 for the loss

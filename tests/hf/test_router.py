@@ -100,3 +100,20 @@ def test_shard_loss_alone_refuses_to_drop_the_router_term():
     p = pack(batch()[:2], 1)
     with pytest.raises(UnsupportedModelError, match="router auxiliary loss over the whole batch"):
         sp.shard_loss(p.input_ids, p.position_ids, p.labels, AttentionContext.packed(p.cu_seqlens))
+
+
+def test_the_router_flag_is_read_as_the_family_reads_it_and_a_later_change_is_refused():
+    """A multimodal MoE class adds no router loss for its top config's flag (only its text config's): neither
+    does FlexSP. Setting the flag after prepare_model, which transformers would honour on the next forward, is
+    refused instead of silently training without (or with) the router loss."""
+    from flexsp.hf.features import text_config
+    from flexsp.runtime import AttentionContext, pack
+    model = tiny_model("qwen3_5_moe")
+    model.config.output_router_logits = True
+    text_config(model).output_router_logits = False
+    assert RouterLoss.of(model) is None
+    sp = prepare_model(tiny_model("mixtral"), max_seqlen=max(LENGTHS))
+    sp.model.config.output_router_logits = True
+    shard = pack(batch()[:2], degree=1)
+    with pytest.raises(UnsupportedModelError, match="output_router_logits changed to True after prepare_model"):
+        sp(shard.input_ids, shard.position_ids, AttentionContext.packed(shard.cu_seqlens), labels=shard.labels)
