@@ -15,6 +15,7 @@ attention call asks for with what was read, as a safety net.
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 from typing import Any
 
 from torch import nn
@@ -110,10 +111,21 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
             w = module.sliding_window
             if kind == FULL or getattr(module, "is_sliding", True) is False:
                 w = None
+        cap = softcap if module is None or passes_softcap(type(module)) else None
         out[i] = Features(window=None if w is None else int(w),
                           chunk=int(chunk) if kind == CHUNKED and chunk is not None else None,
-                          softcap=None if softcap is None else float(softcap))
+                          softcap=None if cap is None else float(cap))
     return out
+
+
+@lru_cache(maxsize=None)
+def passes_softcap(cls: type) -> bool:
+    """Whether an attention class's forward hands a score softcap to its attention function: Gemma 2 does, Gemma 3
+    keeps ``attn_logit_softcapping`` in its config and never applies it (unreadable source: assume it does)."""
+    try:
+        return "softcap" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
 
 
 def has_sinks(module: nn.Module) -> bool:

@@ -209,6 +209,10 @@ def test_a_rope_that_switches_by_the_calls_longest_position_is_refused_past_its_
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
                    "output_router_logits": False}, {0: Features(), 1: Features()}),
     ("gemma2", {"head_dim": 8, "sliding_window": 5}, {0: Features(window=5, softcap=50.0), 1: Features(softcap=50.0)}),
+    # Gemma 3 keeps attn_logit_softcapping in its config but its attention never applies it: neither does FlexSP
+    ("gemma3_text", {"head_dim": 8, "sliding_window": 5, "attn_logit_softcapping": 5.0,
+                     "layer_types": ["sliding_attention", "full_attention"]},
+     {0: Features(window=5), 1: Features()}),
     ("gpt_oss", {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8, "sliding_window": 5},
      {0: Features(window=5), 1: Features()}),
     ("llama4_text", {"attention_chunk_size": 3, "layer_types": ["chunked_attention", "full_attention"]},
