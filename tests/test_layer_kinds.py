@@ -292,6 +292,7 @@ def _matrices(config) -> int:
     T.DeepseekV3Config(), T.MiniCPM3Config(),                                          # latent attention
     T.Starcoder2Config(), T.GPTNeoXConfig(), T.PhiConfig(), T.ApertusConfig(), T.GPT2Config(),   # two-matrix MLPs
     T.FalconConfig(),                                                                   # multi-query
+    T.FalconConfig(new_decoder_architecture=True, num_kv_heads=8, num_hidden_layers=4),  # grouped (Falcon-40B)
 ], ids=lambda c: c.model_type)
 def test_parameters_are_those_transformers_builds(config):
     """Model states follow ``params``: DeepSeek's latent attention read as plain attention (x3.8 its attention

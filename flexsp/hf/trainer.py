@@ -135,8 +135,10 @@ def check_collator(collator: Any, dataset: Any) -> None:
     if isinstance(collator, DataCollatorForSeq2Seq) and collator.label_pad_token_id == -100:
         return
     columns = set(getattr(dataset, "column_names", None) or ())
-    if isinstance(collator, DataCollatorForLanguageModeling) and not collator.mlm and not columns & set(SUPERVISION):
-        return   # labels = every input token, as FlexSP's loss without a labels column
+    pad = getattr(getattr(collator, "tokenizer", None), "pad_token_id", None)
+    if isinstance(collator, DataCollatorForLanguageModeling) and not collator.mlm and not columns & set(SUPERVISION) \
+            and pad is None:
+        return   # labels = every input token, as FlexSP's loss without a labels column (it masks pad-id tokens too)
     if type(collator).__module__.startswith("trl.") and type(collator).__name__ == "DataCollatorForLanguageModeling":
         return   # TRL's own (its masks and labels reach FlexSP as dataset columns)
     raise TrainerSetupError(f"data_collator={name} with flexsp=True: FlexSP's loader packs each planned batch "
@@ -284,7 +286,7 @@ class FlexSPTrainer(Trainer):
         its coefficient (as TRL logs it; the logged loss holds ``coef * aux_loss``), averaged like the loss."""
         if self.flexsp and "loss" in logs and self._aux_steps:
             if self.sp_model is not None and self.sp_model.router is not None:
-                logs["aux_loss"] = round(self._aux_sum / self._aux_steps / self.sp_model.router.coef, 6)
+                logs["aux_loss"] = round(self._aux_sum / self._aux_steps / (self.sp_model.router.coef or 1.0), 6)
             self._aux_sum, self._aux_steps = 0.0, 0
         super().log(logs, *a, **kw)
 

@@ -373,7 +373,7 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         linear = LinearShape(int(text.linear_num_key_heads), int(text.linear_num_value_heads),
                              int(text.linear_key_head_dim), int(text.linear_value_head_dim),
                              int(getattr(text, "linear_conv_kernel_dim", 4) or 4))
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    kv_heads = int(_first(text, "num_key_value_heads", "num_kv_heads") or heads)   # Falcon-40B: num_kv_heads
     if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
         kv_heads = 1                                               # Falcon-7B's multi-query attention
     return ModelSpec(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,

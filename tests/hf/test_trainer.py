@@ -112,6 +112,8 @@ def test_hooks_and_settings_the_flexsp_step_would_skip_are_refused(tmp_path):
     lm = DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
     _refused(tmp_path, "data_collator=DataCollatorForLanguageModeling", data_collator=lm,
              columns={"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]})
+    # it takes every token equal to the pad id out of the loss (pad = eos is common): FlexSP would train them
+    _refused(tmp_path, "data_collator=DataCollatorForLanguageModeling", data_collator=lm)
 
 
 def _tokenizer():
@@ -128,7 +130,9 @@ def test_padding_collators_and_the_defaults_are_accepted_and_tokens_seen_are_cou
     from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments
     from .models import build
     data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6], [7, 8, 9]]})
-    for collator in (None, DataCollatorWithPadding(_tokenizer()), DataCollatorForLanguageModeling(_tokenizer(), mlm=False)):
+    no_pad = _tokenizer()
+    no_pad.pad_token = None
+    for collator in (None, DataCollatorWithPadding(_tokenizer()), DataCollatorForLanguageModeling(no_pad, mlm=False)):
         args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
                                        flexsp_tokens_per_rank=64, per_device_train_batch_size=3, max_steps=1,
                                        include_num_input_tokens_seen="all", save_strategy="no")

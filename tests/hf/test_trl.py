@@ -146,24 +146,42 @@ def test_the_loader_sees_the_labels_trl_built_and_no_mask_it_left_unapplied(tmp_
     assert first["labels"] == ([-100] * 3 + first["input_ids"][3:] if completion_only else first["input_ids"])
 
 
+def _sft(tmp_path, name, model, flexsp=True, **settings):
+    from datasets import Dataset
+
+    from flexsp.hf.trl import FlexSPSFTConfig, FlexSPSFTTrainer
+    data = Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15]]})
+    args = FlexSPSFTConfig(output_dir=str(tmp_path / name), flexsp=flexsp, flexsp_tokens_per_rank=64, use_cpu=True,
+                           report_to=[], bf16=False, per_device_train_batch_size=3, max_steps=1, logging_steps=1,
+                           save_strategy="no", optim="sgd", gradient_checkpointing=False, **settings)
+    return FlexSPSFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
+
+
+def _logged(trainer):
+    trainer.train()
+    return next(h for h in trainer.state.log_history if "loss" in h)
+
+
 def test_trls_router_coefficient_weighs_the_router_loss_and_the_raw_loss_is_logged(tmp_path):
     """SFTConfig(router_aux_loss_coef=...) replaces the model's own coefficient in TRL's loss: FlexSP's step weighs
     the router loss by it too (it kept the model's 0.001), and logs ``aux_loss`` unweighted, as TRL does."""
-    from datasets import Dataset
-
     from flexsp.hf.families import tiny_model
-    from flexsp.hf.trl import FlexSPSFTConfig, FlexSPSFTTrainer
-    data = Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15]]})
-    logged = {}
-    for flexsp in (True, False):
-        args = FlexSPSFTConfig(output_dir=str(tmp_path / str(flexsp)), flexsp=flexsp, flexsp_tokens_per_rank=64,
-                               use_cpu=True, report_to=[], bf16=False, per_device_train_batch_size=3, max_steps=1,
-                               logging_steps=1, save_strategy="no", router_aux_loss_coef=5.0, optim="sgd")
-        trainer = FlexSPSFTTrainer(model=tiny_model("mixtral", output_router_logits=True), args=args,
-                                   train_dataset=data, processing_class=_tokenizer())
-        if flexsp:
-            assert trainer.sp_model.router.coef == 5.0
-        trainer.train()
-        logged[flexsp] = next(h for h in trainer.state.log_history if "loss" in h)
-    assert logged[True]["loss"] == pytest.approx(logged[False]["loss"], rel=1e-6)
-    assert logged[True]["aux_loss"] == pytest.approx(logged[False]["aux_loss"], rel=1e-5)
+    flex = _sft(tmp_path, "flex", tiny_model("mixtral", output_router_logits=True), router_aux_loss_coef=5.0)
+    assert flex.sp_model.router.coef == 5.0
+    native = _sft(tmp_path, "trl", tiny_model("mixtral", output_router_logits=True), flexsp=False,
+                  router_aux_loss_coef=5.0)
+    got, want = _logged(flex), _logged(native)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-5)
+
+
+def test_a_router_loss_trl_turns_off_is_off_under_flexsp(tmp_path):
+    """A MoE config without ``router_aux_loss_coef`` (JetMoE's is ``aux_loss_coef``) gets TRL's 0.0: TRL adds no
+    router loss but leaves ``output_router_logits`` on. FlexSP adds none either (it divided by zero at the first
+    log): the same loss as with the router loss off."""
+    from flexsp.hf.families import tiny_model
+    flex = _sft(tmp_path, "on", tiny_model("jetmoe", output_router_logits=True))
+    assert flex.router_aux_loss_coef == 0.0 and flex.sp_model.router is None
+    off = _sft(tmp_path, "off", tiny_model("jetmoe", output_router_logits=False))
+    got, want = _logged(flex), _logged(off)
+    assert "aux_loss" not in got and got["loss"] == want["loss"]
