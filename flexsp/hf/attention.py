@@ -115,9 +115,10 @@ def temperature_fixed(module: nn.Module, query: torch.Tensor, positions: torch.T
     sequence (the same in fp64; one extra rounding in bf16)."""
     if not temperature_tuned(module):
         return query
-    rows = query.shape[2]
-    fix = temperature_scale(module, positions.reshape(-1)) / temperature_scale(module, torch.arange(rows, device=query.device))
-    return (query.float() * fix.view(1, 1, rows, 1)).to(query.dtype)
+    rows, wide = query.shape[2], torch.promote_types(query.dtype, torch.float32)   # fp64 stays fp64
+    wanted = temperature_scale(module, positions.reshape(-1)).to(wide)      # the fp32 scales transformers makes
+    applied = temperature_scale(module, torch.arange(rows, device=query.device)).to(wide)
+    return (query.to(wide) * (wanted / applied).view(1, 1, rows, 1)).to(query.dtype)
 
 
 def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
