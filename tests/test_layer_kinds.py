@@ -292,7 +292,8 @@ def _matrices(config) -> int:
     T.DeepseekV3Config(), T.MiniCPM3Config(),                                          # latent attention
     T.Starcoder2Config(), T.GPTNeoXConfig(), T.PhiConfig(), T.ApertusConfig(), T.GPT2Config(),   # two-matrix MLPs
     T.FalconConfig(),                                                                   # multi-query
-    T.FalconConfig(new_decoder_architecture=True, num_kv_heads=8, num_hidden_layers=4),  # grouped (Falcon-40B)
+    T.FalconConfig(new_decoder_architecture=True, num_attention_heads=16, num_kv_heads=8, hidden_size=1024,
+                   num_hidden_layers=4),                                                # grouped (Falcon-40B)
 ], ids=lambda c: c.model_type)
 def test_parameters_are_those_transformers_builds(config):
     """Model states follow ``params``: DeepSeek's latent attention read as plain attention (x3.8 its attention
@@ -344,6 +345,17 @@ def test_registered_analytic_models_are_their_published_configs():
         fields = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_size", "tie_embeddings", "kinds",
                   "qk_norm", "attn_gate", "linear", "experts", "latent", "gated_ffn")
         assert {f: getattr(mine, f) for f in fields} == {f: getattr(read, f) for f in fields}, name
+
+
+@pytest.mark.parametrize("config,message", [
+    (T.Qwen3MoeConfig(num_hidden_layers=4, decoder_sparse_step=0, **SMALL), "decoder_sparse_step must be an integer >= 1"),
+    (T.Qwen3MoeConfig(num_hidden_layers=4, mlp_only_layers=[5], **SMALL), r"mlp_only_layers \[5\] name layers outside"),
+    (T.DeepseekV2Config(num_hidden_layers=2, **SMALL), "num_experts_per_tok is not set"),
+])
+def test_bad_moe_layout_in_a_config_is_one_line(config, message):
+    with pytest.raises(CostModelError, match=message) as info:
+        spec_from_hf_config(config)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("head_dim", [0, -16, 16.5, True])

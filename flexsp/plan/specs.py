@@ -355,7 +355,7 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         head_dim = nope + rope
     hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
     experts = int(_first(text, "num_local_experts", "num_experts", "n_routed_experts") or 0)
-    moe_layers = _moe_layers(text, layers) if experts else set()
+    moe_layers = _moe_layers(text, layers, name) if experts else set()
     ffn = int(_first(text, "intermediate_size_mlp", "intermediate_size") or 4 * hidden)
     expert_ffn = int(_first(text, "moe_intermediate_size", "intermediate_size") or 0) if experts else 0
     shared_ffn = 0
@@ -413,14 +413,23 @@ def _first(config: Any, *names: str) -> Any:
     return None
 
 
-def _moe_layers(text: Any, layers: int) -> set[int]:
+def _moe_layers(text: Any, layers: int, name: str) -> set[int]:
     if getattr(text, "moe_layers", None) is not None:                      # Llama 4
-        return {int(i) for i in text.moe_layers}
-    if getattr(text, "first_k_dense_replace", None) is not None:           # DeepSeek-V3
-        return set(range(int(text.first_k_dense_replace), layers))
-    dense = {int(i) for i in (getattr(text, "mlp_only_layers", None) or ())}
-    step = int(getattr(text, "decoder_sparse_step", 1) or 1)                # Qwen MoE
-    return {i for i in range(layers) if i not in dense and (i + 1) % step == 0}
+        moe = {int(i) for i in text.moe_layers}
+    elif getattr(text, "first_k_dense_replace", None) is not None:         # DeepSeek-V3
+        moe = set(range(int(text.first_k_dense_replace), layers))
+    else:
+        dense = {int(i) for i in (getattr(text, "mlp_only_layers", None) or ())}
+        if any(not 0 <= i < layers for i in dense):
+            raise CostModelError(f"model {name!r}: mlp_only_layers {sorted(dense)} name layers outside 0..{layers - 1}")
+        step = getattr(text, "decoder_sparse_step", 1)                      # Qwen MoE
+        step = 1 if step is None else step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise CostModelError(f"model {name!r}: decoder_sparse_step must be an integer >= 1, got {step!r}")
+        moe = {i for i in range(layers) if i not in dense and (i + 1) % step == 0}
+    if moe and getattr(text, "num_experts_per_tok", None) is None:
+        raise CostModelError(f"model {name!r}: MoE layers with routed experts but num_experts_per_tok is not set")
+    return moe
 
 
 def _hf_kind(text: Any, i: int, name: str, family: str, moe: bool) -> LayerKind:
