@@ -293,18 +293,25 @@ def _teardown_at_exit(pool: "weakref.ref[GroupPool]") -> None:
 
 
 def init_distributed(timeout: float = 600.0) -> torch.device:
-    """Start the default process group from torchrun's environment (a world of one without it) and
-    return this rank's device. On GPUs: NCCL with ``device_id``, so the world communicator is created
-    now rather than inside the first step; on CPUs: gloo."""
+    """Start the default process group from torchrun's environment and return this rank's device. On GPUs:
+    NCCL with ``device_id``, so the world communicator is created now rather than inside the first step; on
+    CPUs: gloo. Without a launch (no ``WORLD_SIZE`` or ``RANK``), a world of one over an in-process store: no
+    port is taken and the environment is left alone, so a script or test that starts other worlds later (their
+    own torchrun, the default port 29500) does not collide with it."""
     if dist.is_initialized():
         raise PlanError("the default process group is already initialised")
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
-        os.environ.setdefault(key, value)
+    launched = "WORLD_SIZE" in os.environ or "RANK" in os.environ
+    world: dict = {}
+    if launched:
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+            os.environ.setdefault(key, value)
+    else:
+        world = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=timeout))
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=timeout), **world)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout), **world)
     return device

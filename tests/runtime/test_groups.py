@@ -66,3 +66,23 @@ def test_pool_rejects_unusable_degrees_and_blocks():
     assert not pool.has((1,)) and not pool.has((0, 1))
     assert tiles(8, (2, 4)) == [(0, 1), (2, 3), (4, 5), (6, 7), (0, 1, 2, 3), (4, 5, 6, 7)]
     assert tiles(6, (4,)) == [(0, 1, 2, 3)]   # a partial block is never a group
+
+
+def test_a_world_of_one_takes_no_port_and_leaves_the_environment_alone(tmp_path):
+    """Without a launch, init_distributed starts a world of one over an in-process store. It used to set
+    MASTER_PORT=29500 (and RANK, WORLD_SIZE) in this process's environment and listen there, so a later
+    torchrun, or any script it started, failed with EADDRINUSE on the default port."""
+    import os
+    import subprocess
+    import sys
+    code = ("import os, torch.distributed as dist\n"
+            "from flexsp.runtime.pool import init_distributed\n"
+            "init_distributed()\n"
+            "import torch; t = torch.ones(1); dist.all_reduce(t)\n"
+            "print(dist.get_world_size(), float(t), sorted(k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', "
+            "'MASTER_PORT') if k in os.environ))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                           "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "1 1.0 []"
