@@ -139,6 +139,10 @@ _SANDWICH_FAMILIES = ("gemma2", "gemma3", "gemma4", "vaultgemma")
 # hidden sizes, expert widths, expert and top-k counts; within 2%), autocast keeps another 8 x expert FFN and
 # (6 x hidden) per active expert less 2 x hidden, bf16 another 2 x hidden per active expert.
 _MOE_EXTRA = {"autocast": (8, 6, -2), "bf16": (0, 2, 0)}   # (x active x expert FFN, x active x hidden, x hidden)
+# Llama 4's experts run densely (every expert on every token, one batched matmul each): fitted the same way, and
+# its q/k norm (an L2 norm without weights) keeps 2 x (q_dim + kv_dim) less than the RMSNorm _SAVED counts.
+_DENSE_MOE_EXTRA = {"autocast": (0, 4, 2), "bf16": (0, 2, 0)}
+_DENSE_MOE_FAMILIES = ("llama4",)
 # Outside the layers, per token: the final norm's input and output and the loss's bf16 input (autocast 12 x
 # hidden, bf16 8 x hidden), the labels (int64) and the loss's log-sum-exp (fp32): 12 bytes.
 _HEAD = {"autocast": 12, "bf16": 8}
@@ -189,7 +193,8 @@ def layer_activation_bytes(spec: Any, kind: Any, recompute: str | bool = "none",
         total += _SANDWICH[precision] * spec.hidden + (2 * (spec.q_dim + spec.kv_dim) if spec.qk_norm else 0)
     if kind.moe:
         k = spec.active_experts
-        per_ffn, per_copy, per_hidden = _MOE_EXTRA[precision]
+        dense = spec.family.startswith(_DENSE_MOE_FAMILIES)
+        per_ffn, per_copy, per_hidden = (_DENSE_MOE_EXTRA if dense else _MOE_EXTRA)[precision]
         total += 8 * (k * spec.moe_ffn + spec.shared_ffn) + 2 * k * spec.hidden + 4 * spec.experts \
             + per_ffn * k * spec.moe_ffn + per_copy * k * spec.hidden + per_hidden * spec.hidden
     else:
@@ -197,7 +202,8 @@ def layer_activation_bytes(spec: Any, kind: Any, recompute: str | bool = "none",
     if kind.softmax:
         total += q * spec.q_dim + kv * spec.kv_dim + heads * spec.heads
         if spec.qk_norm:   # each per-head norm keeps its input and normalised output, and its rsqrt (fp32)
-            total += 6 * (spec.q_dim + spec.kv_dim) + 4 * (spec.heads + spec.kv_heads)
+            total += (4 if spec.family.startswith(_DENSE_MOE_FAMILIES) else 6) * (spec.q_dim + spec.kv_dim) \
+                + 4 * (spec.heads + spec.kv_heads)
     else:
         shape = spec.linear_shape
         k, v = shape.key_width, shape.value_width
