@@ -16,6 +16,7 @@ per call, covers every builder (causal, sliding, chunked) and costs nothing.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Sequence
 
@@ -35,6 +36,8 @@ from flexsp.runtime.sp.context import AttentionContext, ShardingError, check_hea
 from flexsp.runtime.sp.linear import check_linear_heads
 
 
+# a composite config's other modality tokens by name: image/video/audio/frame/vision start, end, patch tokens
+_MODALITY_TOKEN = re.compile(r"^(image|video|audio|frame|vision|low_res_image|boi|boa|eoi|eoa)[a-z_]*_(token_id|token_index|patch_id)$")
 PLACEHOLDER_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "audio_token_id",
                     "audio_token_index", "boi_token_id", "boi_token_index", "vision_start_token_id", "boa_token_id")
 
@@ -63,7 +66,8 @@ def placeholder_ids(model: nn.Module) -> torch.Tensor | None:
     cfg = model.config
     if text_config(model) is cfg:
         return None
-    ids = sorted({int(v) for k in PLACEHOLDER_KEYS for v in [getattr(cfg, k, None)] if isinstance(v, int)})
+    keys = set(PLACEHOLDER_KEYS) | {k for k in vars(cfg) if _MODALITY_TOKEN.match(k)}   # Molmo2: image_patch_id
+    ids = sorted({int(v) for k in keys for v in [getattr(cfg, k, None)] if isinstance(v, int) and not isinstance(v, bool)})
     return torch.tensor(ids, dtype=torch.long) if ids else None
 
 

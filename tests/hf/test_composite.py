@@ -94,3 +94,16 @@ def test_llama4_multimodal_class_trains_its_text_model():
     with torch.no_grad():
         want = sum(float(native(input_ids=s[None], labels=s[None]).loss) * (len(s) - 1) for s in sequences)
     assert float(got) == pytest.approx(want, rel=1e-6)   # HF casts its logits to fp32 for the loss
+
+
+def test_placeholder_tokens_are_found_by_name_in_any_composite_config():
+    """A composite config's modality tokens under names beyond the usual few (Molmo2's ``image_patch_id`` and
+    image/frame start and end tokens) are refused in input_ids too: text-only training must not meet them."""
+    from types import SimpleNamespace
+
+    from flexsp.hf.adapter import placeholder_ids
+    text = SimpleNamespace()
+    cfg = SimpleNamespace(image_patch_id=7, image_start_token_id=5, frame_end_token_id=9, low_res_image_start_token_id=4,
+                          eos_token_id=2, use_frame_special_tokens=True, get_text_config=lambda: text)
+    model = SimpleNamespace(config=cfg)
+    assert placeholder_ids(model).tolist() == [4, 5, 7, 9]
