@@ -111,7 +111,11 @@ class HFCausalLM(nn.Module):
         self.placeholders = placeholder_ids(model)   # image/video/audio token ids FlexSP refuses in input_ids
         self.router = RouterLoss.of(model)   # None: no router auxiliary loss to add
         self.router_flag = router_flag(model)   # transformers reads it on every forward: a change must not pass
-        self.batch_coupled = self.router is not None   # flexsp.runtime.coupled: the executor sums its statistics
+
+    @property
+    def batch_coupled(self) -> bool:
+        """A router loss to add (``flexsp.runtime.coupled``: the executor sums its statistics over the batch)."""
+        return self.router is not None
 
     def set_recompute(self, recompute: str) -> None:
         """Activation checkpointing (``flexsp.plan.memory.RECOMPUTE``): "full" is transformers' own

@@ -286,7 +286,7 @@ class FlexSPTrainer(Trainer):
         its coefficient (as TRL logs it; the logged loss holds ``coef * aux_loss``), averaged like the loss."""
         if self.flexsp and "loss" in logs and self._aux_steps:
             if self.sp_model is not None and self.sp_model.router is not None:
-                logs["aux_loss"] = round(self._aux_sum / self._aux_steps / (self.sp_model.router.coef or 1.0), 6)
+                logs["aux_loss"] = round(self._aux_sum / self._aux_steps / self.sp_model.router.coef, 6)
             self._aux_sum, self._aux_steps = 0.0, 0
         super().log(logs, *a, **kw)
 

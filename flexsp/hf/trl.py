@@ -64,11 +64,9 @@ class FlexSPSFTTrainer(FlexSPTrainer, SFTTrainer):
         if self.flexsp:
             self.train_dataset = labels_only(self.train_dataset)
             router, coef = self.sp_model.router, float(self.router_aux_loss_coef)
-            if router is not None:   # TRL weighs the router loss by its own coefficient (SFTConfig's, else the config's)
-                if coef == 0.0:      # TRL adds none (a config without router_aux_loss_coef, or 0 asked): neither do we
-                    self.sp_model.router, self.sp_model.batch_coupled = None, False
-                else:
-                    self.sp_model.router = dataclasses.replace(router, coef=coef)
+            if router is not None:   # TRL weighs the router loss by its own coefficient (SFTConfig's, else the config's);
+                # 0 (a config without router_aux_loss_coef, or 0 asked): TRL adds none, and neither do we
+                self.sp_model.router = dataclasses.replace(router, coef=coef) if coef else None
 
 
 def labels_only(dataset: Any) -> Any:

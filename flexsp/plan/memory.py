@@ -183,18 +183,19 @@ def layer_activation_bytes(spec: Any, kind: Any, recompute: str | bool = "none",
     the convolution outputs (q, k, v), the recurrence's output (fp32 before its gated norm, and bf16 after)
     and the chunked form's fp32 state per 64-token chunk. The MoE and linear figures are counts of what
     those layers are built to save; the MoE figures are measured on transformers' Mixtral and Qwen3-MoE layers
-    (``_MOE_EXTRA``), the linear ones not yet. Gemma's sandwich norms add ``_SANDWICH``."""
+    (``_MOE_EXTRA``; Llama 4's dense experts ``_DENSE_MOE_EXTRA``), the linear ones not yet. Gemma's sandwich norms
+    add ``_SANDWICH``."""
     recompute, precision = check_recompute(recompute), check_precision(precision)
     h, q, kv, f, heads = _SAVED[(spec.implementation, precision)][recompute]
     if recompute == "full":
         return float(h * spec.hidden)
     total = h * spec.hidden
+    dense_moe = spec.family.startswith(_DENSE_MOE_FAMILIES)
     if spec.family.startswith(_SANDWICH_FAMILIES):
         total += _SANDWICH[precision] * spec.hidden + (2 * (spec.q_dim + spec.kv_dim) if spec.qk_norm else 0)
     if kind.moe:
         k = spec.active_experts
-        dense = spec.family.startswith(_DENSE_MOE_FAMILIES)
-        per_ffn, per_copy, per_hidden = (_DENSE_MOE_EXTRA if dense else _MOE_EXTRA)[precision]
+        per_ffn, per_copy, per_hidden = (_DENSE_MOE_EXTRA if dense_moe else _MOE_EXTRA)[precision]
         total += 8 * (k * spec.moe_ffn + spec.shared_ffn) + 2 * k * spec.hidden + 4 * spec.experts \
             + per_ffn * k * spec.moe_ffn + per_copy * k * spec.hidden + per_hidden * spec.hidden
     else:
@@ -202,7 +203,7 @@ def layer_activation_bytes(spec: Any, kind: Any, recompute: str | bool = "none",
     if kind.softmax:
         total += q * spec.q_dim + kv * spec.kv_dim + heads * spec.heads
         if spec.qk_norm:   # each per-head norm keeps its input and normalised output, and its rsqrt (fp32)
-            total += (4 if spec.family.startswith(_DENSE_MOE_FAMILIES) else 6) * (spec.q_dim + spec.kv_dim) \
+            total += (4 if dense_moe else 6) * (spec.q_dim + spec.kv_dim) \
                 + 4 * (spec.heads + spec.kv_heads)
     else:
         shape = spec.linear_shape
