@@ -7,6 +7,7 @@ stopped, and every kept sequence appears in exactly one batch of its epoch.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -40,6 +41,8 @@ class EpochBatches:
     def __init__(self, lengths: np.ndarray, config: LoaderConfig, capacity: float) -> None:
         self.lengths, self.config, self.capacity = lengths, config, capacity
         self.too_long = np.flatnonzero(lengths > capacity)
+        # what a loader state records of the left-out set (``FlexSPLoader.left_out``): fixed with it, so made once
+        self.too_long_digest = [int(self.too_long.size), zlib.crc32(self.too_long.astype(np.int64).tobytes())]
         self._cache: dict[int, list[tuple[int, ...]]] = {}   # the latest epochs (loop and planner thread)
 
     def check_too_long(self) -> None:

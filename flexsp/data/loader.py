@@ -23,7 +23,6 @@ import hashlib
 import logging
 import time
 import weakref
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -405,10 +404,7 @@ class FlexSPLoader:
         """``[count, crc32]`` of the sequences every epoch leaves out as too long (``on_too_long="skip"``; needs
         the lengths: the planning rank). The set follows the largest SP group's capacity (cluster, cost model,
         sharding), and each epoch's batches follow the set: a run resumed on another capacity must match it."""
-        if self.config.on_too_long != "skip":
-            return None
-        too_long = np.ascontiguousarray(self.batches.too_long, dtype=np.int64)
-        return [int(too_long.size), zlib.crc32(too_long.tobytes())]
+        return list(self.batches.too_long_digest) if self.config.on_too_long == "skip" else None
 
     def _fingerprint(self) -> str:
         """The dataset as the batches see it: a digest of every item's length (planning rank only)."""
