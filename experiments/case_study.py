@@ -44,7 +44,7 @@ def group_parts(lengths: np.ndarray, degree: int, cost: flexsp.CostModel) -> tup
     """(compute, all-to-all, fixed overhead) seconds of one group."""
     s = lengths.astype(np.float64)
     compute = float(((cost.alpha1 * s * s + cost.alpha2 * s) / degree).sum())
-    comm = 0.0 if degree == 1 else float((cost.comm_bytes_per_token * s / degree / cost.bandwidth(degree)).sum())
+    comm = 0.0 if degree == 1 else float((cost.alltoall_bytes(degree) * s / degree / cost.bandwidth(degree)).sum())
     return compute, comm, cost.beta1
 
 

@@ -191,3 +191,23 @@ def test_plans_and_bounds_with_ring_hop_latency():
     plan.validate(lengths, cost, cluster)               # predicted_time is recomputed with the hops
     assert plan.predicted_time == pytest.approx(plan.time(lengths, cost))
     assert coupled_lower_bound(lengths, cost, cluster) <= plan.predicted_time * (1 + 1e-9)
+
+
+def test_alltoall_replication_scales_the_volume_where_heads_are_copied(tmp_path):
+    """``alltoall_replication[u]``: at Ulysses degree u the runtime copies kv heads, so more bytes move; a model
+    without it (an older JSON file) means what it did, and bad entries are one-line errors."""
+    plain = hybrid_model()
+    copied = hybrid_model(alltoall_replication={4: 1.25, "8": 1.75})
+    assert copied.alltoall_replication == {4: 1.25, 8: 1.75} and plain.alltoall_replication == {}
+    for d, factor in ((2, 1.0), (4, 1.25), (8, 1.75), (64, 1.75)):     # 64 = 8 x ring 8: its Ulysses part's
+        u = copied.split(d)[0]
+        comm = CONTRACT["comm_bytes_per_token"] * factor / CONTRACT["alltoall_bandwidth"][u] / d
+        assert copied.coefficients(d)[1] - plain.coefficients(d)[1] == pytest.approx(comm - comm / factor)
+    path = tmp_path / "cost.json"
+    copied.save(path)
+    assert flexsp.CostModel.load(path) == copied
+    assert "alltoall_replication" not in plain.to_dict()
+    for bad, match in (({1: 2.0}, "Ulysses degree 2 to"), ({4: 0.5}, r"\(1 to 2\*\*20\)"), ({4: "x"}, "alltoall_replication"),
+                       ([1.5], "must map a Ulysses degree")):
+        with pytest.raises(flexsp.CostModelError, match=match):
+            hybrid_model(alltoall_replication=bad)

@@ -4,14 +4,19 @@ import json
 
 import numpy as np
 import pytest
+import torch
 import transformers as T
 
 import flexsp
 from flexsp.errors import CostModelError
-from flexsp.plan.analytic import comm_bytes_per_token, cost_from_hardware
+from flexsp.plan.analytic import alltoall_elements, comm_bytes_per_token, cost_from_hardware
 from flexsp.plan.layers import FULL, LayerKind, LinearShape, pairs, runs
 from flexsp.plan.memory import activation_bytes_per_token, model_state_bytes
 from flexsp.plan.specs import ModelSpec, get_model, spec_from_hf_config
+from flexsp.replay.exchange import LocalExchange
+from flexsp.runtime.sp.context import AttentionContext
+from flexsp.runtime.sp.linear import ulysses_conv, ulysses_recurrence
+from flexsp.runtime.sp.ulysses import ulysses_attention
 
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
 
@@ -210,16 +215,73 @@ def test_analytic_moe_compute_from_active_states_from_all():
     assert cost.window_alpha == {128: pytest.approx(cost.alpha1)}
 
 
-def test_linear_layers_have_no_pair_term_and_move_their_heads():
+class _Counting(LocalExchange):
+    """One rank's stand-in all-to-all that counts the elements this rank sends (its shard of each tensor)."""
+
+    sent: int = 0
+
+    def seq_to_head(self, x):
+        self.sent += x.numel()
+        return super().seq_to_head(x)
+
+    def head_to_seq(self, x):
+        self.sent += x.numel()        # [tokens, heads/d, dim]: as many elements as the shard it becomes
+        return super().head_to_seq(x)
+
+
+def _sent_per_token(degree: int, run) -> float:
+    """Elements per token one rank of a ``degree`` group sends through ``run(ctx, tokens)``'s all-to-alls."""
+    tokens = 8 * degree
+    exchange = _Counting(degree, 0)
+    ctx = dataclasses.replace(AttentionContext.packed([0, tokens]), exchange=exchange)
+    run(ctx, tokens // degree)
+    return exchange.sent / (tokens // degree)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-27b", "llama3-8b", "gpt-oss-20b"])
+def test_alltoall_volume_is_what_the_runtime_sends(name):
+    """The cost model's all-to-all bytes per layer kind and Ulysses degree equal the elements the runtime's
+    Ulysses attention and Gated DeltaNet paths send (counted through a stand-in exchange): the convolution's
+    round trip and the heads copied past the kv heads (GQA) or the linear layers' key heads included."""
+    spec = get_model(name)
+    degrees = [u for u in (2, 4, 8, 16, 32, 64) if spec.ulysses_heads % u == 0]
+    cost = cost_from_hardware(spec, "h100-80gb", 64)
+    for u in degrees:
+        def softmax(ctx, n):
+            q = torch.zeros(n, spec.heads, spec.head_size)
+            k = torch.zeros(n, spec.kv_heads, spec.head_size)
+            ulysses_attention(q, k, torch.zeros_like(k), ctx)
+
+        per_token = spec.softmax_layers * _sent_per_token(u, softmax)
+        if spec.mixer_layers("linear"):
+            shape = spec.linear_shape
+
+            def linear(ctx, n):
+                channels = 2 * shape.key_width + shape.value_width
+                ulysses_conv(torch.zeros(n, channels), [torch.zeros(channels, shape.conv), None], ctx,
+                             lambda xs, w, b: xs)
+                q = torch.zeros(n, shape.k_heads, shape.k_dim)
+                v, g = torch.zeros(n, shape.v_heads, shape.v_dim), torch.zeros(n, shape.v_heads)
+                ulysses_recurrence(q, torch.zeros_like(q), v, g, torch.zeros_like(g), ctx, lambda q, k, v, g, b: v)
+
+            per_token += spec.mixer_layers("linear") * _sent_per_token(u, linear)
+        assert alltoall_elements(spec, u) == per_token, (name, u)
+        # fwd + bwd in bf16; the heads copied past the kv heads as cost.alltoall_replication
+        assert cost.alltoall_bytes(u) == pytest.approx(2 * 2 * per_token)
+    assert comm_bytes_per_token(spec) == 2 * 2 * alltoall_elements(spec)
+
+
+def test_linear_layers_have_no_pair_term_nor_ring():
     spec = get_model("qwen3.5-27b")
     cost = cost_from_hardware(spec, "h100-80gb", 64)
     dense_twin = dataclasses.replace(spec, kinds=(), linear=None)
     assert cost.alpha1 == pytest.approx(cost_from_hardware(dense_twin, "h100-80gb", 64).alpha1 / 4)
-    shape = spec.linear_shape
-    linear = 2 * 2 * 48 * (2 * shape.key_width + 2 * shape.value_width + 2 * shape.v_heads)
-    softmax = 2 * 2 * 16 * (2 * spec.q_dim + 2 * spec.kv_dim)
-    assert comm_bytes_per_token(spec) == linear + softmax
-    assert cost.heads == 8
+    # its recurrences cannot run on a ring (flexsp.runtime.sp.linear): degrees past its 8 heads are not costed,
+    # so no plan puts it on a ring group
+    assert cost.heads == 8 and cost.ring_bandwidth is None
+    assert not cost.costs_degree(16) and cost.costs_degree(8)
+    plan = flexsp.plan_batch([20_000] * 4 + [500] * 64, cost, flexsp.Cluster(64, 8), "flexsp")
+    assert all(g.ring == 1 and g.degree <= 8 for mb in plan.micro_batches for g in mb.groups)
 
 
 def test_layer_kinds_per_layer_view_and_runs_roundtrip():

@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 
+import flexsp
 from flexsp import CostModel
 from flexsp.errors import CostModelError, PlanError
 from flexsp.evaluation.megatron import MegatronModel, megatron_step_time, step_for_cp
@@ -106,3 +107,9 @@ def test_bad_inputs():
         small_model(inter_node_bandwidth=0)
     with pytest.raises(CostModelError):
         small_model().seq_time(100, 3)
+
+
+def test_megatron_model_refuses_windowed_layers_it_would_cost_as_full():
+    cost = flexsp.cost_from_hardware("gemma-3-27b", "h100-80gb", 64)
+    with pytest.raises(flexsp.CostModelError, match="full attention.*window 1024"):
+        MegatronModel.from_cost_model(cost, hidden=5376, layers=62)

@@ -99,7 +99,11 @@ class MegatronModel:
     def from_cost_model(cls, cost: CostModel, hidden: int, layers: int, *, tp: int = 8, gpus_per_node: int = 8,
                         inter_node_bandwidth: float = NOMINAL_INTER_NODE_BANDWIDTH) -> "MegatronModel":
         """Same compute constants and activation budget as ``cost``; intra-node bandwidth is its
-        all-to-all bandwidth at one node's degree (the paper's NVLink measurement)."""
+        all-to-all bandwidth at one node's degree (the paper's NVLink measurement). Megatron's model has one
+        attention term, ``alpha1 s^2``: a cost model with windowed or chunked layers is refused."""
+        if cost.terms:
+            raise CostModelError("MegatronModel costs every layer as full attention (alpha1 s^2); this cost model has "
+                                 f"windowed or chunked layers ({', '.join(f'{m} {n}' for m, n in cost.terms)})")
         try:
             intra = cost.alltoall_bandwidth[gpus_per_node]
         except KeyError:

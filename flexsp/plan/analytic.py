@@ -17,7 +17,9 @@ Per layer kind (``ModelSpec.kinds``, ``flexsp.plan.layers``):
 * ``beta1``: a fixed per-group overhead (kernel launches, optimizer-free step bookkeeping), given.
 * ``comm_bytes_per_token``: ``2 (fwd+bwd) * 2 bytes`` times, per softmax layer, ``2 q_dim + 2 kv_dim``
   (Ulysses moves Q, K, V in and the output back, K and V at their GQA width) and per linear-attention
-  layer its q, k, v and b/a gates in and its output back (``comm_bytes_per_token``).
+  layer its convolution's input to the head layout and back, then its q, k, v and b/a gates in and its output
+  back (``alltoall_elements``); ``alltoall_replication``: how much more moves at Ulysses degrees wider than
+  the kv heads (or the linear layers' key heads), whose heads the runtime copies.
 * Activation memory per token: ``flexsp.plan.memory.activation_bytes_per_token`` (what the layers save
   for backward, by precision path and recompute, measured against the real layers' saved tensors), on
   the precision path the runtime takes (``precision_for``: FSDP2 bf16 parameters when it wraps, autocast
@@ -26,10 +28,11 @@ Per layer kind (``ModelSpec.kinds``, ``flexsp.plan.layers``):
   ``token_capacity = (memory * usable_fraction - model states) / activation bytes per token``.
 * The Ulysses limit is the heads every mixer splits by (``ModelSpec.ulysses_heads``: the attention's and
   the linear layers' key and value heads).
-* Beyond the Ulysses limit (``heads``), groups are Ulysses x ring hybrids (``flexsp.plan.cost``): the
+* Beyond the Ulysses limit (``heads``), groups are Ulysses x ring hybrids (``flexsp.plan.cost``; none for a
+  model with linear-attention layers, whose recurrences cannot run on a ring: ``model_axes``): the
   ring passes K and V (``2 * kv_dim * 2`` bytes per token per layer) three times per step (forward,
   and K/V plus their gradients backward) at the inter-node point-to-point bandwidth; each hop also
-  costs ``inter_node_latency`` per softmax layer and pass (``ring_hop_latency = 3 * layers * latency``; 5 us
+  costs ``inter_node_latency`` per softmax layer and pass (``ring_hop_latency = 3 * softmax layers * latency``; 5 us
   assumed, ``GPUSpec.inter_node_latency``).
 * All-to-all bandwidth for every degree with a tile (``flexsp.plan.cluster.tileable_degrees``: inside
   a node, or whole nodes; non-powers of two included) and for the Ulysses part of each (``gcd(d, heads)``:
@@ -44,7 +47,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import asdict, fields
-from typing import Any
+from typing import Any, Iterable
 
 from flexsp.errors import CostModelError
 from flexsp.inputs import integer, number
@@ -64,18 +67,54 @@ def alltoall_bandwidth(degree: int, gpus_per_node: int, intra: float, inter: flo
     return 1.0 / max(off_node, on_node)
 
 
-def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
-    """All-to-all bytes per token over a step: fwd + bwd, every layer. A softmax-attention layer (full,
-    window or chunk alike) moves Q and the output at ``q_dim`` width and K and V at ``kv_dim`` width; a
-    linear-attention layer moves its convolution's input (q, k at the key width, v at the value width) and
-    its gates b and a (one value per value head) to the head-split layout, and the recurrence's output (the
-    value width) back; its z gate is applied after the output returns, so it stays put."""
-    per_token = spec.softmax_layers * spec.ulysses_width
+def alltoall_elements(spec: ModelSpec, ulysses: int = 1) -> int:
+    """Elements one token sends through a forward's all-to-alls at Ulysses degree ``ulysses``, every layer.
+
+    A softmax-attention layer (full, window or chunk alike) moves Q and the output at ``q_dim`` width and K and V
+    at ``kv_dim`` width, K and V copied ``u / gcd(kv_heads, u)`` times where the group is wider than the kv heads
+    (every rank gets whole ones: ``flexsp.runtime.sp.ulysses``). A linear-attention layer runs two calls the
+    runtime splits apart (``flexsp.hf.linear_attention``): the depthwise convolution takes its input (q, k at the
+    key width, v at the value width) to the head layout and back, then the recurrence takes q, k (copied like kv
+    heads), v and the gates b and a (one value per value head) there and sends its output (the value width) back;
+    the z gate is applied after the output returns, so it stays put."""
+    kv_copies = ulysses // math.gcd(spec.kv_heads, ulysses)
+    total = spec.softmax_layers * (spec.q_dim + spec.heads * spec.v_head_size + kv_copies * spec.ring_width)
     linear = spec.mixer_layers("linear")
     if linear:
         shape = spec.linear_shape
-        per_token += linear * (2 * shape.key_width + shape.value_width + 2 * shape.v_heads + shape.value_width)
-    return 2 * per_token * bytes_per_element
+        k_copies = ulysses // math.gcd(shape.k_heads, ulysses)
+        conv = 2 * shape.key_width + shape.value_width
+        total += linear * (2 * conv + k_copies * 2 * shape.key_width + 2 * shape.value_width + 2 * shape.v_heads)
+    return total
+
+
+def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
+    """All-to-all bytes per token over a step (fwd + bwd, every layer) where no head is copied
+    (``alltoall_elements``; ``alltoall_replication`` gives the degrees where some are)."""
+    return 2 * alltoall_elements(spec) * bytes_per_element
+
+
+def alltoall_replication(spec: ModelSpec, degrees: Iterable[int]) -> dict[int, float]:
+    """``CostModel.alltoall_replication``: at each Ulysses degree of ``degrees`` wider than the heads some
+    layer copies, its all-to-all volume over ``comm_bytes_per_token``'s."""
+    base = alltoall_elements(spec)
+    return {u: alltoall_elements(spec, u) / base for u in sorted(set(degrees))
+            if u > 1 and alltoall_elements(spec, u) > base}
+
+
+def model_axes(spec: ModelSpec, ring_bandwidth: float | None, hop_latency: float, bytes_per_element: int = 2
+               ) -> dict[str, Any]:
+    """The ``CostModel`` fields of ``spec``'s parallel axes: ``heads`` (those every mixer splits by, so the
+    Ulysses limit), ``kv_heads``, and the ring axis at ``ring_bandwidth`` and ``hop_latency`` per message: K and V
+    of the softmax layers, three passes a step. A model with linear-attention layers gets no ring axis: a
+    recurrence cannot pass its state around a ring (``flexsp.runtime.sp.linear``), so degrees past its heads
+    are not costed (not planned)."""
+    heads = spec.ulysses_heads
+    axes: dict[str, Any] = {"heads": heads, "kv_heads": math.gcd(spec.kv_heads, heads)}
+    if spec.mixer_layers("linear") or ring_bandwidth is None:
+        return {**axes, "ring_bytes_per_token": 0.0, "ring_bandwidth": None, "ring_hop_latency": 0.0}
+    return {**axes, "ring_bytes_per_token": 3 * spec.softmax_layers * spec.ring_width * bytes_per_element,
+            "ring_bandwidth": ring_bandwidth, "ring_hop_latency": 3 * spec.softmax_layers * hop_latency}
 
 
 def attention_alphas(spec: ModelSpec, flops: float) -> tuple[float, dict[int, float], dict[int, float]]:
@@ -130,11 +169,8 @@ def analytic_cost_model(model: ModelSpec | str, gpu: GPUSpec | str, num_gpus: in
         alltoall_bandwidth={d: alltoall_bandwidth(d, gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
                             for d in degrees},
         token_capacity=capacity,
-        heads=heads,
-        kv_heads=math.gcd(model.kv_heads, heads),
-        ring_bytes_per_token=3 * model.softmax_layers * model.ring_width * 2,
-        ring_bandwidth=gpu.inter_node_bandwidth,
-        ring_hop_latency=3 * model.softmax_layers * gpu.inter_node_latency,
+        **model_axes(model, gpu.inter_node_bandwidth, gpu.inter_node_latency),
+        alltoall_replication=alltoall_replication(model, degrees),
         window_alpha={w: attention_work * a for w, a in windows.items()},
         chunk_alpha={c: attention_work * a for c, a in chunks.items()},
         meta={"source": "analytic", "model": model.shape(), "gpu": asdict(gpu), "num_gpus": num_gpus,

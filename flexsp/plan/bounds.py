@@ -57,10 +57,10 @@ def _degree_costs(cost: CostModel, cluster: Cluster, max_degree: int | None, deg
     Bounds ignore where groups sit (tiles), a relaxation, so they hold for non-nesting sets too. A batch
     no plan can hold (a sequence longer than the largest degree holds) is refused with ``plan_batch``'s
     ``PlanError``: it has no finite bound, and its infinite areas would turn the LP's sums into NaN."""
+    from flexsp.plan.config import PlanConfig
     from flexsp.plan.planner import check_held  # the planner imports the strategies: only when asked
-    if isinstance(degrees, str):
-        from flexsp.plan.config import PlanConfig
-        degrees = PlanConfig(degrees=degrees, max_degree=max_degree).checked(cost, cluster).degrees
+    # the degrees plan_batch would use ("any" resolved; a model without a ring axis: none past its heads)
+    degrees = PlanConfig(degrees=degrees, max_degree=max_degree).checked(cost, cluster).degrees
     costs = cost.degree_costs(cluster.usable_degrees(max_degree, degrees))
     check_held(lengths, cost, cluster, costs.degrees[-1])
     return costs

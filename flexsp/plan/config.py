@@ -101,7 +101,8 @@ class PlanConfig:
     def checked(self, cost: CostModel, cluster: Cluster) -> "PlanConfig":
         """This config against ``cost`` and ``cluster``: the strategy exists, ``sp_degree`` only where the
         strategy takes one, ``degrees`` have tiles on the cluster (``"any"`` resolved to a tuple: every degree
-        with a tile the cost model can cost, within ``max_degree``); ``ulysses_only`` leaves only degrees that need no ring."""
+        with a tile the cost model can cost, within ``max_degree``); ``ulysses_only`` leaves only degrees that need no ring,
+        and so does a cost model without a ring axis by default."""
         if not isinstance(cluster, Cluster):
             raise PlanError(f"cluster must be a flexsp.Cluster, got {type(cluster).__name__}")
         if not isinstance(cost, CostModel):
@@ -125,8 +126,10 @@ class PlanConfig:
             if rings:
                 raise PlanError(f"ulysses_only=True but degrees {rings} need a ring axis ({cost.heads} heads: Ulysses "
                                 f"takes gcd(degree, heads)); drop them or allow rings")
-        elif any(ring(d) for d in cluster.degrees):
-            degrees = tuple(d for d in cluster.degrees if not ring(d))   # the cluster's default degrees, less rings
+        elif any(cost.split(d)[1] > 1 for d in cluster.degrees) and (self.ulysses_only or cost.ring_bandwidth is None):
+            # the cluster's default degrees, less rings: asked for, or the model has no ring axis (its linear-attention
+            # layers cannot run on one: flexsp.plan.analytic.model_axes)
+            degrees = tuple(d for d in cluster.degrees if cost.split(d)[1] == 1)
         if self.sp_degree is not None and ring(self.sp_degree):
             raise PlanError(f"ulysses_only=True but sp_degree={self.sp_degree} needs a ring axis ({cost.heads} heads: "
                             f"Ulysses takes gcd(degree, heads))")

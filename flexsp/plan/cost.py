@@ -16,6 +16,11 @@ the attention compute:
                      + max(alpha1*s^2/d,  ring_bytes_per_token*s*(r-1) / (r*min(u, kv_heads)) / ring_bandwidth
                                           + (r-1) * ring_hop_latency)
 
+``alltoall_replication[u]`` (default: none) scales ``comm_bytes_per_token`` at a Ulysses degree ``u`` where the
+runtime copies heads before the all-to-all: a group wider than the model's kv heads gives every rank whole ones
+(each kv head ``u / gcd(kv_heads, u)`` times), so K and V move that many times over (``flexsp.plan.analytic``
+fills it from the model's heads; an older JSON file without it means what it did).
+
 ``ring_bytes_per_token`` is the K+V bytes of one token over all layers, forward plus backward (the
 backward passes K/V and their gradients: 3 passes); each rank holds ``1/min(u, kv_heads)`` of the
 KV width after the Ulysses split (GQA kv heads are replicated, never split, below one per rank).
@@ -99,6 +104,7 @@ class CostModel:
     ring_hop_latency: float = 0.0       # s of latency per ring hop, summed over a step's layers and passes
     window_alpha: Mapping[int, float] = field(default_factory=dict)  # window w -> s per pair of its layers
     chunk_alpha: Mapping[int, float] = field(default_factory=dict)   # chunk c -> s per pair of its layers
+    alltoall_replication: Mapping[int, float] = field(default_factory=dict)  # Ulysses degree -> volume x (>= 1)
 
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
@@ -150,6 +156,18 @@ class CostModel:
                     raise CostModelError(f"{name} has size {size}; sizes are whole numbers of tokens >= 1")
                 checked[size] = number(value, f"{name}[{size}]", CostModelError)
             object.__setattr__(self, name, dict(sorted(checked.items())))
+        replication = self.alltoall_replication if self.alltoall_replication is not None else {}
+        if not isinstance(replication, Mapping):
+            raise CostModelError(f"alltoall_replication must map a Ulysses degree -> a volume factor >= 1, got "
+                                 f"{type(replication).__name__}")
+        checked = {}
+        for degree, value in integer_keys(replication, "alltoall_replication", CostModelError, "Ulysses degree").items():
+            factor = number(value, f"alltoall_replication[{degree}]", CostModelError)
+            if not (2 <= degree <= 2**40 and 1 <= factor <= 2**20):
+                raise CostModelError(f"alltoall_replication[{degree}] = {value!r}: a Ulysses degree 2 to 2**40 maps to "
+                                     f"how many times the all-to-all volume is comm_bytes_per_token's (1 to 2**20)")
+            checked[degree] = factor
+        object.__setattr__(self, "alltoall_replication", dict(sorted(checked.items())))
         if self.alpha1 == 0 and self.alpha2 == 0 and not any(self.terms_alpha()):
             raise CostModelError("alpha1 and alpha2 are both 0: every sequence would take no time")
         self.check_range(d for d in (1, *self.alltoall_bandwidth) if self.split(d)[1] == 1 or self.ring_bandwidth)
@@ -195,6 +213,11 @@ class CostModel:
                 f"no all-to-all bandwidth for SP degree {degree}; the cost model knows degrees {known}. "
                 f"Add alltoall_bandwidth[{degree}] or keep plans below it") from None
 
+    def alltoall_bytes(self, ulysses: int) -> float:
+        """All-to-all bytes per token over a step at Ulysses degree ``ulysses``: ``comm_bytes_per_token``, times
+        ``alltoall_replication`` where the runtime copies heads to give every rank whole ones."""
+        return self.comm_bytes_per_token * self.alltoall_replication.get(ulysses, 1.0)
+
     @property
     def ulysses_limit(self) -> int | None:
         """Largest Ulysses degree: the largest power of two dividing ``heads`` (None: unlimited)."""
@@ -209,7 +232,7 @@ class CostModel:
         if isinstance(degree, (bool, np.bool_)) or not isinstance(degree, (int, np.integer)) or degree < 1:
             raise CostModelError(f"SP degree must be a whole number >= 1, got {degree!r}")
         ulysses, ring = self.split(degree)
-        comm = 0.0 if ulysses == 1 else self.comm_bytes_per_token / self.bandwidth(ulysses)
+        comm = 0.0 if ulysses == 1 else self.alltoall_bytes(ulysses) / self.bandwidth(ulysses)
         ring_coefficient = 0.0
         if ring > 1:
             if self.ring_bandwidth is None:
@@ -317,9 +340,9 @@ class CostModel:
                               ("ring_bandwidth", None), ("ring_hop_latency", 0.0)):
             if getattr(self, name) != default:      # written when set, so every model round-trips exactly
                 out[name] = getattr(self, name)
-        for name in _TERMS:                         # written when a model has windowed or chunked layers
-            if getattr(self, name):
-                out[name] = {str(size): alpha for size, alpha in getattr(self, name).items()}
+        for name in (*_TERMS, "alltoall_replication"):   # written when a model has windowed or chunked layers, or
+            if getattr(self, name):                       # copies heads for the all-to-all
+                out[name] = {str(key): value for key, value in getattr(self, name).items()}
         return out
 
     @classmethod

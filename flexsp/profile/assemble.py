@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 from typing import Any, Mapping, Sequence
 
-from flexsp.plan.analytic import comm_bytes_per_token
+from flexsp.plan.analytic import alltoall_replication, comm_bytes_per_token, model_axes
 from flexsp.plan.cost import CostModel
 from flexsp.plan.specs import ModelSpec
 from flexsp.profile.fit import BandwidthFit, ComputeFit, KindsModel
@@ -68,17 +68,17 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
     if kinds is not None:
         meta["kinds"] = [k.to_dict() for k in kinds.kinds]
         meta["kinds_base"] = kinds.base.to_dict()     # the model without layers: embedding, LM head, loss
-    axis: dict[str, Any] = {}
+    axis = model_axes(spec, None, 0.0, bytes_per_element)   # the Ulysses limit the runtime has, ring or not
     if ring is not None:
         meta["ring"] = {"measured": True, **dict(ring_layout or {}), "fit": ring.to_dict(),
                         "ring_hop_latency": "3 * layers * fitted latency",
                         "ring_bytes_per_token": "3 * softmax layers * (K + V width) * bytes_per_element"}
-        axis = {"heads": spec.heads, "kv_heads": spec.kv_heads,
-                # K and V cross the ring three times a step, per layer: forward, and backward passes K/V
-                # again and dK/dV back (flexsp.plan.analytic); each hop of each pass pays the latency once.
-                "ring_bytes_per_token": 3 * spec.softmax_layers * spec.ring_width * bytes_per_element,
-                "ring_bandwidth": ring.bandwidth, "ring_hop_latency": 3 * spec.softmax_layers * ring.latency}
+        # K and V cross the ring three times a step, per softmax layer: forward, and backward passes K/V again
+        # and dK/dV back (flexsp.plan.analytic.model_axes); each hop of each pass pays the latency once. A model
+        # with linear-attention layers gets no ring axis (its recurrences cannot run on a ring).
+        axis = model_axes(spec, ring.bandwidth, ring.latency, bytes_per_element)
     return CostModel(alpha1=compute.alpha1, alpha2=compute.alpha2, beta1=compute.beta1,
                      comm_bytes_per_token=comm_bytes_per_token(spec, bytes_per_element),
                      alltoall_bandwidth={b.degree: b.bandwidth for b in bandwidths},
+                     alltoall_replication=alltoall_replication(spec, [b.degree for b in bandwidths]),
                      token_capacity=token_capacity, meta=meta, **axis, **terms)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexsp.errors import CostModelError
-from flexsp.plan.analytic import alltoall_bandwidth
+from flexsp.plan.analytic import alltoall_bandwidth, alltoall_replication, model_axes
 from flexsp.plan.cost import CostModel
 from flexsp.plan.specs import ModelSpec
 
@@ -71,20 +71,21 @@ def with_interconnect(cost: CostModel, spec: ModelSpec, name: str, bytes_per_ele
     filled = {d: alltoall_bandwidth(d, node, preset.intra_node_bandwidth, preset.inter_node_bandwidth)
               for d in (2 ** i for i in range(1, up_to.bit_length())) if d <= up_to and d not in measured}
     ring_measured = bool((cost.meta.get("ring") or {}).get("measured")) and cost.ring_bandwidth is not None
-    ring = {} if ring_measured else {   # a measured ring axis (flexsp.profile.ring) is kept as it is
-        "ring_bytes_per_token": 3 * spec.softmax_layers * spec.ring_width * bytes_per_element,
-        "ring_bandwidth": preset.inter_node_bandwidth, "ring_hop_latency": 3 * spec.layers * preset.latency}
+    axes = model_axes(spec, preset.inter_node_bandwidth, preset.latency, bytes_per_element)
+    if ring_measured:   # a measured ring axis (flexsp.profile.ring) is kept as it is
+        axes = {k: axes[k] for k in ("heads", "kv_heads")}
     assumed: dict[str, Any] = {
         "interconnect": preset.name, "source": preset.source, "gpus_per_node": node,
         "figures": {"intra_node_bandwidth": preset.intra_node_bandwidth,
                     "inter_node_bandwidth": preset.inter_node_bandwidth, "latency": preset.latency},
-        "degrees": sorted(filled), "parts": ["alltoall_bandwidth"] + ([] if ring_measured else
-                                                                     ["ring_bandwidth", "ring_hop_latency"])}
+        "degrees": sorted(filled), "parts": ["alltoall_bandwidth"] + ([] if ring_measured or axes.get("ring_bandwidth") is None
+                                                                     else ["ring_bandwidth", "ring_hop_latency"])}
     meta = dict(cost.meta, assumed=assumed,
                 estimates=sorted(set(cost.meta.get("estimates", [])) |
                                  {f"interconnect (assumed: --interconnect {preset.name} preset)"}))
-    return dataclasses.replace(cost, alltoall_bandwidth={**measured, **filled}, heads=spec.heads,
-                               kv_heads=spec.kv_heads, meta=meta, **ring)
+    table = {**measured, **filled}
+    return dataclasses.replace(cost, alltoall_bandwidth=table, meta=meta, **axes,
+                               alltoall_replication=alltoall_replication(spec, table))
 
 
 def preset_table() -> str:

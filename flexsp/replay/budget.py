@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from flexsp.plan.cost import CostModel
 from flexsp.plan.specs import ModelSpec
 from flexsp.plan.types import Plan
@@ -42,8 +44,10 @@ def estimate_seconds(plan: Plan, lengths: Sequence[int], cost: CostModel, spec: 
             if (g.degree, seqs) in seen:
                 continue
             seen.add((g.degree, seqs))
-            squares, tokens = float(sum(s * s for s in seqs)), float(sum(seqs))
-            total += (attention * cost.alpha1 * squares + linear * cost.alpha2 * tokens) / g.degree + linear * cost.beta1
+            tokens = float(sum(seqs))
+            # attention of full, windowed and chunked layers alike (CostModel.attention_seconds)
+            total += (attention * float(np.sum(cost.attention_seconds(seqs))) + linear * cost.alpha2 * tokens) / g.degree \
+                + linear * cost.beta1
     return runs * total
 
 

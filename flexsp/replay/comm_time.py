@@ -1,8 +1,8 @@
 """Modelled communication for a replay: the cost model's all-to-all term, optionally with a measured
 bandwidth table in place of its bandwidths. No torch.
 
-A group of ``d > 1`` ranks moves ``comm_bytes_per_token * tokens / d`` bytes per rank per step (all
-layers, forward and backward) at ``bandwidth[d]``, exactly the term ``CostModel.seq_time`` adds, so a
+A group of ``d > 1`` ranks moves ``alltoall_bytes(u) * tokens / d`` bytes per rank per step (all
+layers, forward and backward; ``u`` its Ulysses part) at ``bandwidth[u]``, exactly the term ``CostModel.seq_time`` adds, so a
 replayed group differs from its prediction only in compute.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def comm_time(cost: CostModel, tokens: int, degree: int) -> float:
     ulysses = cost.split(degree)[0]
     if ulysses == 1:
         return 0.0
-    return cost.comm_bytes_per_token * tokens / degree / cost.bandwidth(ulysses)
+    return cost.alltoall_bytes(ulysses) * tokens / degree / cost.bandwidth(ulysses)
 
 
 def exposed_ring_time(cost: CostModel, lengths, degree: int) -> float:

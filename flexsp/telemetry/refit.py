@@ -128,7 +128,7 @@ class Refitter:
         measured = np.asarray([o.seconds for o in obs])
         typical = float(np.median(measured))
         # current values (a zero one gets a scale from the data so its ratio can still move)
-        prior = [cost.alpha1, cost.alpha2, cost.beta1] + [cost.comm_bytes_per_token / cost.bandwidth(d)
+        prior = [cost.alpha1, cost.alpha2, cost.beta1] + [cost.alltoall_bytes(d) / cost.bandwidth(d)
                                                            for d in comm_degrees]
         attention = np.asarray([o.sum_sq / o.degree for o in obs])
         if cost.terms:   # alpha1 and the window/chunk alphas as one ratio: the column is their seconds now
@@ -159,7 +159,7 @@ class Refitter:
         bandwidth = dict(cost.alltoall_bandwidth)
         for d, c in zip(comm_degrees, values[3:]):
             if c > 0:
-                bandwidth[d] = cost.comm_bytes_per_token / float(c)
+                bandwidth[d] = cost.alltoall_bytes(d) / float(c)
         before = relative_error(cost, obs)
         try:
             candidate = dataclasses.replace(cost, alpha1=alpha1, alpha2=alpha2, beta1=beta1,

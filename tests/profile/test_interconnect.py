@@ -2,7 +2,7 @@
 import pytest
 
 from flexsp import CostModel, CostModelError
-from flexsp.plan.analytic import alltoall_bandwidth
+from flexsp.plan.analytic import alltoall_bandwidth, analytic_cost_model
 from flexsp.plan.cost import describe_sources
 from flexsp.plan.specs import get_model
 from flexsp.profile.interconnect import INTERCONNECTS, with_interconnect
@@ -24,7 +24,7 @@ def test_fills_unmeasured_degrees_from_the_preset_and_keeps_measured_ones(name):
     assert cost.alltoall_bandwidth[64] == alltoall_bandwidth(64, 8, preset.intra_node_bandwidth,
                                                              preset.inter_node_bandwidth)
     assert cost.meta["assumed"]["degrees"] == [8, 16, 32, 64, 128, 256, 512, 1024]
-    assert cost.heads == spec.heads and cost.ring_hop_latency == 3 * spec.layers * preset.latency
+    assert cost.heads == spec.heads and cost.ring_hop_latency == 3 * spec.softmax_layers * preset.latency
     assert cost.seq_time(100_000, 1024) > 0                                  # ring hybrid beyond 32 heads
     line = describe_sources(cost)
     assert "measured compute" in line and "all-to-all at degrees [2, 4]" in line and name in line
@@ -51,3 +51,21 @@ def test_a_measured_ring_axis_is_kept_and_only_the_all_to_all_is_assumed():
     unmeasured = with_interconnect(measured({2: 1.5e9}), spec, "pcie", 2, up_to=64)   # no ring fit: the preset's
     assert unmeasured.ring_bandwidth == INTERCONNECTS["pcie"].inter_node_bandwidth
     assert "ring bandwidth and hop latency from the pcie preset" in describe_sources(unmeasured)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-27b", "gpt-oss-20b", "gemma-3-27b", "llama3-8b"])
+def test_filled_axes_are_the_analytic_models(name):
+    """A profile's filled-in axes follow the model as the analytic model does: the heads every mixer splits by
+    (Qwen3.5: 8, not its 24 attention heads), the ring latency of the softmax layers only, no ring axis for
+    linear-attention layers (their recurrences cannot run on one), and the heads copied past the kv heads."""
+    spec = get_model(name)
+    cost = with_interconnect(measured({2: 1.5e9}), spec, "nvlink-ib", 2, up_to=64)
+    analytic = analytic_cost_model(spec, "h100-80gb", num_gpus=64)
+    assert (cost.heads, cost.kv_heads) == (analytic.heads, analytic.kv_heads)
+    assert (cost.ring_bandwidth is None) == (analytic.ring_bandwidth is None) == bool(spec.mixer_layers("linear"))
+    assert cost.ring_bytes_per_token == analytic.ring_bytes_per_token
+    assert cost.ring_hop_latency == 3 * spec.softmax_layers * INTERCONNECTS["nvlink-ib"].latency * (cost.ring_bandwidth is not None)
+    common = set(cost.alltoall_bandwidth) & set(analytic.alltoall_bandwidth)
+    assert {u: cost.alltoall_bytes(u) / cost.comm_bytes_per_token for u in common} == pytest.approx(
+        {u: analytic.alltoall_bytes(u) / analytic.comm_bytes_per_token for u in common})
+    assert ("ring_bandwidth" in cost.meta["assumed"]["parts"]) == (cost.ring_bandwidth is not None)
