@@ -210,18 +210,18 @@ def json_depth(text: str) -> int:
     return deepest
 
 
-class _DuplicateKey(ValueError):
+class DuplicateKey(ValueError):
     pass
 
 
-def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object, refused when a key comes twice: ``json`` would keep the later value silently."""
     out = dict(pairs)
     if len(out) < len(pairs):
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise _DuplicateKey(key)
+                raise DuplicateKey(key)
             seen.add(key)
     return out
 
@@ -236,8 +236,8 @@ def parse_json(text: str, what: str, error: type[FlexSPError]) -> Any:
         raise error(f"{what} is nested too deeply ({depth} levels; a FlexSP JSON document has at most "
                     f"{MAX_JSON_DEPTH})")
     try:
-        return json.loads(text, object_pairs_hook=_distinct_keys)
-    except _DuplicateKey as exc:
+        return json.loads(text, object_pairs_hook=distinct_keys)
+    except DuplicateKey as exc:
         raise error(f"{what} has the key {_short_repr(exc.args[0])} twice in one object; which value counts "
                     f"would be a guess") from None
     except RecursionError:

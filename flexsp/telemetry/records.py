@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn, Sequenc
 import numpy as np
 
 from flexsp.errors import FlexSPError
-from flexsp.inputs import INT64_MAX, integer, limit, number, raise_hint, read_json, too_large
+from flexsp.inputs import INT64_MAX, DuplicateKey, distinct_keys, integer, limit, number, raise_hint, read_json, too_large
 from flexsp.plan.cost import CostModel
 from flexsp.plan.specs import GPUS, ModelSpec
 from flexsp.plan.types import Plan
@@ -287,7 +287,10 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
             if not raw.strip():
                 continue
             try:
-                value = json.loads(raw.decode("utf-8"))
+                value = json.loads(raw.decode("utf-8"), object_pairs_hook=distinct_keys)
+            except DuplicateKey as exc:   # json would keep the later value silently
+                raise TelemetryError(f"{path} line {n} has the key {exc.args[0]!r} twice in one object; which value "
+                                     f"counts would be a guess") from None
             except (ValueError, RecursionError) as exc:   # not UTF-8, not JSON, digits beyond the limit, too deep
                 if n > 1 and not raw.endswith(b"\n"):
                     return

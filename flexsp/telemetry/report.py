@@ -16,6 +16,8 @@ every field, so a bad file is one ``TelemetryError`` line naming the file, line 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -125,7 +127,11 @@ def write_report(run_dir: str | Path, *, step: int | None = None, out: str | Pat
         chosen = records[steps.index(step)]
     else:
         raise TelemetryError(f"--step {step} is not in {run_dir} (steps {steps[0]}..{steps[-1]})")
-    out = Path(out) if out is not None else run_dir / "report"
+    if out is None:
+        out = run_dir / "report"
+        if out.is_symlink():   # the run directory is untrusted: a link there must not send the plots elsewhere
+            raise TelemetryError(f"{out} is a symlink; refusing to write the report through it (pass --out DIR)")
+    out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -238,14 +244,23 @@ def error_figure(records: Sequence[dict[str, Any]], refits: Sequence[dict[str, A
 
 
 def _save(fig, path: Path) -> None:
+    """Write ``fig`` as ``path`` through a new file renamed over it: a symlink (or anything else) already at
+    ``path`` in an untrusted run directory is replaced, never written through."""
     import matplotlib.pyplot as plt
     fig.tight_layout()
+    tmp = None
     try:
-        fig.savefig(path, dpi=110)
+        handle, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)   # O_EXCL
+        with os.fdopen(handle, "wb") as f:
+            fig.savefig(f, dpi=110, format="png")
+        os.replace(tmp, path)
+        tmp = None
     except OSError as exc:
         raise TelemetryError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 # --- command line ------------------------------------------------------------------------------------

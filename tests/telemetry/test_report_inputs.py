@@ -53,6 +53,8 @@ RECORDS = {   # records.jsonl -> what the error says
     "not utf-8": (b"\xff\xfe\n", "line 1 is not UTF-8"),
     "deep": ("[" * 100_000 + "]" * 100_000 + "\n", "line 1 is nested too deeply"),
     "long integer": ('{"step": 1' + "0" * 5000 + "}\n", "line 1 is not JSON"),
+    "key twice": (_line().replace('"seconds": 1.0', '"seconds": 1.0, "seconds": 99.0', 1),
+                  "line 1 has the key 'seconds' twice in one object"),
     "seconds string": (_line(seconds="1.0"), "line 1: seconds must be a number, got a string"),
     "seconds NaN": (_line(seconds=float("nan")), "line 1: seconds must be finite"),
     "seconds huge": (_line().replace('"seconds": 1.0', '"seconds": 1' + "0" * 400, 1), "seconds = 1000"),
@@ -204,3 +206,28 @@ def test_summary_without_measured_groups_or_with_a_late_peak():
     rows = dict(summarize(steps))
     assert rows["median |group error|, first step"].startswith("n/a")
     assert "of 1e+12 FLOP/s" in rows["MFU"]
+
+
+def test_the_report_never_writes_through_a_symlink_in_the_run_directory(tmp_path, capsys):
+    """A run directory is untrusted: a plot path or the report folder linked elsewhere would have the plots
+    overwrite the link's target. A linked plot is replaced; a linked folder is refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "records.jsonl").write_text(_valid())
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file")
+    (run / "report").mkdir()
+    (run / "report" / report.PLOTS[0]).symlink_to(victim)
+    assert main(["report", str(run)]) == 0
+    assert victim.read_text() == "the user's file"
+    plot = run / "report" / report.PLOTS[0]
+    assert not plot.is_symlink() and plot.read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in (run / "report").iterdir()) == sorted(report.PLOTS)   # no temporary left
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "records.jsonl").write_text(_valid())
+    (linked / "report").symlink_to(elsewhere)
+    assert "is a symlink; refusing to write the report through it" in _report(linked, capsys)
+    assert not any(elsewhere.iterdir())
