@@ -273,6 +273,7 @@ def test_communicators_come_off_the_planning_capacity():
                                               "tokens": math.ceil(6 * COMMUNICATOR_BYTES / per_token),
                                               "capacity_before": 6407}
     again = reserve_communicators(reserved, (1, 8, 64), 256 * 2**20)     # replaces, never stacks
+    per_token_7b = per_token
     assert again.token_capacity == math.floor(6407 - 2 * 256 * 2**20 / per_token)
     assert CostModel.from_dict(json.loads(json.dumps(again.to_dict()))) == again
     analytic = cost_from_hardware("llama-7b", "a100-40gb", num_gpus=64)
@@ -285,6 +286,14 @@ def test_communicators_come_off_the_planning_capacity():
     with pytest.raises(CostModelError, match="pass activation_bytes_per_token"):
         reserve_communicators(bare, (1, 2))
     assert reserve_communicators(bare, (1, 2), activation_bytes_per_token=2**20).token_capacity == 6407 - 512
+    # meta comes from a file: a recorded capacity_before no reservation of these tokens can have left is not
+    # trusted (a forged 1e9 would raise the capacity 150,000-fold), nor a string or NaN (no traceback)
+    for forged in (1e9, "x", float("nan"), None, True):
+        data = again.to_dict()
+        data["meta"]["communicators"]["capacity_before"] = forged
+        edited = CostModel.from_dict(data)
+        assert reserve_communicators(edited, (1, 8, 64)).token_capacity == \
+            math.floor(again.token_capacity - 2 * COMMUNICATOR_BYTES / per_token_7b)
 
 
 def test_simulate_plans_each_strategy_with_its_pools_capacity():

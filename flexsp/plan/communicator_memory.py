@@ -89,9 +89,7 @@ def reserve_communicators(cost: CostModel, degrees: Iterable[int], bytes_each: f
                              "communicator memory")
     per_token = number(per_token, "activation_bytes_per_token", CostModelError, positive=True)
     count = communicators_per_rank(degrees, cost.heads, gpus_per_node)
-    previous = cost.meta.get("communicators")
-    before = previous["capacity_before"] if isinstance(previous, Mapping) and "capacity_before" in previous \
-        else cost.token_capacity
+    before = _capacity_before(cost)
     reserved = count * bytes_each / per_token
     capacity = math.floor(before - reserved)
     if capacity < 1:
@@ -101,6 +99,21 @@ def reserve_communicators(cost: CostModel, degrees: Iterable[int], bytes_each: f
     meta = dict(cost.meta, communicators={"count": count, "bytes_each": bytes_each, "tokens": math.ceil(reserved),
                                           "capacity_before": before})
     return dataclasses.replace(cost, token_capacity=capacity, meta=meta)
+
+
+def _capacity_before(cost: CostModel) -> float:
+    """The capacity an earlier reservation (``meta["communicators"]``) started from, so a new one replaces it;
+    ``token_capacity`` when there is none. ``meta`` comes from a file: its figure counts only where it is a number
+    that reservation can have lowered to ``token_capacity`` (at most its tokens above it), so no file raises the
+    capacity past what its coefficient says."""
+    previous = cost.meta.get("communicators")
+    if not isinstance(previous, Mapping):
+        return cost.token_capacity
+    before, tokens = previous.get("capacity_before"), previous.get("tokens")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (before, tokens))
+    if numbers and cost.token_capacity <= before <= cost.token_capacity + tokens + 1:
+        return float(before)
+    return cost.token_capacity
 
 
 def describe_reservation(cost: CostModel, label: str = "") -> str:
