@@ -211,3 +211,21 @@ def test_alltoall_replication_scales_the_volume_where_heads_are_copied(tmp_path)
                        ([1.5], "must map a Ulysses degree")):
         with pytest.raises(flexsp.CostModelError, match=match):
             hybrid_model(alltoall_replication=bad)
+
+
+@pytest.mark.parametrize("meta", [
+    {"source": "flexsp profile", "estimates": 5}, {"source": "flexsp profile", "estimates": [1, 2]},
+    {"source": "flexsp profile", "comm": "x"}, {"source": "flexsp profile", "comm": {"fits": {"a": 1}}},
+    {"source": "flexsp profile", "ring": [1]}, {"source": "flexsp profile", "assumed": {"x": 1}},
+    {"source": "analytic", "model": {"layer_kinds": {"full": 1}, "active_params": "x", "params": "y"}}])
+def test_a_cost_files_malformed_provenance_is_said_not_raised(meta, tmp_path, capsys):
+    """``meta`` is free-form provenance from an untrusted file: ``flexsp simulate`` prints it after simulating,
+    so a field of the wrong shape must not throw the run (and its --json) away."""
+    from flexsp.cli import main
+    from flexsp.plan.cost import describe_sources
+    cost = flexsp.CostModel(**{**CONTRACT, "meta": meta})
+    assert describe_sources(cost) == "cost model parts: provenance unreadable (a field of the file's meta has the wrong shape)"
+    cost.save(tmp_path / "cost.json")
+    assert main(["simulate", "--cost", str(tmp_path / "cost.json"), "--gpus", "8", "--steps", "1", "--batch-size", "8",
+                 "--strategies", "flexsp", "--context", "32K", "--quiet", "--json", str(tmp_path / "sim.json")]) == 0
+    assert "provenance unreadable" in capsys.readouterr().out and (tmp_path / "sim.json").is_file()

@@ -32,6 +32,19 @@ def test_a_good_plan_validates_and_round_trips():
     assert again.degree_histogram() == {1: 2, 2: 1}
 
 
+@pytest.mark.parametrize("where, key", [((), "gpus_per_nodes"), (("micro_batches", 0), "meta"),
+                                        (("micro_batches", 0, "groups", 0), "rings")])
+def test_a_plan_file_key_the_format_lacks_is_refused(where, key):
+    """A plan file is untrusted: a typo (``"rings": 2``) dropped silently would run a ring group as Ulysses."""
+    data = plan_of(*GOOD).to_dict()
+    node = data
+    for step in where:
+        node = node[step]
+    node[key] = 2
+    with pytest.raises(flexsp.PlanError, match=rf"unknown keys \['{key}'\] \(a typo\?\)"):
+        Plan.from_dict(data)
+
+
 @pytest.mark.parametrize("micro_batches, message", [
     ([[(range(1, 4), (0, 1, 2, 3))]], "not a tile of degree 3"),
     ([[(range(0, 2), (1,)), (range(1, 2), (0, 2, 3))]], "rank 1 is used by two groups"),

@@ -403,8 +403,17 @@ class TermCosts(DegreeCosts):
 def describe_sources(cost: CostModel) -> str:
     """One line: which parts of ``cost`` were measured on this hardware and which are assumed or
     estimated, from its ``meta`` (``flexsp profile`` records both; presets and analytic models say
-    where their constants come from). ``flexsp simulate`` prints it under the cost model's name."""
-    meta = cost.meta
+    where their constants come from). ``flexsp simulate`` prints it under the cost model's name.
+
+    ``meta`` is free-form provenance from a file nobody checked field by field: a field of the wrong shape
+    makes the line say so instead of raising (the coefficients, which planning uses, were checked)."""
+    try:
+        return _describe_sources(cost.meta)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+        return "cost model parts: provenance unreadable (a field of the file's meta has the wrong shape)"
+
+
+def _describe_sources(meta: Mapping[str, Any]) -> str:
     source = meta.get("source")
     if source == "flexsp profile":
         estimates = list(meta.get("estimates", []))

@@ -299,7 +299,7 @@ class Plan:
                            f"{sorted(set(r // gpn for r in mb.groups[j].ranks))}")
 
     # --- JSON ---------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:  # the keys of PLAN_KEYS
         return {
             "num_gpus": self.num_gpus,
             "predicted_time": self.predicted_time,
@@ -317,6 +317,7 @@ class Plan:
         for key in ("num_gpus", "predicted_time", "micro_batches"):
             if key not in data:
                 raise PlanError(f"plan is missing '{key}'")
+        _known_keys(data, PLAN_KEYS, "the plan")
         num_gpus = _gpus(data["num_gpus"], "num_gpus")
         gpn = data.get("gpus_per_node")
         gpn = None if gpn is None else _gpus(gpn, "gpus_per_node")
@@ -335,11 +336,13 @@ class Plan:
         for m, mb in enumerate(data["micro_batches"]):
             if not isinstance(mb, Mapping) or not isinstance(mb.get("groups"), list):
                 raise PlanError(f"micro_batches[{m}] must be an object with a 'groups' list")
+            _known_keys(mb, ("groups",), f"micro_batches[{m}]")
             groups = []
             for j, g in enumerate(mb["groups"]):
                 where = f"micro_batches[{m}].groups[{j}]"
                 if not isinstance(g, Mapping) or not isinstance(g.get("ranks"), list) or not isinstance(g.get("seq_ids"), list):
                     raise PlanError(f"{where} must be an object with 'ranks' and 'seq_ids' lists")
+                _known_keys(g, GROUP_KEYS, where)
                 groups.append(Group(ranks=tuple(_int(r, f"{where}.ranks") for r in g["ranks"]),
                                     seq_ids=tuple(_int(s, f"{where}.seq_ids") for s in g["seq_ids"]),
                                     ring=integer(g.get("ring", 1), f"{where}.ring", PlanError)))
@@ -366,6 +369,17 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         return load_json(path, "plan file", PlanError, cls.from_dict)
+
+
+PLAN_KEYS = ("num_gpus", "predicted_time", "strategy", "gpus_per_node", "solve_time", "micro_batches")
+GROUP_KEYS = ("ranks", "seq_ids", "ring")
+
+
+def _known_keys(data: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
+    """Refuse a key the plan format does not have: a typo (``"rings": 2``) would otherwise be dropped silently."""
+    unknown = sorted(str(k) for k in data if k not in known)
+    if unknown:
+        raise PlanError(f"{where} has unknown keys {unknown} (a typo?); its keys are {', '.join(known)}")
 
 
 def _group_dict(group: Group) -> dict[str, Any]:

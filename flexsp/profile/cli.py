@@ -506,7 +506,7 @@ def _check(args, cost, runner, pool, gpus_per_node, say):
 
     if args.check == "auto":
         # Held-out batches: random lengths inside the swept range, planned by the real planner.
-        swept = cost.meta.get("lengths") or [256, 4096]
+        swept = _swept_lengths(cost)
         rng = np.random.default_rng(args.seed + 1)
         cluster = planning_cluster(pool.world_size, gpus_per_node)
         plans = [None]
@@ -611,3 +611,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _swept_lengths(cost) -> list[int]:
+    """The lengths a profile swept (its ``meta["lengths"]``, from a file: checked), else 256..4,096 tokens."""
+    from flexsp.errors import CostModelError
+    from flexsp.inputs import integer
+    swept = cost.meta.get("lengths")
+    if swept is None:
+        return [256, 4096]
+    if not isinstance(swept, list) or not swept:
+        raise CostModelError(f"the cost model's meta lengths must be a non-empty list of token counts, got {swept!r:.80}")
+    return [integer(n, "each of the cost model's meta lengths", CostModelError, maximum=2**40) for n in swept]

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from flexsp.errors import CostModelError
+from flexsp.inputs import integer
 from flexsp.plan.cost import CostModel
 from flexsp.plan.specs import SHAPE_FIELDS, ModelSpec, get_model, model_names
 
@@ -31,14 +32,14 @@ def model_spec(name: str | None = None, **overrides: int | None) -> ModelSpec:
         if missing:
             raise CostModelError(f"without a preset name the model needs {', '.join(missing)}; "
                                  f"or pick a registered model: {', '.join(model_names())}")
-        spec = ModelSpec(**{f: int(given[f]) for f in SHAPE_FIELDS}, name="custom")
+        spec = ModelSpec(**{f: _field(f, given[f]) for f in SHAPE_FIELDS}, name="custom")
     else:
         if name not in model_names():
             raise CostModelError(f"unknown model preset {name!r}; choose one of {', '.join(model_names())} or give "
                                  f"the shape")
         spec = get_model(name)
         if given:
-            given = {k: int(v) for k, v in given.items()}
+            given = {k: _field(k, v) for k, v in given.items()}
             if "layers" in given:            # the first layers of its kinds (flexsp.plan.layers), experts kept
                 spec = spec.with_layers(given.pop("layers"))
             spec = replace(spec, **given, name=f"{name} (modified)")
@@ -49,6 +50,12 @@ def model_spec(name: str | None = None, **overrides: int | None) -> ModelSpec:
         raise CostModelError(f"hidden ({spec.hidden}) must be a multiple of heads ({spec.heads}) and heads a "
                              f"multiple of kv_heads ({spec.kv_heads})")
     return spec
+
+
+def _field(name: str, value: Any, where: str = "model ") -> int:
+    """A shape field as a whole number: a float (64.9), a bool or a string from a file is refused in one line, not
+    truncated or read as 1."""
+    return integer(value, f"{where}{name}", CostModelError, minimum=1, maximum=2**31)
 
 
 def check_model_shape(cost: CostModel, spec: ModelSpec, *, strict: bool = True) -> None:
@@ -65,7 +72,7 @@ def check_model_shape(cost: CostModel, spec: ModelSpec, *, strict: bool = True) 
                       f"check it matches {spec.name}", ShapeWarning, stacklevel=2)
         return
     diffs = [f"{f}: profile {recorded[f]} vs planned {getattr(spec, f)}" for f in SHAPE_FIELDS
-             if f in recorded and int(recorded[f]) != getattr(spec, f)]
+             if f in recorded and _field(f, recorded[f], "the cost model's recorded model ") != getattr(spec, f)]
     if not diffs:
         return
     message = (f"cost model was measured for model {recorded.get('name', '?')!r}, not the planned {spec.name!r} "

@@ -9,7 +9,7 @@ import flexsp
 from flexsp import CostModel, CostModelError
 from flexsp.plan.analytic import analytic_cost_model
 from flexsp.plan.presets import cost_from_preset
-from flexsp.plan.specs import MODELS
+from flexsp.plan.specs import MODELS, SHAPE_FIELDS
 from flexsp.profile import ShapeWarning, assemble_cost_model, check_model_shape, comm_bytes_per_token, model_spec
 from flexsp.profile.fit import fit_bandwidth, fit_compute
 
@@ -83,3 +83,27 @@ def test_model_spec_errors_name_the_value():
     with pytest.raises(CostModelError, match=r"heads \(3\)"):
         model_spec("tiny", heads=3)
     assert model_spec("tiny", layers=6).layers == 6
+
+
+@pytest.mark.parametrize("bad", [64.9, True, "x", None, 0])
+def test_a_recorded_shape_field_is_a_whole_number_or_one_line_error(bad):
+    """``meta["model"]`` comes from a file: 64.9 is not truncated to 64, true is not one layer, "x" is no traceback."""
+    spec = model_spec("tiny")
+    cost = CostModel(alpha1=1e-10, alpha2=1e-6, beta1=0.01, comm_bytes_per_token=1e4, alltoall_bandwidth={},
+                     token_capacity=5000, meta={"model": {**spec.shape(), "hidden": bad}})
+    with pytest.raises(CostModelError, match="recorded model hidden must be"):
+        check_model_shape(cost, spec)
+    with pytest.raises(CostModelError, match="model hidden must be|the model needs hidden"):
+        model_spec(None, **{**{f: getattr(spec, f) for f in SHAPE_FIELDS}, "hidden": bad})
+
+
+def test_profile_check_refuses_a_plan_over_this_cost_models_memory():
+    """``flexsp profile --check PLAN``: the plan and lengths are files; a group past this cost model's capacity was
+    planned for another model or GPU, and running it would allocate past the device (the replay refuses it too)."""
+    from flexsp.profile.check import check_plan
+    cost = cost_from_preset("gpt-7b")
+    lengths = [20_000, 3_000]
+    plan = flexsp.plan_batch(lengths, cost, flexsp.Cluster(8, 8))
+    small = CostModel.from_dict({**cost.to_dict(), "token_capacity": 100})
+    with pytest.raises(flexsp.PlanError, match="overflow"):
+        check_plan(plan, lengths, small, runner=None, pool=None)
