@@ -425,3 +425,9 @@ def test_a_bad_head_dim_is_one_line(head_dim):
     with pytest.raises(CostModelError, match="head_dim must be an integer >= 1") as info:
         ModelSpec(2, 64, 4, 2, 128, 256, head_dim=head_dim)
     assert "\n" not in str(info.value)
+
+
+def test_linear_attention_layers_other_than_gated_deltanet_are_one_line():
+    """Jamba's ``linear_attention`` layers are Mamba, with none of Gated DeltaNet's head fields."""
+    with pytest.raises(CostModelError, match="linear_attention layers have no linear_num_key_heads.*not jamba's"):
+        spec_from_hf_config(T.JambaConfig())

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,7 +44,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from flexsp.errors import FlexSPError
+from flexsp.errors import CostModelError, FlexSPError
 from flexsp.inputs import read_json
 from flexsp.hf.adapter import HFCausalLM
 from flexsp.hf.features import check_supported
@@ -245,7 +246,12 @@ class FlexSPTrainer(Trainer):
         if args.flexsp_run_dir is not None:   # the same per-step records as the project's own loop
             from flexsp.plan.specs import spec_from_hf_config
             from flexsp.telemetry import Telemetry
-            self._telemetry = Telemetry(args.flexsp_run_dir, cost, spec=spec_from_hf_config(self.model.config),
+            try:
+                spec = spec_from_hf_config(self.model.config)
+            except CostModelError as exc:   # a model the planner's spec cannot describe (Gemma 4): records, no MFU
+                warnings.warn(f"flexsp_run_dir: the records carry no model FLOPs (MFU): {exc}", stacklevel=2)
+                spec = None
+            self._telemetry = Telemetry(args.flexsp_run_dir, cost, spec=spec,
                                         device=args.device, refit=args.flexsp_refit, on_refit=loader.set_cost,
                                         log_every=max(0, int(args.logging_steps or 0)))
         elif args.flexsp_refit:

@@ -346,6 +346,11 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
     heads = int(text.num_attention_heads)
     family = str(getattr(text, "model_type", "llama"))
     name = name or f"hf:{family}:{getattr(config, 'name_or_path', '') or 'config'}"
+    per_layer = getattr(text, "per_layer_attributes", None)   # transformers' heterogeneous configs (Gemma 4)
+    if per_layer:
+        raise CostModelError(f"model {name!r}: its layers differ in {sorted(map(str, per_layer))} (transformers' "
+                             f"per_layer_config: Gemma 4's full layers have their own head size); a ModelSpec has "
+                             f"one attention shape, so FlexSP cannot describe {family} yet")
     head_dim = getattr(text, "head_dim", None)
     latent = None
     if getattr(text, "kv_lora_rank", None) is not None:          # DeepSeek MLA: q/k heads of nope + rope dims
@@ -370,6 +375,11 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         active = experts   # transformers' Llama4TextMoe runs every expert on every token (scores zero the rest)
     linear = None
     if any(k.mixer == "linear" for k in kinds):
+        fields_ = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        missing = [f for f in fields_ if getattr(text, f, None) is None]
+        if missing:   # Jamba, Bamba, MiniMax, Kimi-Linear...: linear layers of another kind than Gated DeltaNet
+            raise CostModelError(f"model {name!r}: its linear_attention layers have no {', '.join(missing)}; FlexSP's "
+                                 f"linear-attention cost covers Gated DeltaNet (Qwen3-Next, Qwen3.5), not {family}'s")
         linear = LinearShape(int(text.linear_num_key_heads), int(text.linear_num_value_heads),
                              int(text.linear_key_head_dim), int(text.linear_value_head_dim),
                              int(getattr(text, "linear_conv_kernel_dim", 4) or 4))

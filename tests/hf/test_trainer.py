@@ -198,3 +198,28 @@ def test_a_damaged_loader_state_in_a_checkpoint_is_one_line(tmp_path, content, p
     trainer = FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
     with pytest.raises(TrainerSetupError, match=f"flexsp_loader.json.*{pattern}"):
         trainer.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_a_run_dir_for_a_model_the_spec_cannot_describe_records_without_flops(tmp_path):
+    """Gemma 4's full layers have their own head size, which a ModelSpec cannot hold: ``spec_from_hf_config``
+    refuses it in one line, and ``flexsp_run_dir`` still records its steps (without model FLOPs) instead of
+    failing the run with transformers' traceback."""
+    from datasets import Dataset
+
+    from flexsp.errors import CostModelError
+    from flexsp.hf.families import tiny_model
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments
+    from flexsp.plan.specs import spec_from_hf_config
+    from flexsp.telemetry.records import read_records
+    model = tiny_model("gemma4_text")
+    with pytest.raises(CostModelError, match=r"layers differ in \['head_dim'\].*cannot describe gemma4_text"):
+        spec_from_hf_config(model.config)
+    vocab = model.config.get_text_config().vocab_size
+    data = Dataset.from_dict({"input_ids": [[(3 * i + j) % (vocab - 1) + 1 for j in range(n)]
+                                            for i, n in enumerate([40, 12, 30, 9])]})
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
+                                   flexsp_tokens_per_rank=128, per_device_train_batch_size=4, max_steps=1,
+                                   save_strategy="no", flexsp_run_dir=str(tmp_path / "run"))
+    with pytest.warns(UserWarning, match="no model FLOPs"):
+        FlexSPTrainer(model=model, args=args, train_dataset=data).train()
+    assert [r["step"] for r in read_records(tmp_path / "run")] == [0]
