@@ -1,4 +1,4 @@
-"""FlexSP inside Hugging Face ``Trainer``: one flag and a per-rank token budget.
+"""FlexSP inside Hugging Face ``Trainer``: one flag and a per-rank token budget::
 
     from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments
     args = FlexSPTrainingArguments(output_dir="run", flexsp=True, flexsp_tokens_per_rank=8192,

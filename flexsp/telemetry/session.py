@@ -1,4 +1,4 @@
-"""``Telemetry``: per-step records of a training run gathered to rank 0, written, logged and learnt from.
+"""``Telemetry``: per-step records of a training run gathered to rank 0, written, logged and learnt from::
 
     telemetry = Telemetry("runs/exp1", cost, spec=model_spec, refit=True, on_refit=loader.set_cost)
     executor = StepExecutor(model, optimizer, pool, cost=cost, probe=telemetry.probe)
