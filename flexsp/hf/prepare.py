@@ -132,8 +132,16 @@ def from_config(config: str | os.PathLike | Any, *, dtype: torch.dtype | None = 
 
 
 def _reason(exc: Exception) -> str:
-    """The first line of what transformers or torch said (their messages run to paragraphs), at most 300 characters."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    """What transformers or torch said on one line (their messages run to paragraphs), at most 300 characters: the
+    first line, and the next ones while it ends in a colon (pydantic's "Validation error for field 'x':" puts
+    the reason on the line after)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    kept = [lines[0]]
+    for line in lines[1:]:
+        if not kept[-1].endswith(":"):
+            break
+        kept.append(line)
+    return " ".join(kept)[:300]
 
 
 def check_fits(cfg: Any, source: Any, dtype: torch.dtype | None, device: Any, attn_implementation: str = "sdpa") -> None:

@@ -39,6 +39,8 @@ def test_custom_model_code_never_runs_even_when_asked(tmp_path, monkeypatch):
     ('{"model_type": "llama",', "is not valid JSON"),
     ("[1, 2]", "must be a JSON object, got list"),
     ({"model_type": "nosuchtype"}, "cannot read model config .*nosuchtype"),
+    # pydantic puts the reason on the line after "Validation error for field 'hidden_size':"
+    ({"model_type": "llama", "hidden_size": "64"}, "field 'hidden_size': .*expected int, got str"),
 ])
 def test_a_bad_config_is_one_line(tmp_path, content, message):
     with pytest.raises(UnsupportedModelError, match=message) as caught:
