@@ -207,6 +207,12 @@ def test_alltoall_replication_scales_the_volume_where_heads_are_copied(tmp_path)
     copied.save(path)
     assert flexsp.CostModel.load(path) == copied
     assert "alltoall_replication" not in plain.to_dict()
+    # the planner's predicted time is the independent validator's, replication included
+    from validator import check_plan
+    lengths = [300_000, 120_000, 40_000, 9_000, 3_000, 800]
+    plan = flexsp.plan_batch(lengths, copied, flexsp.Cluster(64, 8))
+    assert any(copied.split(g.degree)[0] in (4, 8) for mb in plan.micro_batches for g in mb.groups)
+    assert check_plan(plan.to_dict(), lengths, copied, 64, 8) == pytest.approx(plan.predicted_time, rel=1e-9)
     for bad, match in (({1: 2.0}, "Ulysses degree 2 to"), ({4: 0.5}, r"\(1 to 2\*\*20\)"), ({4: "x"}, "alltoall_replication"),
                        ([1.5], "must map a Ulysses degree")):
         with pytest.raises(flexsp.CostModelError, match=match):

@@ -42,7 +42,9 @@ def check_plan(plan_dict: dict, lengths, cost, num_gpus: int, gpus_per_node: int
             assert group.get("ring", 1) == r, f"group of {d} should record ring {r}"
             for i in seqs:
                 s = lengths[i]
-                comm = 0.0 if u == 1 else cost.comm_bytes_per_token * s / d / cost.alltoall_bandwidth[u]
+                # the volume grows where the runtime copies heads past the kv heads (alltoall_replication)
+                volume = cost.comm_bytes_per_token * cost.alltoall_replication.get(u, 1.0)
+                comm = 0.0 if u == 1 else volume * s / d / cost.alltoall_bandwidth[u]
                 attention = cost.alpha1 * s * s / d
                 if r > 1:
                     width = min(u, cost.kv_heads or u)
