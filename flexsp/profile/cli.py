@@ -602,17 +602,6 @@ def _print_ring(fit, layout, say) -> None:
         f"mean {fit.mean_abs_error:.2%}, max {fit.max_abs_error:.2%}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m flexsp.profile.cli``) until ``flexsp profile`` is wired in."""
-    parser = argparse.ArgumentParser(prog="flexsp")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _swept_lengths(cost) -> list[int]:
     """The lengths a profile swept (its ``meta["lengths"]``, from a file: checked), else 256..4,096 tokens."""
     from flexsp.errors import CostModelError
@@ -623,3 +612,15 @@ def _swept_lengths(cost) -> list[int]:
     if not isinstance(swept, list) or not swept:
         raise CostModelError(f"the cost model's meta lengths must be a non-empty list of token counts, got {swept!r:.80}")
     return [integer(n, "each of the cost model's meta lengths", CostModelError, maximum=2**40) for n in swept]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m flexsp.profile.cli``) until ``flexsp profile`` is wired in."""
+    parser = argparse.ArgumentParser(prog="flexsp")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -53,6 +53,18 @@ def test_profile_writes_a_loadable_cost_model_with_provenance(profiled):
     assert len(report["compute"]["points"]) == 5 and report["check"]["groups"]
 
 
+def test_the_module_form_torchrun_uses_checks_a_saved_profile(profiled):
+    """``torchrun -m flexsp.profile.cli profile ...`` runs the module as __main__: everything it calls must be
+    defined before its entry point runs (a helper defined after the guard was a NameError at the end of a run)."""
+    import os
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "flexsp.profile.cli", "profile", *TINY, "--cost",
+                          str(profiled / "cost.json"), "--check", "auto"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_check_a_saved_profile_and_refuse_another_model_shape(profiled, tmp_path, capsys):
     cost = str(profiled / "cost.json")
     assert _run([*TINY, "--cost", cost, "--check", "auto"]) == 0
