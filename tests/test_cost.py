@@ -235,3 +235,13 @@ def test_a_cost_files_malformed_provenance_is_said_not_raised(meta, tmp_path, ca
     assert main(["simulate", "--cost", str(tmp_path / "cost.json"), "--gpus", "8", "--steps", "1", "--batch-size", "8",
                  "--strategies", "flexsp", "--context", "32K", "--quiet", "--json", str(tmp_path / "sim.json")]) == 0
     assert "provenance unreadable" in capsys.readouterr().out and (tmp_path / "sim.json").is_file()
+
+
+def test_ring_message_is_the_kv_width_over_gcd_of_ulysses_and_kv_heads():
+    """40 heads, 8 kv heads, a group of 60 = Ulysses 20 x ring 3: the runtime copies each kv head 20 / gcd(8, 20) = 5
+    times and splits the 40 copies over 20 ranks, so a rank's K/V message is 2 of the 8 kv heads: a quarter of
+    the width (min(u, kv_heads) = 8 would cost an eighth)."""
+    cost = hybrid_model(heads=40, kv_heads=8, alltoall_bandwidth={**CONTRACT["alltoall_bandwidth"], 20: 1e11})
+    assert cost.split(60) == (20, 3)
+    ring = 3 * 32 * 2 * 1024 * 2 * (3 - 1) / (3 * 4) / 5e9
+    assert cost.coefficients(60)[2] == pytest.approx(ring, rel=1e-12)

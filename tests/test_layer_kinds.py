@@ -431,3 +431,21 @@ def test_linear_attention_layers_other_than_gated_deltanet_are_one_line():
     """Jamba's ``linear_attention`` layers are Mamba, with none of Gated DeltaNet's head fields."""
     with pytest.raises(CostModelError, match="linear_attention layers have no linear_num_key_heads.*not jamba's"):
         spec_from_hf_config(T.JambaConfig())
+
+
+def test_a_ringless_model_pools_and_pins_only_the_degrees_it_runs():
+    """Qwen3.5 (no ring axis: linear attention) on 64 GPUs: the communicator pool holds what its plans use (1-8,
+    not up to 64), and a pinned pure-Ulysses degree that is not a power of two (24 of 24 heads) stays usable."""
+    from flexsp.plan.communicator_memory import pool_degrees
+    from flexsp.plan.config import PlanConfig
+    cluster = flexsp.Cluster(64, 8)
+    cost = cost_from_hardware("qwen3.5-27b", "h100-80gb", 64)
+    assert pool_degrees(cluster, "flexsp", None, None, cost) == (1, 2, 4, 8)
+    assert pool_degrees(cluster, "static", None, None, cost) == (8,)
+    wide = dataclasses.replace(cost_from_hardware(ModelSpec(8, 3072, 24, 8, 8192, 32000), "h100-80gb", 64),
+                               ring_bandwidth=None, ring_bytes_per_token=0.0, ring_hop_latency=0.0)
+    for ulysses_only in (False, True):
+        config = PlanConfig(strategy="static", sp_degree=24, ulysses_only=ulysses_only).checked(wide, cluster)
+        assert 24 in config.degrees and 16 not in config.degrees
+        plan = flexsp.plan_batch([4000] * 64, wide, cluster, "static", sp_degree=24, ulysses_only=ulysses_only)
+        assert {g.degree for mb in plan.micro_batches for g in mb.groups} == {24}

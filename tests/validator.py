@@ -47,7 +47,7 @@ def check_plan(plan_dict: dict, lengths, cost, num_gpus: int, gpus_per_node: int
                 comm = 0.0 if u == 1 else volume * s / d / cost.alltoall_bandwidth[u]
                 attention = cost.alpha1 * s * s / d
                 if r > 1:
-                    width = min(u, cost.kv_heads or u)
+                    width = math.gcd(u, cost.kv_heads) if cost.kv_heads else u
                     attention = max(attention, cost.ring_bytes_per_token * s * (r - 1) / (r * width) / cost.ring_bandwidth
                                     + (r - 1) * cost.ring_hop_latency)
                 time += cost.alpha2 * s / d + comm + attention

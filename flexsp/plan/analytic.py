@@ -95,11 +95,11 @@ def comm_bytes_per_token(spec: ModelSpec, bytes_per_element: int = 2) -> float:
 
 
 def alltoall_replication(spec: ModelSpec, degrees: Iterable[int]) -> dict[int, float]:
-    """``CostModel.alltoall_replication``: at each Ulysses degree of ``degrees`` wider than the heads some
-    layer copies, its all-to-all volume over ``comm_bytes_per_token``'s."""
+    """``CostModel.alltoall_replication``: at the Ulysses part of each of ``degrees`` (``ulysses_split`` by the heads
+    every layer splits by) where some layer copies heads, its all-to-all volume over ``comm_bytes_per_token``'s."""
     base = alltoall_elements(spec)
-    return {u: alltoall_elements(spec, u) / base for u in sorted(set(degrees))
-            if u > 1 and alltoall_elements(spec, u) > base}
+    parts = sorted({ulysses_split(int(d), spec.ulysses_heads)[0] for d in degrees})
+    return {u: alltoall_elements(spec, u) / base for u in parts if u > 1 and alltoall_elements(spec, u) > base}
 
 
 def model_axes(spec: ModelSpec, ring_bandwidth: float | None, hop_latency: float, bytes_per_element: int = 2

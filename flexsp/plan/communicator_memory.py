@@ -59,10 +59,11 @@ def communicators_per_rank(degrees: Iterable[int], heads: int | None = None, gpu
 def pool_degrees(cluster: Cluster, strategy: str = "flexsp", degrees: Iterable[int] | str | None = None,
                  sp_degree: int | None = None, cost: CostModel | None = None) -> tuple[int, ...]:
     """The degrees a pool must hold to run every plan of ``strategy`` (what ``plan_batch`` may use);
-    ``degrees="any"`` needs ``cost`` (every degree with a tile it can cost)."""
-    if isinstance(degrees, str):
-        if cost is None:
-            raise CostModelError(f"degrees={degrees!r} needs the cost model to say which degrees it can cost")
+    ``degrees="any"`` needs ``cost`` (every degree with a tile it can cost). With ``cost``, the default degrees are
+    the ones ``plan_batch`` would use: none that needs a ring axis the model lacks (linear attention)."""
+    if isinstance(degrees, str) and cost is None:
+        raise CostModelError(f"degrees={degrees!r} needs the cost model to say which degrees it can cost")
+    if cost is not None and (degrees is None or isinstance(degrees, str)):
         from flexsp.plan.config import PlanConfig   # the config imports the strategies: only when asked
         degrees = PlanConfig(degrees=degrees).checked(cost, cluster).degrees
     usable = tuple(sorted(set(degrees))) if degrees is not None else cluster.degrees

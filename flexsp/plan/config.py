@@ -135,8 +135,9 @@ class PlanConfig:
                             f"Ulysses takes gcd(degree, heads))")
         if self.sp_degree is not None:
             cluster.check_degrees([self.sp_degree])
-            if degrees is None and self.sp_degree not in cluster.degrees:
-                degrees = tuple(sorted({*cluster.degrees, self.sp_degree}))   # static at 6: 6 is usable
+            default = cluster.degrees if degrees is None else degrees
+            if self.degrees is None and self.sp_degree not in default:
+                degrees = tuple(sorted({*default, self.sp_degree}))   # static at 6 (or 24 of 24 heads): usable
         return dataclasses.replace(self, max_degree=max_degree, degrees=degrees)
 
 

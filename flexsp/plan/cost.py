@@ -13,7 +13,7 @@ a ring of ``r = d/u`` ranks (any size, 3 included) passing K/V blocks point to p
 the attention compute:
 
     seq_time(s, d) = alpha2*s/d + comm_bytes_per_token*s/d / bandwidth[u]
-                     + max(alpha1*s^2/d,  ring_bytes_per_token*s*(r-1) / (r*min(u, kv_heads)) / ring_bandwidth
+                     + max(alpha1*s^2/d,  ring_bytes_per_token*s*(r-1) / (r*gcd(u, kv_heads)) / ring_bandwidth
                                           + (r-1) * ring_hop_latency)
 
 ``alltoall_replication[u]`` (default: none) scales ``comm_bytes_per_token`` at a Ulysses degree ``u`` where the
@@ -22,7 +22,7 @@ runtime copies heads before the all-to-all: a group wider than the model's kv he
 fills it from the model's heads; an older JSON file without it means what it did).
 
 ``ring_bytes_per_token`` is the K+V bytes of one token over all layers, forward plus backward (the
-backward passes K/V and their gradients: 3 passes); each rank holds ``1/min(u, kv_heads)`` of the
+backward passes K/V and their gradients: 3 passes); each rank holds ``1/gcd(u, kv_heads)`` of the
 KV width after the Ulysses split (GQA kv heads are replicated, never split, below one per rank).
 ``ring_hop_latency`` (default 0, so older JSON keeps its meaning) is the fixed cost of one hop of the
 ring, summed over a step's layers and its three passes; a ring of ``r`` ranks makes ``r - 1`` hops.
@@ -238,9 +238,11 @@ class CostModel:
             if self.ring_bandwidth is None:
                 raise CostModelError(
                     f"SP degree {degree} exceeds the Ulysses limit of {ulysses} for {self.heads} heads (Ulysses takes "
-                    f"gcd(degree, heads), a ring of {ring} the rest) and needs a ring axis: give ring_bandwidth (and "
-                    f"ring_bytes_per_token), or keep plans within the limit (plan_batch(..., ulysses_only=True))")
-            width = min(ulysses, self.kv_heads or ulysses)
+                    f"gcd(degree, heads), a ring of {ring} the rest) and needs a ring axis, which this model has none of (a model "
+                    f"with linear-attention layers never has one): keep plans within the limit (plan_batch(..., "
+                    f"ulysses_only=True), or degrees up to {self.ulysses_limit}), or give ring_bandwidth and ring_bytes_per_token")
+            # each rank holds 1/gcd(u, kv_heads) of the K/V width: kv heads are copied to whole ones per rank
+            width = math.gcd(ulysses, self.kv_heads) if self.kv_heads else ulysses
             ring_coefficient = self.ring_bytes_per_token * (ring - 1) / (ring * width) / self.ring_bandwidth
         return self.alpha1 / degree, (self.alpha2 + comm) / degree, ring_coefficient
 

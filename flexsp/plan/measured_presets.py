@@ -43,7 +43,7 @@ from typing import Any, Mapping
 
 from flexsp.errors import CostModelError
 from flexsp.inputs import integer, load_json, number, write_text
-from flexsp.plan.analytic import alltoall_bandwidth, alltoall_degrees
+from flexsp.plan.analytic import alltoall_bandwidth, alltoall_degrees, alltoall_replication
 from flexsp.plan.cost import CostModel
 from flexsp.plan.layers import MIXERS, SIZED, LayerKind
 from flexsp.plan.memory import check as check_sharding
@@ -243,6 +243,9 @@ def measured_cost_model(name: str, context: int = 384 * 1024, num_gpus: int = 64
                                     f"longer ones (up to the context, {context:,}) extrapolate the fit")
     data = dict(base.to_dict(), token_capacity=capacity, alltoall_bandwidth={str(d): b for d, b in bandwidth.items()},
                 meta=new_meta)
+    if "layer_kinds" not in meta["model"]:   # a dense model: the heads it copies at this cluster's Ulysses degrees
+        spec = ModelSpec(**{k: meta["model"][k] for k in SHAPE_FIELDS}, name=str(meta["model"].get("name", "custom")))
+        data["alltoall_replication"] = {str(u): f for u, f in alltoall_replication(spec, bandwidth).items()}
     return CostModel.from_dict(data)
 
 

@@ -71,7 +71,7 @@ def assemble_cost_model(spec: ModelSpec, compute: ComputeFit, token_capacity: fl
     axis = model_axes(spec, None, 0.0, bytes_per_element)   # the Ulysses limit the runtime has, ring or not
     if ring is not None:
         meta["ring"] = {"measured": True, **dict(ring_layout or {}), "fit": ring.to_dict(),
-                        "ring_hop_latency": "3 * layers * fitted latency",
+                        "ring_hop_latency": "3 * softmax layers * fitted latency",
                         "ring_bytes_per_token": "3 * softmax layers * (K + V width) * bytes_per_element"}
         # K and V cross the ring three times a step, per softmax layer: forward, and backward passes K/V again
         # and dK/dV back (flexsp.plan.analytic.model_axes); each hop of each pass pays the latency once. A model

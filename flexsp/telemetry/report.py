@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -250,7 +250,9 @@ def _save(fig, path: Path) -> None:
     fig.tight_layout()
     tmp = None
     try:
-        handle, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)   # O_EXCL
+        tmp = path.parent / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.png"
+        # a new file (O_EXCL: never an existing one or a link), readable as the user's umask says, as savefig's were
+        handle = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(handle, "wb") as f:
             fig.savefig(f, dpi=110, format="png")
         os.replace(tmp, path)

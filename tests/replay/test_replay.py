@@ -179,7 +179,7 @@ def _replayer(spec=MICRO):
     (Plan(4, (MicroBatch((Group((0, 1, 2, 3), (0,), ring=2),)),), 0.0), [64], _cost(MICRO), PlanError,
      "runs Ulysses 2 x ring 2, but the cost model costs 4 GPUs as Ulysses 4 x ring 1"),
     (Plan(4, (MicroBatch((Group((0, 1, 2, 3), (0,), ring=2),)),), 0.0), [64], _cost(MICRO, heads=2, kv_heads=2),
-     CostModelError, "needs a ring axis: give ring_bandwidth"),
+     CostModelError, "needs a ring axis, which this model has none of"),
     (_plan([[((0, 1), (0, 3))]]), [10, 20], _cost(MICRO), PlanError, r"sequence ids \[3\].*another batch"),
     (_plan([[((0, 1), (0,))]]), [10, 20], _cost(MICRO), PlanError, r"sequences \[1\] are not planned"),
     (_plan([[((0, 1), (0,))]]), [10], _cost(TINY), CostModelError, "measured for model 'tiny'.*hidden"),

@@ -222,6 +222,9 @@ def test_the_report_never_writes_through_a_symlink_in_the_run_directory(tmp_path
     assert victim.read_text() == "the user's file"
     plot = run / "report" / report.PLOTS[0]
     assert not plot.is_symlink() and plot.read_bytes().startswith(b"\x89PNG")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert plot.stat().st_mode & 0o777 == 0o666 & ~umask          # as readable as any file the user writes
     assert sorted(p.name for p in (run / "report").iterdir()) == sorted(report.PLOTS)   # no temporary left
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -13,12 +13,12 @@ its owner, who adds its own diagonal block's share.
 
 Cost, what the runtime does (per layer and rank, one sequence of ``s`` tokens, head dim ``D``,
 ``b`` bytes per K/V element). A K/V message is the ring shard's K and V for this rank's kv heads:
-``2 * (s/r) * kv_heads/min(u, kv_heads) * D * b`` bytes (GQA kv heads are replicated, never split,
+``2 * (s/r) * kv_heads/gcd(u, kv_heads) * D * b`` bytes (GQA kv heads are replicated, never split,
 below one per rank). The forward sends it ``r-1`` times; the backward sends K/V ``r-1`` times and the
 dK/dV partial sums ``r-1`` times (in K/V's dtype, added in fp32 at each hop): ``3(r-1)`` messages. With
 ``ring_bytes_per_token = 3 * layers * 2 * kv_heads * D * b`` (``flexsp.plan.analytic``), summed over layers:
 
-    ring_seconds(s) = ring_bytes_per_token * s * (r-1) / (r * min(u, kv_heads)) / ring_bandwidth
+    ring_seconds(s) = ring_bytes_per_token * s * (r-1) / (r * gcd(u, kv_heads)) / ring_bandwidth
 
 and each hop overlaps one block's compute - the zigzag layout makes every block the same half of a
 shard-squared causal workload - so the step costs ``max(attention, ring_seconds)``: the cost model's
