@@ -42,7 +42,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_l
             attn_pdrop=0.0, dropout=0.0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
             n_embd=32, n_layer=2, n_head=4, n_positions=512, d_model=32, n_inner=48,
             ffn_dim=48, num_layers=2, num_heads=4, first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8,
-            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+            qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,   # latent attention: v narrower than q/k, as in DeepSeek-V3
+            n_group=1, topk_group=1,                                # DeepSeek-V3's expert groups: 4 experts in one
             sliding_window=WINDOW, attention_chunk_size=WINDOW)   # shorter than most LENGTHS: windows and chunks bind
 
 
@@ -91,6 +92,11 @@ def _shrink(config: Any, table: dict) -> dict:
                 kwargs[k] = [v[i] for i in keep]
             elif k.startswith("per_layer") and isinstance(v, dict) and all(str(i).isdigit() for i in v):
                 kwargs[k] = {type(i)(j): v[i] for i in v for j, old in enumerate(keep) if int(i) == old}
+    if "qk_rope_head_dim" in values:   # latent attention: head_dim names its rotary part, and every head has its k/v
+        if "head_dim" in kwargs:
+            kwargs["head_dim"] = TINY["qk_rope_head_dim"]
+        if "num_key_value_heads" in kwargs:
+            kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
     rope = values.get("rope_parameters")
     if "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict) \
             and "partial_rotary_factor" not in rope:   # mRoPE (t, h, w) sections summing to the rotary half-dimension

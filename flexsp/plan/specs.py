@@ -158,8 +158,9 @@ class ModelSpec:
 
     @property
     def ring_width(self) -> int:
-        """Elements of K and V one token passes around a ring per softmax layer."""
-        return self.kv_dim + self.kv_heads * self.v_head_size
+        """Elements of K and V one token passes around a ring per softmax layer: K and V travel stacked, so a
+        latent attention's narrower v is padded to the q/k head size (``flexsp.runtime.sp.ring``)."""
+        return 2 * self.kv_dim
 
     @property
     def linear_shape(self) -> LinearShape:

@@ -1,5 +1,6 @@
 """Ulysses x ring groups on 8 gloo ranks equal one process: the attention layer alone (outputs and
-q/k/v gradients) and a whole planned step (loss and updated weights), fp64, 2 kv heads."""
+q/k/v gradients; one case with v heads narrower than q/k, as latent attention has) and a whole planned step
+(loss and updated weights), fp64, 2 kv heads."""
 import numpy as np
 import pytest
 
@@ -33,10 +34,15 @@ def _kv_heads(name):
     return 1 if name == "wide" else 2        # 1 kv head under Ulysses 2: replicated, as plain Ulysses does
 
 
+def _v_dim(name):
+    return 6 if name == "wide" else 8        # latent attention's v narrower than q/k (DeepSeek-V3: 128 of 192)
+
+
 def _qkv(lengths, name):
     g = torch.Generator().manual_seed(len(name))
-    total, kv = sum(lengths), _kv_heads(name)
-    return [torch.randn(total, h, 8, generator=g, dtype=torch.float64) for h in (4, kv, kv, 4)]  # q, k, v, dout
+    total, kv, dv = sum(lengths), _kv_heads(name), _v_dim(name)
+    return [torch.randn(total, h, dim, generator=g, dtype=torch.float64)
+            for h, dim in ((4, 8), (kv, 8), (kv, dv), (4, dv))]                                 # q, k, v, dout
 
 
 def _layer_worker(rank, world_size):
@@ -64,13 +70,14 @@ def _reference(lengths, name):
     q, k, v, dout = _qkv(lengths, name)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     cu = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    out = attend(q, k, v, cu, backend="reference")
+    padded = F.pad(v, (0, 8 - v.shape[-1]))   # one head size for the reference kernel: zero columns out, sliced off
+    out = attend(q, k, padded, cu, backend="reference")[..., :v.shape[-1]]
     return out.detach(), torch.autograd.grad((out * dout).sum(), (q, k, v))
 
 
 def _assemble(runs, name, ranks, total):
-    out = np.zeros((total, 4, 8))
-    grads = [np.zeros((total, h, 8)) for h in (4, _kv_heads(name), _kv_heads(name))]
+    out = np.zeros((total, 4, _v_dim(name)))
+    grads = [np.zeros((total, h, dim)) for h, dim in ((4, 8), (_kv_heads(name), 8), (_kv_heads(name), _v_dim(name)))]
     for r in ranks:
         res = runs[r][name]
         keep = res["order"] >= 0

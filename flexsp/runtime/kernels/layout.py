@@ -30,6 +30,17 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_tokens:
         raise AttentionError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
 
 
+def widen_values(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``v`` zero-padded to ``q``'s head size where its own is smaller (multi-head latent attention: DeepSeek-V3's
+    v heads are 128 wide, its q/k heads 192): every kernel takes one head size, and the output's extra columns are
+    exactly zero (a weighted sum of zeros), so slicing them off is exact in value and gradient. A wider ``v`` is
+    refused."""
+    extra = q.shape[-1] - v.shape[-1]
+    if extra < 0:
+        raise AttentionError(f"v heads of {v.shape[-1]} are wider than the q/k heads of {q.shape[-1]}")
+    return torch.nn.functional.pad(v, (0, extra)) if extra else v
+
+
 def check_bounds(bounds: list[int], tokens: int, name: str) -> None:
     if not bounds or bounds[0] != 0 or any(nxt < cur for cur, nxt in zip(bounds, bounds[1:])) or bounds[-1] > tokens:
         raise AttentionError(f"{name} must rise from 0 to at most {tokens} tokens, got {bounds}")
