@@ -288,11 +288,14 @@ def _plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: C
     if not nesting and "fallback" not in meta:
         schedule, moved = repair(schedule, cluster, lengths, costs)
         if moved:
-            # the repaired plan may be slower than a candidate's (placed as planned) or the nesting subset's
             meta["repaired_groups"] = moved
-            tries = [(c, costs) for c in registry.get_strategy(strategy).candidates]
-            if fallback is not None and (config.sp_degree is None or config.sp_degree in fallback.degrees):
-                tries.append((strategy, fallback))
+        # a candidate whose plan does not place was passed over by the search (it keeps what gets ranks), though
+        # repaired it can win (the candidates are cheap: tried always); a repaired plan may also be slower than the
+        # nesting subset's (a second search: tried only then)
+        tries = [(c, costs) for c in registry.get_strategy(strategy).candidates]
+        if moved and fallback is not None and (config.sp_degree is None or config.sp_degree in fallback.degrees):
+            tries.append((strategy, fallback))
+        if tries:
             for name, with_costs in tries:
                 try:
                     other = run(with_costs, name)
