@@ -185,6 +185,9 @@ def check_supported(model: nn.Module, max_seqlen: int | None = None) -> None:
             refuse("cross-attention", f"module {mod_name} ({kind})")
         if kind.endswith("Attention") and getattr(module, "is_causal", True) is False:
             refuse("non-causal attention", f"module {mod_name} ({kind}) has is_causal=False")
+        if kind.endswith("Indexer"):   # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, ...): top-k over every key
+            refuse("sparse attention with a key indexer", f"module {mod_name} ({kind}) scores every key of the "
+                   f"sequence to pick which ones each query attends, outside the attention call FlexSP splits")
     if getattr(cfg, "add_cross_attention", False):
         refuse("cross-attention", "config.add_cross_attention=True")
     decoder = decoder_of(model)

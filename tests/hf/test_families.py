@@ -2,9 +2,9 @@
 
 4 gloo ranks, a heterogeneous plan (degrees 4, 2, 1, an idle rank), fp64: StableLM (decoder layer
 drops **kwargs: routed by hooks), GPT-NeoX (config.is_decoder=False, causal attention) and Qwen2-MoE
-(router loss off, and on: against HF's own padded-batch loss) train exactly against the native model;
-a hybrid whose linear attention has no registered token mixer (MiniMax) and an ALiBi model are refused by
-name. One process: 3-D positions refused, routed context under gradient
+(router loss off, and on: against HF's own padded-batch loss) and DeepSeek-V3 (latent attention, v narrower
+than q/k) train exactly against the native model; a hybrid whose linear attention has no registered token mixer
+(MiniMax), an ALiBi model and DeepSeek-V3.2's sparse attention (a key indexer) are refused by name. One process: 3-D positions refused, routed context under gradient
 checkpointing, and the registry the matrix reads."""
 import copy
 
@@ -19,9 +19,11 @@ from flexsp.hf import UnsupportedModelError, prepare_model  # noqa: E402
 from flexsp.hf.families import batch, causal_lm_types, native_step, tiny_model  # noqa: E402
 from flexsp.runtime import AttentionContext, pack  # noqa: E402
 
-EXACT = ("stablelm", "gpt_neox", "qwen2_moe", "qwen2_moe+router-loss")
+EXACT = ("stablelm", "gpt_neox", "qwen2_moe", "qwen2_moe+router-loss",
+         "deepseek_v3")   # latent attention: v heads narrower than q/k, padded for the kernels
 REFUSED = {"minimax": "1 of its 2 decoder layers ran FlexSP's attention",   # lightning attention: no mixer registered
-           "bloom": "fails on a packed row"}
+           "bloom": "fails on a packed row",
+           "deepseek_v32": "sparse attention with a key indexer"}
 
 
 @pytest.fixture(scope="module")
