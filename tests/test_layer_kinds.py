@@ -10,7 +10,7 @@ import transformers as T
 import flexsp
 from flexsp.errors import CostModelError
 from flexsp.plan.analytic import alltoall_elements, comm_bytes_per_token, cost_from_hardware
-from flexsp.plan.layers import FULL, LayerKind, LinearShape, pairs, runs
+from flexsp.plan.layers import FULL, LatentShape, LayerKind, LinearShape, pairs, runs
 from flexsp.plan.memory import activation_bytes_per_token, model_state_bytes
 from flexsp.plan.specs import ModelSpec, get_model, spec_from_hf_config
 from flexsp.replay.exchange import LocalExchange
@@ -238,19 +238,23 @@ def _sent_per_token(degree: int, run) -> float:
     return exchange.sent / (tokens // degree)
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-27b", "llama3-8b", "gpt-oss-20b"])
+LATENT = ModelSpec(2, 64, 8, 8, 128, 100, name="latent", head_dim=12, latent=LatentShape(8, 8, 8, 4, 8))
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-27b", "llama3-8b", "gpt-oss-20b", "latent"])
 def test_alltoall_volume_is_what_the_runtime_sends(name):
     """The cost model's all-to-all bytes per layer kind and Ulysses degree equal the elements the runtime's
     Ulysses attention and Gated DeltaNet paths send (counted through a stand-in exchange): the convolution's
-    round trip and the heads copied past the kv heads (GQA) or the linear layers' key heads included."""
-    spec = get_model(name)
+    round trip, the heads copied past the kv heads (GQA) or the linear layers' key heads, and latent attention's
+    narrower v (on the wire at its own width) included."""
+    spec = LATENT if name == "latent" else get_model(name)
     degrees = [u for u in (2, 4, 8, 16, 32, 64) if spec.ulysses_heads % u == 0]
     cost = cost_from_hardware(spec, "h100-80gb", 64)
     for u in degrees:
         def softmax(ctx, n):
             q = torch.zeros(n, spec.heads, spec.head_size)
             k = torch.zeros(n, spec.kv_heads, spec.head_size)
-            ulysses_attention(q, k, torch.zeros_like(k), ctx)
+            ulysses_attention(q, k, torch.zeros(n, spec.kv_heads, spec.v_head_size), ctx)
 
         per_token = spec.softmax_layers * _sent_per_token(u, softmax)
         if spec.mixer_layers("linear"):

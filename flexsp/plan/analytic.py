@@ -78,7 +78,8 @@ def alltoall_elements(spec: ModelSpec, ulysses: int = 1) -> int:
     heads), v and the gates b and a (one value per value head) there and sends its output (the value width) back;
     the z gate is applied after the output returns, so it stays put."""
     kv_copies = ulysses // math.gcd(spec.kv_heads, ulysses)
-    total = spec.softmax_layers * (spec.q_dim + spec.heads * spec.v_head_size + kv_copies * spec.ring_width)
+    kv = spec.kv_dim + spec.kv_heads * spec.v_head_size    # K and V on the wire (a latent v at its own width)
+    total = spec.softmax_layers * (spec.q_dim + spec.heads * spec.v_head_size + kv_copies * kv)
     linear = spec.mixer_layers("linear")
     if linear:
         shape = spec.linear_shape

@@ -295,19 +295,18 @@ def _plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: C
         tries = [(c, costs) for c in registry.get_strategy(strategy).candidates]
         if moved and fallback is not None and (config.sp_degree is None or config.sp_degree in fallback.degrees):
             tries.append((strategy, fallback))
-        if tries:
-            for name, with_costs in tries:
-                try:
-                    other = run(with_costs, name)
-                except (InfeasibleDegree, Infeasible):
-                    continue
-                if with_costs is costs:
-                    other = repair(other, cluster, lengths, costs)[0]
-                if other.time(lengths, with_costs) < schedule.time(lengths, costs):
-                    schedule, costs = other, with_costs
-                    meta.pop("candidate", None)           # only the plan that won is named
-                    meta.pop("fallback", None)
-                    meta.update({"fallback": list(fallback.degrees)} if with_costs is fallback else {"candidate": name})
+        for name, with_costs in tries:
+            try:
+                other = run(with_costs, name)
+            except (InfeasibleDegree, Infeasible):
+                continue
+            if with_costs is costs:
+                other = repair(other, cluster, lengths, costs)[0]
+            if other.time(lengths, with_costs) < schedule.time(lengths, costs):
+                schedule, costs = other, with_costs
+                meta.pop("candidate", None)           # only the plan that won is named
+                meta.pop("fallback", None)
+                meta.update({"fallback": list(fallback.degrees)} if with_costs is fallback else {"candidate": name})
     searched = time.perf_counter() - started
     hit = searched > config.time_limit or cut_short
     if hit:

@@ -30,6 +30,12 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_tokens:
         raise AttentionError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
 
 
+def narrow_values(out: torch.Tensor, width: int) -> torch.Tensor:
+    """``out`` (the kernel's, at q's head size) cut back to the v heads' ``width`` (``widen_values``); untouched when
+    they are as wide. Function-form ops, no ``[]``: fake CUDA tensors (the CI's CUDA check) refuse indexing."""
+    return out if out.shape[-1] == width else out.narrow(-1, 0, width).contiguous()
+
+
 def widen_values(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``v`` zero-padded to ``q``'s head size where its own is smaller (multi-head latent attention: DeepSeek-V3's
     v heads are 128 wide, its q/k heads 192): every kernel takes one head size, and the output's extra columns are

@@ -35,7 +35,7 @@ import torch
 from flexsp.runtime.kernels import AttentionError, LseSpec, lse_backward, lse_forward, merge_partials
 from flexsp.runtime.kernels.capability import lse_kernel as feature_lse_kernel
 from flexsp.runtime.kernels.features import Features
-from flexsp.runtime.kernels.layout import widen_values
+from flexsp.runtime.kernels.layout import narrow_values, widen_values
 from flexsp.runtime.kernels.rule import lse_kernel
 from flexsp.runtime.kernels.sinks import check_sinks, sink_grad, sink_stats
 from flexsp.runtime.sp.context import AttentionContext, RingContext, check_heads
@@ -198,7 +198,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Atten
         kernel = feature_lse_kernel(kernel, features, features.positional)
     out = _RingAttention.apply(q, k, widen_values(q, v), ring.tensors, ring.comm, kernel, 1.0 / math.sqrt(q.shape[2]),
                                features, sinks)
-    return head_to_seq(out[..., :width].contiguous() if width < out.shape[-1] else out, ctx.group)
+    return head_to_seq(narrow_values(out, width), ctx.group)
 
 
 def ring_context(pool, group, lengths: Sequence[int], rank: int, device: torch.device | str,

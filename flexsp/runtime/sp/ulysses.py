@@ -14,7 +14,7 @@ import math
 import torch
 
 from flexsp.runtime.kernels import attend
-from flexsp.runtime.kernels.layout import widen_values
+from flexsp.runtime.kernels.layout import narrow_values, widen_values
 from flexsp.runtime.kernels.features import Features
 from flexsp.runtime.kernels.sinks import check_sinks
 from flexsp.runtime.sp.context import AttentionContext, check_heads
@@ -34,14 +34,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
     """
     width = v.shape[-1]                              # narrower than q/k's in latent attention: padded for the kernel
     if ctx.group is None and ctx.exchange is None:   # degree 1: no exchange object, no head checks per layer
-        return attend(q, k, widen_values(q, v), ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend,
-                      bounds=ctx.bounds, features=features, sinks=sinks)[..., :width]
+        return narrow_values(attend(q, k, widen_values(q, v), ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
+                                    backend=ctx.backend, bounds=ctx.bounds, features=features, sinks=sinks), width)
     d = ctx.degree
     heads, kv_heads = q.shape[1], k.shape[1]
     check_heads(heads, kv_heads, d)
     if d == 1:
-        return attend(q, k, widen_values(q, v), ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend,
-                      bounds=ctx.bounds, features=features, sinks=sinks)[..., :width]
+        return narrow_values(attend(q, k, widen_values(q, v), ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
+                                    backend=ctx.backend, bounds=ctx.bounds, features=features, sinks=sinks), width)
     # Replicate kv heads r times so d divides them; r divides heads/kv_heads because d divides heads.
     r = d // math.gcd(kv_heads, d)
     if r > 1:
@@ -53,4 +53,4 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
     q, k, v = (trades.seq_to_head(t) for t in (q, k, v))     # v at its own width on the wire
     out = attend(q, k, widen_values(q, v), ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend,
                  bounds=ctx.bounds, features=features, sinks=sinks)
-    return trades.head_to_seq(out[..., :width].contiguous() if width < out.shape[-1] else out)
+    return trades.head_to_seq(narrow_values(out, width))
