@@ -24,10 +24,11 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=3e-2
        torch.float64: dict(rtol=1e-9, atol=1e-10)}
 
 
-def _qkv(tq, heads, kv_heads, dtype, tk=None, dim=16, seed=0):
+def _qkv(tq, heads, kv_heads, dtype, tk=None, dim=16, seed=0, v_dim=None):
     g = torch.Generator().manual_seed(seed)
-    make = lambda n, h: torch.randn(n, h, dim, generator=g, dtype=torch.float64).to(dtype).requires_grad_()  # noqa: E731
-    return make(tq, heads), make(tq if tk is None else tk, kv_heads), make(tq if tk is None else tk, kv_heads)
+    make = lambda n, h, d=dim: torch.randn(n, h, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()  # noqa: E731
+    tk = tq if tk is None else tk
+    return make(tq, heads), make(tk, kv_heads), make(tk, kv_heads, dim if v_dim is None else v_dim)
 
 
 def _weights(like, seed):
@@ -35,10 +36,11 @@ def _weights(like, seed):
 
 
 def _exact(q, k, v, cu_q, cu_k=None, causal=True):
-    """The float64 reference of the same inputs (leaves of their own)."""
+    """The float64 reference of the same inputs (leaves of their own; a narrower v padded for it and cut back)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = reference(q64, k64, v64, cu_q, cu_k, causal=causal, return_lse=True)
-    return (q64, k64, v64), out, lse
+    width = v64.shape[-1]
+    out, lse = reference(q64, k64, F.pad(v64, (0, q64.shape[-1] - width)), cu_q, cu_k, causal=causal, return_lse=True)
+    return (q64, k64, v64), out[..., :width], lse
 
 
 def _zero_rows(t, start):
@@ -51,11 +53,12 @@ def poison(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("v_dim", [16, 12], ids=["v as q", "latent v"])   # latent attention: v narrower than q/k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["varlen", "flash", "auto"])
-def test_attend_zero_on_padding_reference_on_real_rows(poison, backend, dtype):
+def test_attend_zero_on_padding_reference_on_real_rows(poison, backend, dtype, v_dim):
     cu = (0, 6, 7, 7, 13)                                    # an empty sequence, then 3 padding rows
-    q, k, v = _qkv(16, 4, 2, dtype)
+    q, k, v = _qkv(16, 4, 2, dtype, v_dim=v_dim)
     out = attend(q, k, v, torch.tensor(cu, dtype=torch.int32), max_seqlen=6, backend=backend)
     grads = torch.autograd.grad((out.double() * _weights(out, 1).double()).sum(), (q, k, v))
     assert hostile.Trace.calls, "the stand-in did not run"

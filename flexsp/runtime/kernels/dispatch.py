@@ -11,7 +11,8 @@ import torch
 from flexsp.runtime.kernels import flash, sdpa, varlen
 from flexsp.runtime.kernels.capability import attend_kernel
 from flexsp.runtime.kernels.features import PLAIN, Features, chunked_bounds
-from flexsp.runtime.kernels.layout import Bounds, bounds_tensor, check_shapes, host_bounds, known_bounds, max_len
+from flexsp.runtime.kernels.layout import (Bounds, bounds_tensor, check_shapes, host_bounds, known_bounds, max_len,
+                                           narrow_values, widen_values)
 from flexsp.runtime.kernels.lse import attend_lse
 from flexsp.runtime.kernels.padding import Rows, contained
 from flexsp.runtime.kernels.reference import reference
@@ -27,7 +28,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Bounds
 
     ``bounds``: ``cu_seqlens`` as host ints, for the per-sequence kernels when ``cu_seqlens`` is on a
     device, and for the rule's length mix. ``features``: the layer's window, chunk and softcap
-    (``features.Features``; None: plain causal). ``sinks [heads]``: per-head sink logits (``sinks.py``)."""
+    (``features.Features``; None: plain causal). ``sinks [heads]``: per-head sink logits (``sinks.py``). A ``v``
+    narrower than q/k (latent attention) is padded for the kernel and the output cut back to its width."""
+    width = v.shape[-1]
+    if width != q.shape[-1]:
+        return narrow_values(attend(q, k, widen_values(q, v), cu_seqlens, max_seqlen=max_seqlen, backend=backend,
+                                    scale=scale, bounds=bounds, features=features, sinks=sinks), width)
     check_shapes(q, k, v, same_tokens=True)
     tokens, heads, dim = q.shape
     features = PLAIN if features is None else features

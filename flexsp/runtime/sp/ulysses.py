@@ -14,7 +14,6 @@ import math
 import torch
 
 from flexsp.runtime.kernels import attend
-from flexsp.runtime.kernels.layout import narrow_values, widen_values
 from flexsp.runtime.kernels.features import Features
 from flexsp.runtime.kernels.sinks import check_sinks
 from flexsp.runtime.sp.context import AttentionContext, check_heads
@@ -32,16 +31,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
     ``features``: the layer's window/chunk/softcap; ``sinks [heads]`` (all heads): each rank uses the part
     of its heads, and the gradient of every part reaches its rows of ``sinks``.
     """
-    width = v.shape[-1]                              # narrower than q/k's in latent attention: padded for the kernel
     if ctx.group is None and ctx.exchange is None:   # degree 1: no exchange object, no head checks per layer
-        return narrow_values(attend(q, k, widen_values(q, v), ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
-                                    backend=ctx.backend, bounds=ctx.bounds, features=features, sinks=sinks), width)
+        return attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend, bounds=ctx.bounds,
+                      features=features, sinks=sinks)
     d = ctx.degree
     heads, kv_heads = q.shape[1], k.shape[1]
     check_heads(heads, kv_heads, d)
     if d == 1:
-        return narrow_values(attend(q, k, widen_values(q, v), ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
-                                    backend=ctx.backend, bounds=ctx.bounds, features=features, sinks=sinks), width)
+        return attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend, bounds=ctx.bounds,
+                      features=features, sinks=sinks)
     # Replicate kv heads r times so d divides them; r divides heads/kv_heads because d divides heads.
     r = d // math.gcd(kv_heads, d)
     if r > 1:
@@ -50,7 +48,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: At
     if sinks is not None:
         check_sinks(sinks, heads)
         sinks = head_part(sinks, ctx.group, getattr(trades, "rank", None))
-    q, k, v = (trades.seq_to_head(t) for t in (q, k, v))     # v at its own width on the wire
-    out = attend(q, k, widen_values(q, v), ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend,
-                 bounds=ctx.bounds, features=features, sinks=sinks)
-    return trades.head_to_seq(narrow_values(out, width))
+    q, k, v = (trades.seq_to_head(t) for t in (q, k, v))     # a latent v at its own width on the wire
+    out = attend(q, k, v, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, backend=ctx.backend, bounds=ctx.bounds,
+                 features=features, sinks=sinks)
+    return trades.head_to_seq(out)
