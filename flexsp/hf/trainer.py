@@ -147,12 +147,13 @@ def check_collator(collator: Any, dataset: Any) -> None:
                             f"data_collator unset and put per-token supervision in a labels column (-100: no loss)")
 
 
-def default_cost(config: Any, world: int, tokens_per_rank: int):
+def default_cost(config: Any, world: int, tokens_per_rank: int, gpus_per_node: int = 8):
     """A made-up cost model of the right shape for ``config`` (profile yours: ``flexsp profile --hf-config
-    DIR``): ``flexsp.plan.token_budget.token_budget_cost`` of its text part's layers and hidden size."""
+    DIR``): ``flexsp.plan.token_budget.token_budget_cost`` of its text part's layers and hidden size, for a
+    cluster of ``gpus_per_node``-GPU nodes."""
     from flexsp.plan.token_budget import token_budget_cost
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return token_budget_cost(text.num_hidden_layers, text.hidden_size, world, tokens_per_rank)
+    return token_budget_cost(text.num_hidden_layers, text.hidden_size, world, tokens_per_rank, gpus_per_node)
 
 
 class FlexSPTrainer(Trainer):
@@ -227,7 +228,7 @@ class FlexSPTrainer(Trainer):
         if args.flexsp_cost:
             cost = CostModel.load(args.flexsp_cost)
         else:
-            cost = default_cost(self.model.config, world, int(args.flexsp_tokens_per_rank))
+            cost = default_cost(self.model.config, world, int(args.flexsp_tokens_per_rank), cluster.gpus_per_node)
         heads, _ = self.sp_model.sp_heads()
         if self.sp_model.linear_heads:   # a Gated DeltaNet hybrid: degrees must divide its value heads too
             heads = math.gcd(heads, self.sp_model.linear_heads)

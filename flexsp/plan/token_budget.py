@@ -15,11 +15,10 @@ def token_budget_cost(num_layers: int, hidden_size: int, world: int, tokens_per_
     """A cost model of the right shape (profile yours: ``flexsp profile --hf-config DIR``) for a model of
     ``num_layers`` x ``hidden_size`` on ``world`` ranks holding ``tokens_per_rank`` tokens each.
 
-    ``gpus_per_node``: the node size whose group sizes get a bandwidth. ``tokens_per_rank`` is the budget left
+    ``gpus_per_node``: the cluster's node size (every group size it tiles gets a bandwidth). ``tokens_per_rank`` is the budget left
     after the model states; the Trainer keeps them replicated
     (sharding ``"none"``), which is what the capacity is recorded as."""
-    # every group size the cluster tiles (nodes of 6: 3, 6, 12), not only powers of two, and powers of two
-    degrees = sorted({*tileable_degrees(world, gpus_per_node)[1:], *(1 << i for i in range(1, world.bit_length()))})
+    degrees = tileable_degrees(world, gpus_per_node)[1:]   # every group size the cluster tiles (nodes of 6: 3, 6, 12)
     return CostModel(alpha1=2e-9, alpha2=2e-6, beta1=1e-4,
                      comm_bytes_per_token=4 * 2 * num_layers * hidden_size * 4,
                      alltoall_bandwidth={d: 2e9 / d for d in degrees}, token_capacity=tokens_per_rank,
