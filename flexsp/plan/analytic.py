@@ -99,8 +99,9 @@ def alltoall_replication(spec: ModelSpec, degrees: Iterable[int]) -> dict[int, f
     """``CostModel.alltoall_replication``: at the Ulysses part of each of ``degrees`` (``ulysses_split`` by the heads
     every layer splits by) where some layer copies heads, its all-to-all volume over ``comm_bytes_per_token``'s."""
     base = alltoall_elements(spec)
-    parts = sorted({ulysses_split(int(d), spec.ulysses_heads)[0] for d in degrees})
-    return {u: alltoall_elements(spec, u) / base for u in parts if u > 1 and alltoall_elements(spec, u) > base}
+    parts = sorted({ulysses_split(int(d), spec.ulysses_heads)[0] for d in degrees} - {1})
+    volumes = {u: alltoall_elements(spec, u) for u in parts}
+    return {u: v / base for u, v in volumes.items() if v > base}
 
 
 def model_axes(spec: ModelSpec, ring_bandwidth: float | None, hop_latency: float, bytes_per_element: int = 2

@@ -88,6 +88,17 @@ def _degree_keys(table: Mapping[Any, Any]) -> dict[int, Any]:
     return out
 
 
+def _number_table(table: Any, name: str, key: str, value: str, key_name: str) -> dict[int, float]:
+    """A ``{whole number: number}`` field (``window_alpha``, ``chunk_alpha``, ``alltoall_replication``): None is
+    empty; keys as ``integer_keys`` reads them (JSON's decimal strings), values checked numbers."""
+    if table is None:
+        return {}
+    if not isinstance(table, Mapping):
+        raise CostModelError(f"{name} must map a {key} -> {value}, got {type(table).__name__}")
+    return {k: number(v, f"{name}[{k}]", CostModelError)
+            for k, v in integer_keys(table, name, CostModelError, key_name).items()}
+
+
 @dataclass(frozen=True)
 class CostModel:
     alpha1: float                       # s per token^2: attention of the full layers (all, without kinds), fwd+bwd, one GPU
@@ -144,29 +155,17 @@ class CostModel:
             object.__setattr__(self, "ring_bandwidth", number(self.ring_bandwidth, "ring_bandwidth (bytes/s, or None)",
                                                               CostModelError, positive=True))
         for name in _TERMS:
-            table = getattr(self, name)
-            if table is None:
-                table = {}
-            if not isinstance(table, Mapping):
-                raise CostModelError(f"{name} must map a size in tokens -> seconds per attention pair, got "
-                                     f"{type(table).__name__}")
-            checked = {}
-            for size, value in integer_keys(table, name, CostModelError, "token size").items():
+            checked = _number_table(getattr(self, name), name, "size in tokens", "seconds per attention pair", "token size")
+            for size in checked:
                 if size < 1:
                     raise CostModelError(f"{name} has size {size}; sizes are whole numbers of tokens >= 1")
-                checked[size] = number(value, f"{name}[{size}]", CostModelError)
             object.__setattr__(self, name, dict(sorted(checked.items())))
-        replication = self.alltoall_replication if self.alltoall_replication is not None else {}
-        if not isinstance(replication, Mapping):
-            raise CostModelError(f"alltoall_replication must map a Ulysses degree -> a volume factor >= 1, got "
-                                 f"{type(replication).__name__}")
-        checked = {}
-        for degree, value in integer_keys(replication, "alltoall_replication", CostModelError, "Ulysses degree").items():
-            factor = number(value, f"alltoall_replication[{degree}]", CostModelError)
+        checked = _number_table(self.alltoall_replication, "alltoall_replication", "Ulysses degree",
+                                "a volume factor >= 1", "Ulysses degree")
+        for degree, factor in checked.items():
             if not (2 <= degree <= 2**40 and 1 <= factor <= 2**20):
-                raise CostModelError(f"alltoall_replication[{degree}] = {value!r}: a Ulysses degree 2 to 2**40 maps to "
+                raise CostModelError(f"alltoall_replication[{degree}] = {factor!r}: a Ulysses degree 2 to 2**40 maps to "
                                      f"how many times the all-to-all volume is comm_bytes_per_token's (1 to 2**20)")
-            checked[degree] = factor
         object.__setattr__(self, "alltoall_replication", dict(sorted(checked.items())))
         if self.alpha1 == 0 and self.alpha2 == 0 and not any(self.terms_alpha()):
             raise CostModelError("alpha1 and alpha2 are both 0: every sequence would take no time")
