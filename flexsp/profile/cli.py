@@ -14,8 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from flexsp.errors import FlexSPError
-from flexsp.inputs import parse_sizes
+from flexsp.errors import CostModelError, FlexSPError
+from flexsp.inputs import integer, parse_sizes
 from flexsp.plan.memory import SHARDINGS
 from flexsp.profile.preflight import FIT_ERROR_LIMIT
 
@@ -604,8 +604,6 @@ def _print_ring(fit, layout, say) -> None:
 
 def _swept_lengths(cost) -> list[int]:
     """The lengths a profile swept (its ``meta["lengths"]``, from a file: checked), else 256..4,096 tokens."""
-    from flexsp.errors import CostModelError
-    from flexsp.inputs import integer
     swept = cost.meta.get("lengths")
     if swept is None:
         return [256, 4096]
