@@ -897,7 +897,11 @@ def search_plan(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options:
     bound = search.batch_bound() * (1 + BOUND_SLACK) if len(lengths) <= MAX_PER_SEQUENCE_SPLITS else -math.inf
 
     def optimal(split: Split) -> Schedule | None:
-        refined = search.refine_members(search.members(split)) if bound > 0 else None
+        # a split whose micro-batches' own bounds already exceed the batch's cannot refine to it: not refined
+        # here (the loop below refines it only if it can still win)
+        if bound <= 0 or search.real_bound(split) > bound:
+            return None
+        refined = search.refine_members(search.members(split))
         if refined is None or refined.time > bound:
             return None
         search.deadline = hard
