@@ -106,6 +106,16 @@ class PlanBatch:
             pass   # a warm-up only: whatever is wrong is raised by the first real batch's plan
 
 
+def warm_solver() -> None:
+    """``PlanBatch.warm`` for a process that will plan soon but has no cost model yet: a two-GPU plan on a
+    made-up cost pays the imports and numpy's lazy ones (the costs are the same whatever the model). The
+    HF Trainer calls it at construction, because it takes its first step a few milliseconds after its
+    loader starts: 15 ms of warm-up there was most of the first step's wait."""
+    from flexsp.plan.cluster import Cluster
+    from flexsp.plan.token_budget import token_budget_cost
+    PlanBatch(token_budget_cost(1, 8, 2, 64), Cluster(2, 2)).warm()
+
+
 # --- compact plans ----------------------------------------------------------------------------------
 
 def pack_plan(plan: Plan) -> dict[str, Any]:

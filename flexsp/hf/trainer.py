@@ -208,6 +208,9 @@ class FlexSPTrainer(Trainer):
             raise TrainerSetupError("flexsp=True needs a train_dataset of token sequences (rows with input_ids)")
         args.ignore_data_skip = True   # the loader's saved position replaces the Trainer's batch skipping
         self.sp_model = prepare_model(self.model)
+        if args.process_index == 0:   # the planning rank: its loader starts right before the first step
+            from flexsp.data.planning import warm_solver
+            warm_solver()
 
     # --- data ----------------------------------------------------------------------------------
     def _build_loader(self):

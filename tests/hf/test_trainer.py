@@ -223,3 +223,22 @@ def test_a_run_dir_for_a_model_the_spec_cannot_describe_records_without_flops(tm
     with pytest.warns(UserWarning, match="no model FLOPs"):
         FlexSPTrainer(model=model, args=args, train_dataset=data).train()
     assert [r["step"] for r in read_records(tmp_path / "run")] == [0]
+
+
+def test_the_planning_rank_pays_the_solvers_first_call_costs_at_construction(tmp_path, monkeypatch):
+    """The Trainer takes its first step a few milliseconds after its loader starts, so the solver's imports and
+    numpy's lazy ones (15 ms) are paid when the Trainer is built, not inside the first step's wait."""
+    from datasets import Dataset
+
+    import flexsp.data.planning as planning
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments
+    from .models import build
+    calls = []
+    monkeypatch.setattr(planning, "warm_solver", lambda: calls.append("warm"))
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
+                                   flexsp_tokens_per_rank=64, per_device_train_batch_size=1, max_steps=1,
+                                   save_strategy="no")
+    FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+    assert calls == ["warm"]
+    monkeypatch.undo()
+    planning.warm_solver()   # the real one plans a made-up batch without error
