@@ -119,8 +119,9 @@ def _schedule(groups: list[np.ndarray], times: np.ndarray, degree: int, per_mb: 
 
 
 def _estimate(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, k: int) -> float:
-    """A quick bound on a single-degree plan: its GPU-seconds spread over the cluster plus beta1
-    for each micro-batch memory needs; orders the degrees so the likely best is planned first."""
+    """A lower bound on a single-degree plan: its GPU-seconds spread over the cluster (a micro-batch takes at
+    least its groups' mean load) plus beta1 for each micro-batch memory needs; orders the degrees so the
+    likely best is planned first, and ends the search at the first degree it says cannot win."""
     per_mb = costs.max_groups(k, num_gpus)
     area = float(costs.seq_time(lengths, k).sum()) / per_mb
     return area + costs.beta1 * min_micro_batches(float(lengths.sum()), costs.capacity[k] * per_mb)
@@ -128,14 +129,18 @@ def _estimate(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, k: int) ->
 
 def batchada(lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, deadline: float | None = None) -> Schedule:
     """The single degree with the shortest step for this batch. Degrees are planned most promising
-    first; at ``deadline`` the best so far is returned (the first one always completes)."""
+    first, until one whose lower bound (``_estimate``) reaches the best plan so far; at ``deadline`` the
+    best so far is returned (the first one always completes)."""
     feasible = [k for k, d in enumerate(costs.degrees) if d <= num_gpus and lengths.max() <= costs.capacity[k]]
     if not feasible:
         raise InfeasibleDegree("no single SP degree can hold the longest sequence")
     best, best_time = None, np.inf
-    for k in sorted(feasible, key=lambda k: _estimate(lengths, costs, num_gpus, k)):
+    estimates = {k: _estimate(lengths, costs, num_gpus, k) for k in feasible}
+    for k in sorted(feasible, key=estimates.__getitem__):
         if best is not None and deadline is not None and time.perf_counter() > deadline:
             break
+        if estimates[k] > best_time * (1 + 1e-9):
+            break   # a lower bound (the rest's are higher): no later degree can beat the best so far
         schedule = single_degree(lengths, costs, num_gpus, costs.degrees[k], deadline)
         t = schedule.time(lengths, costs)
         if t < best_time:

@@ -131,3 +131,19 @@ def test_assign_from_counts_deals_each_buckets_sequences_longest_first(seed):
         expected[ids] = np.repeat(np.arange(len(counts)), counts[:, b])
     assert np.array_equal(search.assign_from_counts(counts), expected)
     assert np.array_equal(np.bincount(expected, minlength=len(counts)), counts.sum(axis=1))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batchadas_estimate_is_a_lower_bound_and_pruning_keeps_its_plan(seed):
+    """``batchada`` stops at the first degree whose ``_estimate`` reaches its best plan so far: each estimate
+    is at most that degree's planned time, and the pruned search returns the plan of trying every degree."""
+    from solver.baselines import _estimate, batchada, single_degree
+    rng = np.random.default_rng(200 + seed)
+    lengths = rng.integers(1, 800, size=int(rng.integers(2, 120)))
+    times = {}
+    for k, degree in enumerate(COSTS.degrees):
+        if lengths.max() <= COSTS.capacity[k]:
+            times[k] = single_degree(lengths, COSTS, 8, degree).time(lengths, COSTS)
+            assert _estimate(lengths, COSTS, 8, k) <= times[k] * (1 + 1e-12)
+    best = min(times.values())
+    assert batchada(lengths, COSTS, 8).time(lengths, COSTS) == best
