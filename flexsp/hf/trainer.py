@@ -147,6 +147,17 @@ def check_collator(collator: Any, dataset: Any) -> None:
                             f"data_collator unset and put per-token supervision in a labels column (-100: no loss)")
 
 
+def plan_topology(world: int, local: int, heads: int):
+    """The Trainer's ``flexsp.Cluster``, nodes of ``local`` ranks (torchrun's ``LOCAL_WORLD_SIZE``: 12 ranks on
+    nodes of 6 are two nodes of 6, any node size), and the SP degrees its plans use: the powers of two with a
+    tile (those its ``GroupPool`` makes communicators for) that divide the model's SP ``heads`` (its groups are
+    Ulysses groups; a degree of 3 or 6 would not split 32 heads)."""
+    from flexsp.plan.cluster import Cluster, power_of_two_degrees, tileable
+    cluster = Cluster(num_gpus=world, gpus_per_node=local)
+    degrees = tuple(d for d in power_of_two_degrees(world) if tileable(d, world, local) and heads % d == 0)
+    return cluster, degrees
+
+
 def default_cost(config: Any, world: int, tokens_per_rank: int, gpus_per_node: int = 8):
     """A made-up cost model of the right shape for ``config`` (profile yours: ``flexsp profile --hf-config
     DIR``): ``flexsp.plan.token_budget.token_budget_cost`` of its text part's layers and hidden size, for a
@@ -217,7 +228,6 @@ class FlexSPTrainer(Trainer):
         import torch.distributed as dist
 
         from flexsp.data import FlexSPLoader, LoaderConfig
-        from flexsp.plan.cluster import Cluster
         from flexsp.plan.cost import CostModel
         from flexsp.plan.config import PlanConfig
         from flexsp.runtime import GroupPool, StepExecutor
@@ -226,27 +236,28 @@ class FlexSPTrainer(Trainer):
         if not dist.is_initialized():   # a world of one: the runtime's collectives need a process group
             from flexsp.runtime import init_distributed
             init_distributed()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        cluster = Cluster(num_gpus=world, gpus_per_node=1 << (local - 1).bit_length())
+        heads, _ = self.sp_model.sp_heads()
+        if self.sp_model.linear_heads:   # a Gated DeltaNet hybrid: degrees must divide its value heads too
+            heads = math.gcd(heads, self.sp_model.linear_heads)
+        cluster, degrees = plan_topology(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), heads)
         if args.flexsp_cost:
             cost = CostModel.load(args.flexsp_cost)
         else:
             cost = default_cost(self.model.config, world, int(args.flexsp_tokens_per_rank), cluster.gpus_per_node)
-        heads, _ = self.sp_model.sp_heads()
-        if self.sp_model.linear_heads:   # a Gated DeltaNet hybrid: degrees must divide its value heads too
-            heads = math.gcd(heads, self.sp_model.linear_heads)
-        pool = self._pool = GroupPool()
+        pool = self._pool = GroupPool(gpus_per_node=cluster.gpus_per_node)   # every power of two with a tile
         seed = args.data_seed if args.data_seed is not None else args.seed
         lengths = [len(row["input_ids"]) for row in self.train_dataset]
         check_supported(self.model, max(lengths))   # a sliding window is fine only if every sequence fits it
         text = self.model.config.get_text_config()
+        plan = PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit, max_degree=heads & -heads,
+                          ulysses_only=not ring_capable(self.sp_model.mixers))
+        if plan.degrees is None:   # unless the strategy names its own (``"flexsp[1,2]"``)
+            plan = plan.replace(degrees=degrees)
         loader = FlexSPLoader(
             self.train_dataset, cost, cluster, pool=pool, device=self.args.device, lengths=lengths,
             vocab_size=getattr(text, "vocab_size", None),
             config=LoaderConfig(batch_size=args.per_device_train_batch_size * world, seed=seed,
-                                plan=PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit,
-                                                max_degree=heads & -heads,
-                                                ulysses_only=not ring_capable(self.sp_model.mixers))))
+                                plan=plan))
         if args.flexsp_run_dir is not None:   # the same per-step records as the project's own loop
             from flexsp.plan.specs import spec_from_hf_config
             from flexsp.telemetry import Telemetry

@@ -242,3 +242,23 @@ def test_the_planning_rank_pays_the_solvers_first_call_costs_at_construction(tmp
     assert calls == ["warm"]
     monkeypatch.undo()
     planning.warm_solver()   # the real one plans a made-up batch without error
+
+
+@pytest.mark.parametrize("world, local, heads, degrees", [(12, 6, 32, (1, 2, 4)), (3, 3, 4, (1, 2)), (16, 8, 24, (1, 2, 4, 8)),
+                                                          (8, 8, 32, (1, 2, 4, 8)), (24, 6, 12, (1, 2, 4))])
+def test_the_trainer_plans_on_its_real_node_size(world, local, heads, degrees):
+    """Two nodes of 6 ranks were planned as nodes of 8 (the node size rounded up to a power of two): a ClusterError
+    naming gpus_per_node=8 before the first step. The cluster has the launch's node size, and the degrees are the
+    pool's powers of two that split the heads, so a plan on it runs on the pool's groups."""
+    import numpy as np
+
+    from flexsp import plan_batch
+    from flexsp.hf.trainer import default_cost, plan_topology
+    from flexsp.plan.config import PlanConfig
+    from .models import build
+    cluster, got = plan_topology(world, local, heads)
+    assert (cluster.num_gpus, cluster.gpus_per_node, got) == (world, local, degrees)
+    cost = default_cost(build("llama").config, world, 64, cluster.gpus_per_node)
+    plan = plan_batch(np.random.default_rng(0).integers(8, 64 * degrees[-1], size=4 * world), cost, cluster,
+                      config=PlanConfig(degrees=got))
+    assert {g.degree for mb in plan.micro_batches for g in mb.groups} <= set(degrees)
