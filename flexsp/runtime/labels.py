@@ -2,8 +2,9 @@
 
 The conventions are Hugging Face's and TRL's:
 
-- ``labels``: aligned with ``input_ids``, unshifted (the model predicts ``labels[t + 1]`` from token ``t``),
-  ``-100`` = no loss; any ids of the vocabulary, not only copies of ``input_ids``;
+- ``labels`` (or ``label_ids``, which Hugging Face's collators read as ``labels``): aligned with ``input_ids``,
+  unshifted (the model predicts ``labels[t + 1]`` from token ``t``), ``-100`` = no loss; any ids of the
+  vocabulary, not only copies of ``input_ids``;
 - ``completion_mask`` (TRL prompt-completion data) and ``assistant_masks`` (TRL ``assistant_only_loss``):
   1 = the token is a target, 0 = it is not (the prompt, the user's turns).
 
@@ -28,8 +29,9 @@ from flexsp.runtime.sp.tokens import IGNORE_INDEX
 from flexsp.runtime.transfer import to_device
 
 LABELS = "labels"
+LABEL_IDS = "label_ids"   # Hugging Face's other name for labels (its collators rename it; ``labels`` wins beside it)
 MASKS = ("completion_mask", "assistant_masks")
-SUPERVISION = (LABELS, *MASKS)
+SUPERVISION = (LABELS, LABEL_IDS, *MASKS)
 
 
 class LabelsError(FlexSPError):
@@ -40,6 +42,9 @@ class LabelsError(FlexSPError):
 # targets, and reading none would silently train every token
 NEAR_MISSES = {"label": LABELS, "completion_masks": "completion_mask", "assistant_mask": "assistant_masks"}
 PADDING = "attention_mask"   # Hugging Face's padding mask: FlexSP packs unpadded sequences
+# a row that already packs several documents: positions restarting inside it (Hugging Face then keeps the documents
+# apart), or TRL's lengths of its packed documents
+POSITIONS, DOCUMENT_LENGTHS = "position_ids", "seq_lengths"
 
 
 def integers(value: Any, what: str, error: type[FlexSPError], *, allow_bool: bool = False) -> torch.Tensor:
@@ -88,7 +93,7 @@ def _outside(values: torch.Tensor, vocab_size: int | None, checked: torch.Tensor
 def _column(value: Any, name: str, where: str, n: int) -> torch.Tensor:
     """One supervision column as a 1-D int64 tensor of ``n`` entries on the host (masks may be booleans): a
     column on a device is read back once here, and every check and the count run on the copy."""
-    t = integers(value, f"{where}, column {name!r}", LabelsError, allow_bool=name != LABELS)
+    t = integers(value, f"{where}, column {name!r}", LabelsError, allow_bool=name not in (LABELS, LABEL_IDS))
     if t.numel() != n:
         raise LabelsError(f"{where}, column {name!r}: {t.numel()} entries but input_ids has {n}")
     return t.cpu()
@@ -106,8 +111,10 @@ def _sized(value: Any, n: int) -> bool:
 
 def check_columns(columns: Mapping[str, Any], n: int, where: str) -> None:
     """Refuse the columns that would silently change the loss if ignored: a near miss of a supervision column
-    (``label`` as long as the tokens: every token would be trained) and an ``attention_mask`` with zeros
-    (padding inside the sequence: FlexSP packs sequences unpadded, so the padding would be trained on)."""
+    (``label`` as long as the tokens: every token would be trained), an ``attention_mask`` with zeros
+    (padding inside the sequence: FlexSP packs sequences unpadded, so the padding would be trained on), and a
+    row that already packs several documents (``position_ids`` restarting inside it, or TRL's ``seq_lengths``
+    of more than one document): FlexSP would attend across them, where Hugging Face keeps them apart."""
     for name, meant in NEAR_MISSES.items():
         if name in columns and meant not in columns and _sized(columns[name], n):
             raise LabelsError(f"{where}: column {name!r} is as long as input_ids but FlexSP reads {meant!r}: rename "
@@ -118,6 +125,27 @@ def check_columns(columns: Mapping[str, Any], n: int, where: str) -> None:
             raise LabelsError(f"{where}: column {PADDING!r} is 0 at position {_first(mask.eq(0))}: FlexSP packs "
                               f"sequences unpadded, so padding would be trained on; drop the padded tokens "
                               f"(and the column) before the loader")
+    if columns.get(POSITIONS) is not None and _sized(columns[POSITIONS], n):
+        positions = integers(columns[POSITIONS], f"{where}, column {POSITIONS!r}", LabelsError).cpu()
+        moved = positions.ne(torch.arange(n))
+        if bool(moved.any()):
+            raise LabelsError(f"{where}: column {POSITIONS!r} is {int(positions[_first(moved)])} at position "
+                              f"{_first(moved)}, not 0..{n - 1}: a row packing several documents, which FlexSP would "
+                              f"run as one sequence (each attending to the ones before it); FlexSP packs rows itself, "
+                              f"so give each document as its own row")
+    documents = columns.get(DOCUMENT_LENGTHS)
+    if documents is not None and not isinstance(documents, (str, bytes, Mapping)) and _count(documents) > 1:
+        raise LabelsError(f"{where}: column {DOCUMENT_LENGTHS!r} lists {_count(documents)} documents packed in one "
+                          f"row, which FlexSP would run as one sequence; FlexSP packs rows itself, so give each "
+                          f"document as its own row (TRL: packing=False)")
+
+
+def _count(value: Any) -> int:
+    """Entries of a sequence-like column value (1 for a scalar)."""
+    try:
+        return len(value)
+    except TypeError:
+        return 1
 
 
 def _first(bad: torch.Tensor) -> int:
@@ -134,23 +162,22 @@ def read_targets(columns: Mapping[str, Any], ids: torch.Tensor, where: str,
     (``"dataset item 7"``); ``vocab_size`` bounds labels (ids outside it would fail deep in the loss)."""
     n = int(ids.numel())
     check_columns(columns, n, where)
-    present = [c for c in SUPERVISION if columns.get(c) is not None]
-    if not present:
+    label_name = next((c for c in (LABELS, LABEL_IDS) if columns.get(c) is not None), None)
+    present = [c for c in MASKS if columns.get(c) is not None]
+    if label_name is None and not present:
         return None, max(0, n - 1)
     keep: torch.Tensor | None = None
     labels = None
-    if LABELS in present:
-        labels = _column(columns[LABELS], LABELS, where, n)
+    if label_name is not None:
+        labels = _column(columns[label_name], label_name, where, n)
         real = labels.ne(IGNORE_INDEX)
         outside = _outside(labels, vocab_size, real)
         if outside is not None:
             j, span = outside
-            raise LabelsError(f"{where}, column 'labels': position {j} holds {int(labels[j])}, outside {span} "
+            raise LabelsError(f"{where}, column {label_name!r}: position {j} holds {int(labels[j])}, outside {span} "
                               f"and not {IGNORE_INDEX} (no loss)")
         keep = real
     for name in present:
-        if name == LABELS:
-            continue
         mask = _column(columns[name], name, where, n)
         bad = mask.ne(0) & mask.ne(1)
         if bool(bad.any()):
@@ -162,7 +189,7 @@ def read_targets(columns: Mapping[str, Any], ids: torch.Tensor, where: str,
             differ[0] = False   # the first token is never a target: what either says there changes no loss
             if bool(differ.any()):
                 j = _first(differ)
-                raise LabelsError(f"{where}: columns 'labels' and {name!r} disagree at position {j} (label "
+                raise LabelsError(f"{where}: columns {label_name!r} and {name!r} disagree at position {j} (label "
                                   f"{int(labels[j])}, mask {int(mask[j])}); give one, or make labels -100 exactly "
                                   f"where the mask is 0")
         keep = on if keep is None else keep & on

@@ -100,6 +100,11 @@ def test_masks_and_labels_become_targets():
     ({"assistant_mask": [0, 0, 1, 1, 1, 1]}, "column 'assistant_mask' is as long as input_ids"),
     ({"attention_mask": [1, 1, 1, 1, 0, 0]}, "column 'attention_mask' is 0 at position 4: FlexSP packs sequences "
                                              "unpadded"),
+    ({"label_ids": [I, 2, 3, 60, 5, 6]}, "column 'label_ids': position 3 holds 60, outside the vocabulary"),
+    # rows that already pack documents: FlexSP would attend across them (Hugging Face keeps them apart)
+    ({"position_ids": [0, 1, 2, 0, 1, 2]}, "column 'position_ids' is 0 at position 3, not 0..5: a row packing "
+                                           "several documents"),
+    ({"seq_lengths": [2, 4]}, "column 'seq_lengths' lists 2 documents packed in one row"),
 ])
 def test_bad_columns_are_one_line_errors_naming_row_and_column(columns, message):
     with pytest.raises(LabelsError, match=message) as info:
@@ -107,8 +112,21 @@ def test_bad_columns_are_one_line_errors_naming_row_and_column(columns, message)
     assert "\n" not in str(info.value)
 
 
+def test_label_ids_are_labels_as_huggingfaces_collators_read_them():
+    """``label_ids`` was not read at all: every token of the row was trained, where the plain Trainer (whose
+    collators rename it) trains the labelled ones; beside ``labels`` it is ignored, as the collators do."""
+    t, n = _read({"label_ids": [I, 40, 41, I, I, 3]})
+    assert t.tolist() == [I, 40, 41, I, I, 3] and n == 3
+    t, n = _read({"labels": [I, I, I, 4, 5, 6], "label_ids": [I, 40, 41, I, I, 3]})
+    assert t.tolist() == [I, I, I, 4, 5, 6] and n == 3
+    t, n = _read({"label_ids": [1, 2, I, 4, 5, 6], "completion_mask": [0, 1, 0, 1, 1, 1]})
+    assert n == 4
+
+
 def test_columns_that_change_nothing_are_read_as_before():
-    """A classification ``label`` (one number), an all-ones ``attention_mask`` and boolean masks are fine."""
+    """A classification ``label`` (one number), an all-ones ``attention_mask``, boolean masks, positions 0..n-1 and
+    one document's ``seq_lengths`` are fine."""
+    assert _read({"position_ids": list(range(6)), "seq_lengths": [6]}) == (None, 5)
     assert _read({"label": 3}) == (None, 5)
     assert _read({"attention_mask": [1] * 6, "label": [1, 2]}) == (None, 5)
     t, n = _read({"completion_mask": [False, False, True, True, True, True]})
