@@ -71,6 +71,11 @@ class EpochBatches:
         if self.config.batch_size is not None:
             size = self.config.batch_size
             batches = [tuple(int(i) for i in order[s:s + size]) for s in range(0, order.size, size)]
+            if self.config.drop_last and len(batches[-1]) < size:
+                batches.pop()
+                if not batches:
+                    raise LoaderError(f"drop_last=True leaves no batch: the {order.size} sequences of an epoch are "
+                                      f"fewer than one batch of {size}")
         else:
             batches = _token_budget(order, self.lengths, self.config.max_tokens)
         self._cache = {e: b for e, b in self._cache.items() if e >= epoch - 1}

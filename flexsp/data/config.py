@@ -36,7 +36,8 @@ class LoaderConfig:
     a failure on one rank (a bad item, a failed plan) reaches every rank as the same ``LoaderError``.
     ``prefetch``: prepare the next step (plan broadcast, fetch, pack, device copies) on a background
     thread while the current one trains, so the loop waits only for what was not ready (False: every
-    step is prepared in the loop, between steps).
+    step is prepared in the loop, between steps). ``drop_last``: leave out each epoch's last batch when it
+    holds fewer than ``batch_size`` sequences (PyTorch's and the HF Trainer's ``drop_last``; ``batch_size`` only).
     """
 
     batch_size: int | None = None
@@ -49,6 +50,7 @@ class LoaderConfig:
     fallback_after: float | None = None
     failure_timeout: float = 300.0
     prefetch: bool = True
+    drop_last: bool = False
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -71,6 +73,11 @@ class LoaderConfig:
             raise LoaderError(f"failure_timeout must be > 0 seconds, got {self.failure_timeout!r}")
         if not isinstance(self.prefetch, bool):
             raise LoaderError(f"prefetch must be True or False, got {self.prefetch!r}")
+        if not isinstance(self.drop_last, bool):
+            raise LoaderError(f"drop_last must be True or False, got {self.drop_last!r}")
+        if self.drop_last and self.batch_size is None:
+            raise LoaderError("drop_last=True needs batch_size: a token budget (max_tokens) has no full batch to compare "
+                              "the last one with")
         if self.fallback_after is not None and not self.fallback_after > 0:
             raise LoaderError(f"fallback_after must be > 0 seconds or None, got {self.fallback_after}")
         deadline = self.planner_deadline()
@@ -86,4 +93,4 @@ class LoaderConfig:
 
     def batching_key(self) -> dict[str, Any]:
         """The settings that decide which sequences form which batch; a resumed run must match them."""
-        return {k: getattr(self, k) for k in ("batch_size", "max_tokens", "seed", "shuffle", "on_too_long")}
+        return {k: getattr(self, k) for k in ("batch_size", "max_tokens", "seed", "shuffle", "on_too_long", "drop_last")}

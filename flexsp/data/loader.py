@@ -447,7 +447,8 @@ class FlexSPLoader:
             raise LoaderError(f"the saved state is for a dataset of {state['num_sequences']} sequences, "
                               f"this one has {len(self.dataset)}")
         mine = self.config.batching_key()
-        diff = {k: (state["batching"].get(k), v) for k, v in mine.items() if state["batching"].get(k) != v}
+        saved = {"drop_last": False, **state["batching"]}   # states saved before drop_last existed kept every batch
+        diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
         if diff:
             raise LoaderError(f"batching settings differ from the saved run (saved, now): {diff}; "
                               f"resuming would repeat or lose sequences")

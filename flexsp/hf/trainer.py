@@ -142,9 +142,38 @@ def check_collator(collator: Any, dataset: Any) -> None:
         return   # labels = every input token, as FlexSP's loss without a labels column (it masks pad-id tokens too)
     if type(collator).__module__.startswith("trl.") and type(collator).__name__ == "DataCollatorForLanguageModeling":
         return   # TRL's own (its masks and labels reach FlexSP as dataset columns)
+    if type(collator).__module__.startswith("trl.") and "Vision" in type(collator).__name__:
+        raise TrainerSetupError(f"a dataset of images with flexsp=True: TRL builds the image inputs in its own "
+                                f"{name}, which FlexSP's loader never calls (it trains on token rows); train on "
+                                f"text rows (input_ids), or without flexsp")
     raise TrainerSetupError(f"data_collator={name} with flexsp=True: FlexSP's loader packs each planned batch "
                             f"itself and never calls a collator, so what it does would be dropped; leave "
                             f"data_collator unset and put per-token supervision in a labels column (-100: no loss)")
+
+
+def check_dataset(dataset: Any) -> None:
+    """Refuse, before any row is read, a train dataset FlexSP cannot plan: a streamed one (each global batch is
+    planned from every sequence's length, so the loader needs ``len`` and indexing; a stream would be read to
+    its end first) and one without an ``input_ids`` column (an untokenized ``text`` column)."""
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TrainerSetupError(f"flexsp=True needs a map-style train_dataset (len() and indexing: each global batch is "
+                                f"planned from every sequence's length), got {type(dataset).__name__}; a streamed "
+                                f"dataset must be materialised first")
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and "input_ids" not in columns:
+        raise TrainerSetupError(f"flexsp=True needs rows with input_ids (token ids); the train_dataset's columns are "
+                                f"{sorted(columns)[:8]}: tokenize it first")
+
+
+def row_lengths(dataset: Any) -> list[int]:
+    """Every row's token count, each row named in the error when it has no tokens or is no token sequence."""
+    from flexsp.data.source import item_length, read_item
+    lengths = [item_length(read_item(dataset, i), i) for i in range(len(dataset))]
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:
+        raise TrainerSetupError(f"train_dataset row {empty[0]} has no tokens ({len(empty)} empty rows): there is "
+                                f"nothing to train on in it; drop empty rows")
+    return lengths
 
 
 def plan_topology(world: int, local: int, heads: int):
@@ -217,6 +246,7 @@ class FlexSPTrainer(Trainer):
             raise TrainerSetupError("flexsp=True needs flexsp_tokens_per_rank (tokens one rank holds) or flexsp_cost")
         if self.train_dataset is None:
             raise TrainerSetupError("flexsp=True needs a train_dataset of token sequences (rows with input_ids)")
+        check_dataset(self.train_dataset)
         args.ignore_data_skip = True   # the loader's saved position replaces the Trainer's batch skipping
         self.sp_model = prepare_model(self.model)
         if args.process_index == 0:   # the planning rank: its loader starts right before the first step
@@ -246,7 +276,10 @@ class FlexSPTrainer(Trainer):
             cost = default_cost(self.model.config, world, int(args.flexsp_tokens_per_rank), cluster.gpus_per_node)
         pool = self._pool = GroupPool(gpus_per_node=cluster.gpus_per_node)   # every power of two with a tile
         seed = args.data_seed if args.data_seed is not None else args.seed
-        lengths = [len(row["input_ids"]) for row in self.train_dataset]
+        try:
+            lengths = row_lengths(self.train_dataset)
+        except FlexSPError as exc:   # a row without input_ids or tokens, named
+            raise TrainerSetupError(str(exc)) from None
         check_supported(self.model, max(lengths))   # a sliding window is fine only if every sequence fits it
         text = self.model.config.get_text_config()
         plan = PlanConfig(strategy=args.flexsp_strategy, time_limit=args.flexsp_time_limit, max_degree=heads & -heads,
@@ -257,7 +290,7 @@ class FlexSPTrainer(Trainer):
             self.train_dataset, cost, cluster, pool=pool, device=self.args.device, lengths=lengths,
             vocab_size=getattr(text, "vocab_size", None),
             config=LoaderConfig(batch_size=args.per_device_train_batch_size * world, seed=seed,
-                                plan=plan))
+                                drop_last=bool(args.dataloader_drop_last), plan=plan))
         if args.flexsp_run_dir is not None:   # the same per-step records as the project's own loop
             from flexsp.plan.specs import spec_from_hf_config
             from flexsp.telemetry import Telemetry

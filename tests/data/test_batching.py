@@ -22,6 +22,17 @@ def test_every_sequence_exactly_once_per_epoch(config):
         assert EpochBatches(lengths, config, 256).epoch(1) == eb.epoch(1)   # deterministic from the seed
 
 
+def test_drop_last_leaves_out_the_partial_batch_only():
+    lengths = np.array(make_lengths(20))
+    kept = EpochBatches(lengths, LoaderConfig(batch_size=6), capacity=256).epoch(0)
+    dropped = EpochBatches(lengths, LoaderConfig(batch_size=6, drop_last=True), capacity=256).epoch(0)
+    assert [len(b) for b in kept] == [6, 6, 6, 2] and dropped == kept[:3]
+    full = EpochBatches(lengths, LoaderConfig(batch_size=5, drop_last=True), capacity=256).epoch(0)
+    assert sorted(_flat(full)) == list(range(20))   # nothing partial: nothing dropped
+    with pytest.raises(LoaderError, match="drop_last=True leaves no batch: the 20 sequences of an epoch are fewer than one batch of 32"):
+        EpochBatches(lengths, LoaderConfig(batch_size=32, drop_last=True), capacity=256).epoch(0)
+
+
 def test_token_budget_respected_and_oversized_sequence_alone():
     lengths = np.array([100, 30, 400, 80, 80, 50, 10])
     batches = EpochBatches(lengths, LoaderConfig(max_tokens=200, shuffle=False), capacity=1000).epoch(0)
@@ -59,6 +70,8 @@ def test_too_long_skip_is_counted_never_silent():
     (dict(batch_size=0), "batch_size must be a positive integer, got 0"),
     (dict(batch_size=4, on_too_long="truncate"), "on_too_long='truncate'; choose one of error, skip"),
     (dict(batch_size=4, lookahead=-1), "lookahead must be an integer >= 0"),
+    (dict(max_tokens=9, drop_last=True), "drop_last=True needs batch_size"),
+    (dict(batch_size=4, drop_last=1), "drop_last must be True or False, got 1"),
 ])
 def test_config_errors_name_the_value(kwargs, message):
     with pytest.raises(LoaderError, match=message):

@@ -78,3 +78,17 @@ def test_a_resume_on_another_capacity_that_leaves_out_other_sequences_is_refused
     with FlexSPLoader(data, roomy, cluster(), skip) as loader:
         with pytest.raises(LoaderError, match=r"'left_out' must be \[count, crc32\]"):
             loader.load_state_dict({**state, "left_out": "x"})
+
+
+def test_drop_last_is_part_of_the_batching_a_resume_must_match():
+    """A state saved before ``drop_last`` existed kept every batch: it resumes a loader without drop_last, and a
+    loader with it is refused (its epochs have one batch fewer)."""
+    data = token_lists(30)
+    old = _state(data)
+    old["batching"].pop("drop_last")
+    with FlexSPLoader(data, cost_model(), cluster(), CONFIG) as loader:
+        loader.load_state_dict(old)
+    dropping = LoaderConfig(batch_size=8, seed=2, plan=PlanConfig(strategy="greedy"), drop_last=True)
+    with FlexSPLoader(data, cost_model(), cluster(), dropping) as loader:
+        with pytest.raises(LoaderError, match=r"'drop_last': \(False, True\)"):
+            loader.load_state_dict(old)

@@ -262,3 +262,47 @@ def test_the_trainer_plans_on_its_real_node_size(world, local, heads, degrees):
     plan = plan_batch(np.random.default_rng(0).integers(8, 64 * degrees[-1], size=4 * world), cost, cluster,
                       config=PlanConfig(degrees=got))
     assert {g.degree for mb in plan.micro_batches for g in mb.groups} <= set(degrees)
+
+
+def test_datasets_flexsp_cannot_plan_are_refused_before_any_row_is_read(tmp_path):
+    """A streamed dataset was read to its end before the loader refused it (an endless one never returned); an
+    untokenized one failed with a bare KeyError; an empty row was blamed on a ``lengths`` argument never passed;
+    TRL's image collator was refused as if the user had passed a collator."""
+    from datasets import Dataset, IterableDataset
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments, TrainerSetupError, check_collator
+    from .models import build
+
+    def endless():
+        while True:
+            yield {"input_ids": [1, 2, 3]}
+
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
+                                   flexsp_tokens_per_rank=64, max_steps=1, save_strategy="no")
+    with pytest.raises(TrainerSetupError, match="needs a map-style train_dataset .* got IterableDataset"):
+        FlexSPTrainer(model=build("llama"), args=args, train_dataset=IterableDataset.from_generator(endless))
+    _refused(tmp_path, r"needs rows with input_ids .* columns are \['text'\]: tokenize it first",
+             columns={"text": ["a b c"]})
+    trainer = FlexSPTrainer(model=build("llama"), args=args,
+                            train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3], [], [4, 5]]}))
+    with pytest.raises(TrainerSetupError, match=r"train_dataset row 1 has no tokens \(1 empty rows\)"):
+        trainer.train()
+    vision = type("DataCollatorForVisionLanguageModeling", (), {"__module__": "trl.trainer.sft_trainer"})
+    with pytest.raises(TrainerSetupError, match="a dataset of images with flexsp=True: TRL builds the image inputs"):
+        check_collator(vision(), Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+
+
+@pytest.mark.parametrize("drop_last, steps", [(False, 3), (True, 2)])
+def test_dataloader_drop_last_drops_the_epochs_partial_batch(tmp_path, drop_last, steps):
+    """``dataloader_drop_last=True`` was ignored: 5 rows in batches of 2 made 3 steps, where the plain Trainer makes 2."""
+    from datasets import Dataset
+
+    from flexsp.hf.trainer import FlexSPTrainer, FlexSPTrainingArguments
+    from .models import build
+    args = FlexSPTrainingArguments(output_dir=str(tmp_path), flexsp=True, use_cpu=True, report_to=[],
+                                   flexsp_tokens_per_rank=64, per_device_train_batch_size=2, num_train_epochs=1,
+                                   save_strategy="no", dataloader_drop_last=drop_last)
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10], [11, 12, 13]]})
+    trainer = FlexSPTrainer(model=build("llama"), args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == steps
