@@ -360,6 +360,15 @@ def _matrices(config) -> int:
     T.FalconConfig(),                                                                   # multi-query
     T.FalconConfig(new_decoder_architecture=True, num_attention_heads=16, num_kv_heads=8, hidden_size=1024,
                    num_hidden_layers=4),                                                # grouped (Falcon-40B)
+    # each family's own rule for which layers are MoE and how wide its shared experts are (every layer was costed
+    # as MoE, shared experts under other names as absent, Aria as dense)
+    T.AutoConfig.for_model("glm4_moe_lite", num_hidden_layers=4),                       # mlp_layer_types
+    T.AutoConfig.for_model("laguna", num_hidden_layers=4, mlp_layer_types=["dense", "dense", "sparse", "dense"]),
+    T.AutoConfig.for_model("exaone_moe", num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
+    T.AutoConfig.for_model("afmoe", num_hidden_layers=4, num_dense_layers=2, layer_types=["sliding_attention"] * 4),
+    T.AutoConfig.for_model("ernie4_5_moe", num_hidden_layers=6, moe_layer_start_index=1, moe_layer_interval=2),
+    T.AutoConfig.for_model("hy_v3", num_hidden_layers=4), T.AutoConfig.for_model("aria_text", num_hidden_layers=2),
+    T.AutoConfig.for_model("minimax_m3_vl_text", num_hidden_layers=2),                  # shared_intermediate_size
 ], ids=lambda c: c.model_type)
 def test_parameters_are_those_transformers_builds(config):
     """Model states follow ``params``: DeepSeek's latent attention read as plain attention (x3.8 its attention
@@ -422,6 +431,13 @@ def test_bad_moe_layout_in_a_config_is_one_line(config, message):
     with pytest.raises(CostModelError, match=message) as info:
         spec_from_hf_config(config)
     assert "\n" not in str(info.value)
+
+
+def test_an_mlp_layer_type_flexsp_does_not_know_is_named():
+    config = T.AutoConfig.for_model("laguna", num_hidden_layers=2)
+    config.mlp_layer_types = ["dense", "weird"]   # transformers checks its own; a config.json read loosely may not
+    with pytest.raises(CostModelError, match=r"mlp_layer_types must list 2 of .* got 2 entries with \['weird'\]"):
+        spec_from_hf_config(config)
 
 
 @pytest.mark.parametrize("head_dim", [0, -16, 16.5, True])

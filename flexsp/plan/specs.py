@@ -360,18 +360,21 @@ def spec_from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
                              int(getattr(text, "v_head_dim", None) or nope + rope))
         head_dim = nope + rope
     hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
-    experts = int(_first(text, "num_local_experts", "num_experts", "n_routed_experts") or 0)
+    experts = int(_first(text, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") or 0)   # Aria: moe_
     moe_layers = _moe_layers(text, layers, name) if experts else set()
     ffn = int(_first(text, "intermediate_size_mlp", "intermediate_size") or 4 * hidden)
     expert_ffn = int(_first(text, "moe_intermediate_size", "intermediate_size") or 0) if experts else 0
     shared_ffn = 0
     if experts:
-        shared_ffn = int(_first(text, "shared_expert_intermediate_size") or 0)
-        shared_ffn = shared_ffn or int(getattr(text, "n_shared_experts", 0) or 0) * expert_ffn
+        # the always-active experts' width: named outright (Qwen MoE, MiniMax-M3), or a count of experts as wide as
+        # a routed one (DeepSeek n_, AfMoE/EXAONE/HY num_, Ernie moe_num_); Aria's are as wide as its dense FFN
+        shared_ffn = int(_first(text, "shared_expert_intermediate_size", "shared_intermediate_size") or 0)
+        count = int(_first(text, "n_shared_experts", "num_shared_experts", "moe_num_shared_experts") or 0)
+        shared_ffn = shared_ffn or count * (int(text.intermediate_size) if family.startswith("aria") else expert_ffn)
         if family.startswith("llama4"):                            # one shared expert as wide as a routed one
             shared_ffn = expert_ffn
     kinds = [_hf_kind(text, i, name, family, i in moe_layers) for i in range(layers)]
-    active = int(getattr(text, "num_experts_per_tok", 0) or 0) if moe_layers else 0
+    active = int(_first(text, "num_experts_per_tok", "moe_topk") or 0) if moe_layers else 0
     if family.startswith("llama4") and moe_layers:
         active = experts   # transformers' Llama4TextMoe runs every expert on every token (scores zero the rest)
     linear = None
@@ -424,11 +427,28 @@ def _first(config: Any, *names: str) -> Any:
     return None
 
 
+_SPARSE_MLPS, _DENSE_MLPS = ("sparse", "moe", "hash_moe"), ("dense",)   # transformers' mlp_layer_types entries
+
+
 def _moe_layers(text: Any, layers: int, name: str) -> set[int]:
-    if getattr(text, "moe_layers", None) is not None:                      # Llama 4
+    """The layers whose FFN is routed experts, by each family's own rule in transformers."""
+    kinds = getattr(text, "mlp_layer_types", None)
+    if kinds is not None:                                                  # GLM-4-MoE-Lite, Laguna, EXAONE-MoE, ...
+        unknown = sorted({str(k) for k in kinds} - set(_SPARSE_MLPS) - set(_DENSE_MLPS))
+        if unknown or len(kinds) != layers:
+            raise CostModelError(f"model {name!r}: mlp_layer_types must list {layers} of {_SPARSE_MLPS + _DENSE_MLPS}, "
+                                 f"got {len(kinds)} entries" + (f" with {unknown}" if unknown else ""))
+        moe = {i for i, k in enumerate(kinds) if k in _SPARSE_MLPS}
+    elif getattr(text, "moe_layers", None) is not None:                    # Llama 4
         moe = {int(i) for i in text.moe_layers}
     elif getattr(text, "first_k_dense_replace", None) is not None:         # DeepSeek-V3
         moe = set(range(int(text.first_k_dense_replace), layers))
+    elif getattr(text, "num_dense_layers", None) is not None:              # AfMoE
+        moe = set(range(int(text.num_dense_layers), layers))
+    elif getattr(text, "moe_layer_interval", None) is not None:            # Ernie 4.5 MoE
+        start, end = int(text.moe_layer_start_index or 0), getattr(text, "moe_layer_end_index", None)
+        end = layers - 1 if end is None or int(end) < 0 else int(end)
+        moe = {i for i in range(layers) if (i + 1) % int(text.moe_layer_interval) == 0 and start <= i <= end}
     else:
         dense = {int(i) for i in (getattr(text, "mlp_only_layers", None) or ())}
         if any(not 0 <= i < layers for i in dense):
@@ -438,7 +458,7 @@ def _moe_layers(text: Any, layers: int, name: str) -> set[int]:
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise CostModelError(f"model {name!r}: decoder_sparse_step must be an integer >= 1, got {step!r}")
         moe = {i for i in range(layers) if i not in dense and (i + 1) % step == 0}
-    if moe and getattr(text, "num_experts_per_tok", None) is None:
+    if moe and _first(text, "num_experts_per_tok", "moe_topk") is None:
         raise CostModelError(f"model {name!r}: MoE layers with routed experts but num_experts_per_tok is not set")
     return moe
 
