@@ -83,8 +83,8 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
     """Each decoder layer's attention features (``Features``), read once from the config and the modules.
 
     Window: ``config.layer_types[i] == "sliding_attention"`` (or, where no layer type is a sliding one,
-    every attention layer of a config with ``sliding_window`` and ``use_sliding_window`` not False: the
-    mask builders of Mistral-style models apply it everywhere), the attention module's own
+    every attention layer of a config with ``sliding_window`` and ``use_sliding_window`` not False whose
+    modeling code applies a window: Mistral-style models apply it everywhere), the attention module's own
     ``sliding_window`` attribute overriding; chunk: "chunked_attention" layers' ``attention_chunk_size``;
     softcap: ``attn_logit_softcapping``."""
     cfg = text_config(model)
@@ -104,7 +104,9 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
         kind = types[i] if i < len(types) else None
         # a config whose layer types name no sliding layer (none, or attention vs linear: MiniMax) builds its
         # mask with the window on every attention layer, as Mistral's does
-        everywhere = SLIDING not in types and kind != CHUNKED and not derived
+        # ... when its modeling code applies a window at all (Qwen3-VL-MoE's config may carry one its model never uses)
+        everywhere = (SLIDING not in types and kind != CHUNKED and not derived
+                      and (i not in modules or applies_window(type(modules[i]))))
         w = window if (kind == SLIDING or everywhere) else None
         module = modules.get(i)
         if module is not None and hasattr(module, "sliding_window"):
@@ -116,6 +118,23 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
                           chunk=int(chunk) if kind == CHUNKED and chunk is not None else None,
                           softcap=None if cap is None else float(cap))
     return out
+
+
+def applies_window(cls: type) -> bool:
+    """Whether the modeling file of an attention class applies a sliding window anywhere (Mistral's attention passes
+    its config's, PhiMoE's mask builder takes it; Qwen3-VL-MoE's file never names one, though its config may carry
+    one)."""
+    return names_in_module(cls, "sliding_window")
+
+
+@lru_cache(maxsize=None)
+def names_in_module(cls: type, name: str) -> bool:
+    """Whether the source file defining ``cls`` mentions ``name`` (code that never names a config attribute cannot
+    apply it). Unreadable source: assume it does."""
+    try:
+        return name in inspect.getsource(inspect.getmodule(cls))
+    except (OSError, TypeError):
+        return True
 
 
 @lru_cache(maxsize=None)
@@ -136,17 +155,21 @@ def has_sinks(module: nn.Module) -> bool:
 def logit_transform(model: nn.Module) -> tuple[float, float | None]:
     """``(scale, softcap)`` the model applies to its LM head's logits: ``logits * scale``, then
     ``softcap * tanh(logits / softcap)`` (Granite's ``logits_scaling`` divides, Cohere's ``logit_scale``
-    multiplies; Gemma's ``final_logit_softcapping``). The probe checks the result against the model."""
+    multiplies; Gemma's ``final_logit_softcapping``), each only where the modeling code of the class computing the
+    logits names it: a composite's text config may carry its causal LM's scale, which the composite never applies
+    (Aya Vision: Cohere2's ``logit_scale``). The probe checks the result against the model."""
     cfg = text_config(model)
     scale = 1.0
     for attr, divides in LOGIT_SCALES.items():
         value = getattr(cfg, attr, None)
-        if value in (None, 1, 1.0):
+        if value in (None, 1, 1.0) or not names_in_module(type(model), attr):
             continue
         if getattr(cfg, "model_type", None) in MULTIPLYING_LOGITS_SCALING:
             divides = False
         scale *= 1.0 / float(value) if divides else float(value)
     cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap is not None and not names_in_module(type(model), "final_logit_softcapping"):
+        cap = None
     return scale, None if cap is None else float(cap)
 
 

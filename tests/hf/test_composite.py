@@ -107,3 +107,38 @@ def test_placeholder_tokens_are_found_by_name_in_any_composite_config():
                           eos_token_id=2, use_frame_special_tokens=True, get_text_config=lambda: text)
     model = SimpleNamespace(config=cfg)
     assert placeholder_ids(model).tolist() == [4, 5, 7, 9]
+
+
+def _native_and_ours(model, lengths):
+    """The summed next-token loss of ``lengths``-token sequences: FlexSP's on one packed row, the model's own per
+    sequence."""
+    model = model.double()
+    sp = prepare_model(model, max_seqlen=max(lengths))
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(1, 100, (n,), generator=gen) for n in lengths]
+    p = pack(seqs, 1)
+    ours = float(sp(p.input_ids, p.position_ids, AttentionContext.packed(p.cu_seqlens), labels=p.labels))
+    with torch.no_grad():
+        native = sum(float(model(input_ids=s[None], labels=s[None], use_cache=False).loss) * (len(s) - 1) for s in seqs)
+    return ours, native
+
+
+def test_a_window_the_models_code_never_applies_is_not_applied():
+    """A Qwen3-VL-MoE ``text_config`` carrying ``sliding_window`` (its modeling code never uses it) was trained with
+    that window on every layer: accepted (the probe's sequences are shorter than any window) and a different loss
+    for every longer sequence."""
+    from flexsp.hf.families import tiny_config
+    from transformers import AutoModelForImageTextToText
+    config = tiny_config("qwen3_vl_moe")
+    config.text_config.sliding_window = 8       # as a config.json's text_config loads it
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa", experts_implementation="eager")
+    ours, native = _native_and_ours(model, (20, 13))
+    assert ours == pytest.approx(native, rel=1e-6)
+
+
+def test_a_logit_scale_the_composite_never_applies_is_not_applied():
+    """Aya Vision's text config carries Cohere2's ``logit_scale``, which its composite class never applies: FlexSP
+    scaled its logits by it, and the probe refused a supported model as one that 'mixes tokens'."""
+    ours, native = _native_and_ours(tiny_model("aya_vision"), (9, 5))
+    assert ours == pytest.approx(native, rel=1e-6)
