@@ -121,10 +121,10 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
 
 
 def applies_window(cls: type) -> bool:
-    """Whether the modeling file of an attention class applies a sliding window anywhere (Mistral's attention passes
-    its config's, PhiMoE's mask builder takes it; Qwen3-VL-MoE's file never names one, though its config may carry
-    one)."""
-    return names_in_module(cls, "sliding_window")
+    """Whether the modeling file of an attention class applies a sliding window anywhere: passes one to its attention
+    function (Mistral's ``sliding_window=``) or builds a sliding-window mask (PhiMoE's). Qwen3-VL-MoE's file never
+    names one and Moshi's only stores its config's 3,000, though both configs may carry a window."""
+    return names_in_module(cls, "sliding_window=") or names_in_module(cls, "create_sliding_window_causal_mask")
 
 
 @lru_cache(maxsize=None)

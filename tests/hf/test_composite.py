@@ -142,3 +142,13 @@ def test_a_logit_scale_the_composite_never_applies_is_not_applied():
     scaled its logits by it, and the probe refused a supported model as one that 'mixes tokens'."""
     ours, native = _native_and_ours(tiny_model("aya_vision"), (9, 5))
     assert ours == pytest.approx(native, rel=1e-6)
+
+
+def test_a_window_the_model_only_stores_is_not_applied():
+    """Moshi's config carries ``sliding_window`` (3,000 by default) and its decoder layer stores it, but the model
+    never applies it: FlexSP windowed every layer (the probe's short sequences never reached the window)."""
+    from flexsp.hf.features import layer_features
+    model = tiny_model("moshi", sliding_window=4)
+    assert {f.window for f in layer_features(model).values()} == {None}
+    ours, native = _native_and_ours(model, (9, 13))
+    assert ours == pytest.approx(native, rel=1e-6)
