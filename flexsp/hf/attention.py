@@ -150,11 +150,11 @@ def flexsp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if torch.is_autocast_enabled(device):   # as autocast casts SDPA's inputs in the model's own path: fp32 rotary
         low = torch.get_autocast_dtype(device)   # output beside bf16 v would send fp32 q/k to the kernels and wires
         q, k, v = q.to(low), k.to(low), v.to(low)
-    default = q.shape[-1] ** -0.5
-    if scaling is not None and scaling != default:
-        q = q * (scaling / default)   # the kernel scales by 1/sqrt(dim); fold the model's own scale into q
+    # the model's own scale goes to the kernel (folded into a bf16 q it would round q a second time: Gemma 2's
+    # query_pre_attn_scalar, Granite's attention_multiplier, DeepSeek's yarn mscale)
+    scale = None if scaling is None else float(scaling)
     if getattr(module, RECOMPUTE_ATTR, False) and torch.is_grad_enabled():   # selective recompute
-        out = checkpoint(sp_attention, q, k, v, ctx, features, s_aux, use_reentrant=False)
+        out = checkpoint(sp_attention, q, k, v, ctx, features, s_aux, scale, use_reentrant=False)
     else:
-        out = sp_attention(q, k, v, ctx, features, s_aux)
+        out = sp_attention(q, k, v, ctx, features, s_aux, scale)
     return out.unsqueeze(0).contiguous(), None   # as transformers' own functions return it (callers .view it)

@@ -352,3 +352,27 @@ def test_under_autocast_the_kernels_get_the_autocast_dtype(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         sp(ids, torch.cat([torch.arange(10), torch.arange(6)]), AttentionContext.packed((0, 10, 16)))
     assert seen and all(d == (torch.bfloat16,) * 3 for d in seen)
+
+
+def test_the_models_own_scale_goes_to_the_kernel_not_into_a_bf16_query():
+    """Gemma 2's ``query_pre_attn_scalar`` (144 on head size 128) was folded into a bf16 ``q`` before the kernel,
+    rounding ``q`` a second time: 4-5x the error of Hugging Face's own SDPA call, which passes ``scale=``."""
+    import math
+
+    import torch.nn.functional as F
+
+    from flexsp.hf.attention import flexsp_attention
+    from flexsp.runtime import AttentionContext
+    from flexsp.runtime.kernels import attend
+    torch.manual_seed(0)
+    tokens, heads, dim, scaling = 512, 8, 128, 144 ** -0.5
+    q, k, v = (torch.randn(1, heads, tokens, dim) * s for s in (3, 3, 1))
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    truth = attend(*(t[0].transpose(0, 1).double() for t in (q, k, v)), (0, tokens), backend="reference", scale=scaling)
+    ours, _ = flexsp_attention(torch.nn.Module(), q, k, v, None, AttentionContext.packed((0, tokens)), scaling=scaling)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)[0].transpose(0, 1)
+
+    def error(x):
+        return float((x.double() - truth).abs().max() / truth.abs().max())
+    assert error(ours[0]) <= 1.5 * error(theirs), (error(ours[0]), error(theirs))
+    assert math.isfinite(error(ours[0]))

@@ -15,13 +15,15 @@ from flexsp.runtime.sp.ulysses import ulysses_attention
 
 
 def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
-                 features: Features | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 features: Features | None = None, sinks: torch.Tensor | None = None,
+                 scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's token shard over its SP group; returns ``q``'s shape.
 
     ``q [tokens/d, heads, dim]``, ``k``/``v`` ``[tokens/d, kv_heads, dim]`` (this rank's shard).
     ``features``: the layer's window, chunk and softcap (``flexsp.runtime.kernels.Features``, built once
     per layer; None: plain causal); ``sinks [heads]``: its per-head sink logits (every head; each rank uses
-    its own)."""
+    its own); ``scale``: the scores' scale (None: ``1/sqrt(dim)``), applied by the kernel (folding it into a bf16
+    ``q`` would round ``q`` again)."""
     if ctx.ring is not None:
-        return ring_attention(q, k, v, ctx, features, sinks)
-    return ulysses_attention(q, k, v, ctx, features, sinks)
+        return ring_attention(q, k, v, ctx, features, sinks, scale)
+    return ulysses_attention(q, k, v, ctx, features, sinks, scale)

@@ -169,13 +169,14 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
-                   features: Features | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   features: Features | None = None, sinks: torch.Tensor | None = None,
+                   scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's token slice over its ``ulysses x ring`` group; returns q's shape.
 
     ``ctx`` is an ``AttentionContext`` whose ``group`` is the Ulysses sub-group and ``ring`` a
     ``RingContext``. ``q [tokens, heads, dim]``, ``k``/``v`` ``[tokens, kv_heads, dim]`` (this slice).
     ``features``/``sinks``: the layer's (``flexsp.runtime.kernels``); sinks ``[heads]``, all heads: this
-    rank keeps its Ulysses part's.
+    rank keeps its Ulysses part's. ``scale``: the scores' scale (None: ``1/sqrt(dim)``).
     """
     ring: RingContext = ctx.ring
     u = ctx.degree
@@ -196,8 +197,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Atten
     kernel = lse_kernel(ctx.backend, q, ctx.bounds)    # the rule's choice for this micro-batch, as an lse form
     if features is not None:                           # a kernel that computes the layer's features
         kernel = feature_lse_kernel(kernel, features, features.positional)
-    out = _RingAttention.apply(q, k, widen_values(q, v), ring.tensors, ring.comm, kernel, 1.0 / math.sqrt(q.shape[2]),
-                               features, sinks)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    out = _RingAttention.apply(q, k, widen_values(q, v), ring.tensors, ring.comm, kernel, scale, features, sinks)
     return head_to_seq(narrow_values(out, width), ctx.group)
 
 
