@@ -186,7 +186,8 @@ def has_router_loss(model_type: str) -> bool:
     except Exception:
         return False
     return hasattr(cfg, "output_router_logits") and bool(getattr(cfg, "router_aux_loss_coef", 0)
-                                                        or getattr(cfg, "router_z_loss_coef", 0))
+                                                        or getattr(cfg, "router_z_loss_coef", 0)
+                                                        or getattr(cfg, "aux_loss_coef", 0))   # JetMoE's name
 
 
 @contextlib.contextmanager
