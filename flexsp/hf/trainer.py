@@ -168,7 +168,8 @@ def check_dataset(dataset: Any) -> None:
 def row_lengths(dataset: Any) -> list[int]:
     """Every row's token count, each row named in the error when it has no tokens or is no token sequence."""
     from flexsp.data.source import item_length, read_item
-    lengths = [item_length(read_item(dataset, i), i) for i in range(len(dataset))]
+    rows = iter(dataset) if hasattr(dataset, "__iter__") else (read_item(dataset, i) for i in range(len(dataset)))
+    lengths = [item_length(row, i) for i, row in zip(range(len(dataset)), rows)]   # iterating: Arrow reads in batches
     empty = [i for i, n in enumerate(lengths) if n == 0]
     if empty:
         raise TrainerSetupError(f"train_dataset row {empty[0]} has no tokens ({len(empty)} empty rows): there is "
