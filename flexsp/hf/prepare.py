@@ -43,14 +43,25 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     return AutoConfig.for_model(arch, **{**hf_config_kwargs(get_model(f"hf-{arch}")), **overrides})
 
 
+# per-layer lists of a text config (one entry per layer: cut) and lists of layer indices (kept below the cut)
+PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "no_rope_layers")
+LAYER_INDEX_LISTS = ("moe_layers", "mlp_only_layers")
+
+
 def with_layers(config: Any, layers: int) -> Any:
-    """A copy of ``config`` with ``layers`` decoder layers (per-layer attention kinds cut to match)."""
+    """A copy of ``config`` with ``layers`` decoder layers, its per-layer lists cut to match: attention kinds
+    (``layer_types``), MLP kinds (``mlp_layer_types``, which transformers checks against the layer count),
+    Llama 4's ``no_rope_layers``, and the layer indices of ``moe_layers`` / ``mlp_only_layers``."""
     config = copy.deepcopy(config)
     getter = getattr(config, "get_text_config", None)
     text = getter() if callable(getter) else config
     text.num_hidden_layers = layers
-    if getattr(text, "layer_types", None) is not None:      # per-layer attention kinds (e.g. sliding)
-        text.layer_types = list(text.layer_types)[:layers]
+    for name in PER_LAYER_LISTS:
+        if getattr(text, name, None) is not None:
+            setattr(text, name, list(getattr(text, name))[:layers])
+    for name in LAYER_INDEX_LISTS:
+        if isinstance(getattr(text, name, None), (list, tuple)):
+            setattr(text, name, [i for i in getattr(text, name) if int(i) < layers])
     return config
 
 

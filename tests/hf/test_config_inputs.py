@@ -62,3 +62,23 @@ def test_a_config_that_cannot_build_is_one_line(tmp_path):
 def test_a_good_directory_still_loads(tmp_path):
     model = from_config(config_dir(tmp_path, llama()), probe=False)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_with_layers_cuts_every_per_layer_list():
+    """The profile builds a model of a few layers of a config; its MLP kinds (``mlp_layer_types``, which
+    transformers checks against the layer count), Llama 4's ``no_rope_layers`` and MoE layer indices kept the full
+    model's, so such a model could not be built, or built with the wrong layers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flexsp.hf.prepare import with_layers
+    laguna = AutoConfig.for_model("laguna", num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+    cut = with_layers(laguna, 2)
+    assert cut.mlp_layer_types == ["dense", "sparse"] and laguna.mlp_layer_types[3] == "sparse"   # a copy
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(cut)
+    llama4 = AutoConfig.for_model("llama4_text", num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1], moe_layers=[1, 3])
+    cut = with_layers(llama4, 2)
+    assert (cut.no_rope_layers, cut.moe_layers) == ([1, 1], [1])
+    qwen = with_layers(AutoConfig.for_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[0, 3]), 2)
+    assert qwen.mlp_only_layers == [0]
