@@ -4,10 +4,12 @@ per layer; and what FlexSP cannot honour, refused by name.
 FlexSP replaces the model's attention with causal attention inside each packed sequence, plus the
 layer's own features, read here once from the model (``layer_features``): a left sliding window
 (``config.layer_types`` "sliding_attention", or every layer of a ``sliding_window`` config without
-layer types; the attention module's own ``sliding_window`` wins where it has one), chunked attention
+layer types whose modeling code applies a window: it passes ``sliding_window=`` to attention or builds a
+sliding-window mask; the attention module's own ``sliding_window`` wins where it has one), chunked attention
 ("chunked_attention" layers: ``config.attention_chunk_size``), the score softcap
 (``config.attn_logit_softcapping``) and attention sinks (the module's ``sinks`` parameter, GPT-OSS).
-The LM head's logit scaling and final softcap (``logit_transform``) go to the loss. A model that needs
+The LM head's logit scaling and final softcap (``logit_transform``, where the code computing the logits names
+them) go to the loss. A model that needs
 what cannot be computed (dropout, bidirectional or cross-attention) would train on silently different maths, so it is refused up front with
 an error naming the model and the feature. The per-call check (``check_call``) compares what each
 attention call asks for with what was read, as a safety net.
@@ -129,12 +131,18 @@ def applies_window(cls: type) -> bool:
 
 @lru_cache(maxsize=None)
 def names_in_module(cls: type, name: str) -> bool:
-    """Whether the source file defining ``cls`` mentions ``name`` (code that never names a config attribute cannot
-    apply it). Unreadable source: assume it does."""
-    try:
-        return name in inspect.getsource(inspect.getmodule(cls))
-    except (OSError, TypeError):
-        return True
+    """Whether a source file defining ``cls`` or a class it derives from mentions ``name`` (code that never names a
+    config attribute cannot apply it; a user's subclass inherits the forward of the file it derives from).
+    Unreadable source: assume it does."""
+    for base in cls.__mro__:
+        if base is object or base.__module__.startswith("torch."):
+            continue
+        try:
+            if name in inspect.getsource(inspect.getmodule(base)):
+                return True
+        except (OSError, TypeError):
+            return True
+    return False
 
 
 @lru_cache(maxsize=None)

@@ -152,3 +152,16 @@ def test_a_window_the_model_only_stores_is_not_applied():
     assert {f.window for f in layer_features(model).values()} == {None}
     ours, native = _native_and_ours(model, (9, 13))
     assert ours == pytest.approx(native, rel=1e-6)
+
+
+def test_a_user_subclass_keeps_the_logit_scale_its_base_class_applies(tmp_path, monkeypatch):
+    """The code that names an attribute may be a base class's: a subclass in a user's own file (which never
+    names ``logit_scale``) inherits Cohere's forward, which scales the logits."""
+    from flexsp.hf.families import tiny_config
+    from flexsp.hf.features import logit_transform
+    (tmp_path / "user_models.py").write_text("from transformers import CohereForCausalLM\n\n\n"
+                                             "class MyCohere(CohereForCausalLM):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from user_models import MyCohere
+    config = tiny_config("cohere")
+    assert logit_transform(MyCohere(config)) == (config.logit_scale, None)

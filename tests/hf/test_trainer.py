@@ -281,6 +281,18 @@ def test_datasets_flexsp_cannot_plan_are_refused_before_any_row_is_read(tmp_path
                                    flexsp_tokens_per_rank=64, max_steps=1, save_strategy="no")
     with pytest.raises(TrainerSetupError, match="needs a map-style train_dataset .* got IterableDataset"):
         FlexSPTrainer(model=build("llama"), args=args, train_dataset=IterableDataset.from_generator(endless))
+
+    class Stream(torch.utils.data.IterableDataset):   # a length, and the base class's (raising) __getitem__
+        def __iter__(self):
+            return endless()
+
+        def __len__(self):
+            return 10
+
+    with pytest.raises(TrainerSetupError, match="needs a map-style train_dataset .* got Stream"):
+        FlexSPTrainer(model=build("llama"), args=args, train_dataset=Stream())
+    with pytest.raises(TrainerSetupError, match="the train_dataset is empty"):
+        FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": []}))
     _refused(tmp_path, r"needs rows with input_ids .* columns are \['text'\]: tokenize it first",
              columns={"text": ["a b c"]})
     trainer = FlexSPTrainer(model=build("llama"), args=args,
