@@ -126,10 +126,10 @@ def check_columns(columns: Mapping[str, Any], n: int, where: str) -> None:
                               f"sequences unpadded, so padding would be trained on; drop the padded tokens "
                               f"(and the column) before the loader")
     if columns.get(POSITIONS) is not None and _sized(columns[POSITIONS], n):
-        positions = integers(columns[POSITIONS], f"{where}, column {POSITIONS!r}", LabelsError).cpu()
-        moved = positions.ne(torch.arange(n))
+        positions = _numbers(columns[POSITIONS], f"{where}, column {POSITIONS!r}")   # 0.0..n-1 (pandas) is fine
+        moved = positions.ne(torch.arange(n, dtype=torch.float64))
         if bool(moved.any()):
-            raise LabelsError(f"{where}: column {POSITIONS!r} is {int(positions[_first(moved)])} at position "
+            raise LabelsError(f"{where}: column {POSITIONS!r} is {positions[_first(moved)].item():g} at position "
                               f"{_first(moved)}, not 0..{n - 1}: a row packing several documents, which FlexSP would "
                               f"run as one sequence (each attending to the ones before it); FlexSP packs rows itself, "
                               f"so give each document as its own row")
@@ -138,6 +138,17 @@ def check_columns(columns: Mapping[str, Any], n: int, where: str) -> None:
         raise LabelsError(f"{where}: column {DOCUMENT_LENGTHS!r} lists {_count(documents)} documents packed in one "
                           f"row, which FlexSP would run as one sequence; FlexSP packs rows itself, so give each "
                           f"document as its own row (TRL: packing=False)")
+
+
+def _numbers(value: Any, what: str) -> torch.Tensor:
+    """A 1-D column of numbers (integers or floats) as float64 on the host."""
+    try:
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise LabelsError(f"{what}: cannot be read as numbers: {exc}") from None
+    if t.is_meta or t.dim() != 1 or t.is_complex() or t.dtype == torch.bool:
+        raise LabelsError(f"{what}: must be a 1-D sequence of numbers, got shape {tuple(t.shape)} dtype {t.dtype}")
+    return t.detach().cpu().to(torch.float64)
 
 
 def _count(value: Any) -> int:

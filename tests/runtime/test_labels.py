@@ -127,6 +127,7 @@ def test_columns_that_change_nothing_are_read_as_before():
     """A classification ``label`` (one number), an all-ones ``attention_mask``, boolean masks, positions 0..n-1 and
     one document's ``seq_lengths`` are fine."""
     assert _read({"position_ids": list(range(6)), "seq_lengths": [6]}) == (None, 5)
+    assert _read({"position_ids": np.arange(6, dtype=np.float32)}) == (None, 5)   # as pandas may store them
     assert _read({"label": 3}) == (None, 5)
     assert _read({"attention_mask": [1] * 6, "label": [1, 2]}) == (None, 5)
     t, n = _read({"completion_mask": [False, False, True, True, True, True]})
