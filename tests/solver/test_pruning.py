@@ -147,3 +147,20 @@ def test_batchadas_estimate_is_a_lower_bound_and_pruning_keeps_its_plan(seed):
             assert _estimate(lengths, COSTS, 8, k) <= times[k] * (1 + 1e-12)
     best = min(times.values())
     assert batchada(lengths, COSTS, 8).time(lengths, COSTS) == best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batchadas_estimate_bounds_non_nesting_degrees_with_tiles_too(seed):
+    """Degrees 1, 2, 4 on nodes of 6 GPUs: a micro-batch holds the tiles of a degree (two 4s on 12 GPUs, not
+    three), which ``_estimate`` divides by; the pruned search still returns the best single degree."""
+    import flexsp
+    from flexsp.plan.planner import solver_costs
+    from flexsp.plan.token_budget import token_budget_cost
+    from solver.baselines import _estimate, batchada, single_degree
+    costs, _ = solver_costs(token_budget_cost(2, 64, 12, 512, 6), flexsp.Cluster(12, 6), (1, 2, 4))
+    assert costs.tiles and costs.placeable is not None
+    rng = np.random.default_rng(300 + seed)
+    lengths = rng.integers(1, 500, size=int(rng.integers(2, 120)))
+    times = {k: single_degree(lengths, costs, 12, d).time(lengths, costs) for k, d in enumerate(costs.degrees)}
+    assert all(_estimate(lengths, costs, 12, k) <= t * (1 + 1e-12) for k, t in times.items())
+    assert batchada(lengths, costs, 12).time(lengths, costs) == min(times.values())
