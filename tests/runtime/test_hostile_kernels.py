@@ -35,11 +35,12 @@ def _weights(like, seed):
     return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(like.dtype)
 
 
-def _exact(q, k, v, cu_q, cu_k=None, causal=True):
+def _exact(q, k, v, cu_q, cu_k=None, causal=True, scale=None):
     """The float64 reference of the same inputs (leaves of their own; a narrower v padded for it and cut back)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     width = v64.shape[-1]
-    out, lse = reference(q64, k64, F.pad(v64, (0, q64.shape[-1] - width)), cu_q, cu_k, causal=causal, return_lse=True)
+    out, lse = reference(q64, k64, F.pad(v64, (0, q64.shape[-1] - width)), cu_q, cu_k, causal=causal, return_lse=True,
+                         scale=scale)
     return (q64, k64, v64), out[..., :width], lse
 
 
@@ -53,17 +54,18 @@ def poison(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["1/sqrt(dim)", "the model's own"])   # Gemma 2, Granite: scale=
 @pytest.mark.parametrize("v_dim", [16, 12], ids=["v as q", "latent v"])   # latent attention: v narrower than q/k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["varlen", "flash", "auto"])
-def test_attend_zero_on_padding_reference_on_real_rows(poison, backend, dtype, v_dim):
+def test_attend_zero_on_padding_reference_on_real_rows(poison, backend, dtype, v_dim, scale):
     cu = (0, 6, 7, 7, 13)                                    # an empty sequence, then 3 padding rows
     q, k, v = _qkv(16, 4, 2, dtype, v_dim=v_dim)
-    out = attend(q, k, v, torch.tensor(cu, dtype=torch.int32), max_seqlen=6, backend=backend)
+    out = attend(q, k, v, torch.tensor(cu, dtype=torch.int32), max_seqlen=6, backend=backend, scale=scale)
     grads = torch.autograd.grad((out.double() * _weights(out, 1).double()).sum(), (q, k, v))
     assert hostile.Trace.calls, "the stand-in did not run"
     assert _zero_rows(out, 13) and all(_zero_rows(g, 13) for g in grads)
-    leaves, want, _ = _exact(q, k, v, cu)
+    leaves, want, _ = _exact(q, k, v, cu, scale=scale)
     want_grads = torch.autograd.grad((want * _weights(out, 1).double()).sum(), leaves)
     torch.testing.assert_close(out.double(), want, **TOL[dtype])
     for got, exp in zip(grads, want_grads):
