@@ -103,14 +103,13 @@ def layer_features(model: nn.Module) -> dict[int, Features]:
     # the whole truth (a full_attention layer has no window even with sliding_window set)
     derived = bool(types) and getattr(cfg, "max_window_layers", None) is not None
     for i in range(layers):
-        kind = types[i] if i < len(types) else None
-        # a config whose layer types name no sliding layer (none, or attention vs linear: MiniMax) builds its
-        # mask with the window on every attention layer, as Mistral's does
-        # ... when its modeling code applies a window at all (Qwen3-VL-MoE's config may carry one its model never uses)
+        kind, module = types[i] if i < len(types) else None, modules.get(i)
+        # a config whose layer types name no sliding layer (none, or attention vs linear: MiniMax) builds its mask
+        # with the window on every attention layer, as Mistral's does, when its modeling code applies a window at all
+        # (Qwen3-VL-MoE's config may carry one its model never uses)
         everywhere = (SLIDING not in types and kind != CHUNKED and not derived
-                      and (i not in modules or applies_window(type(modules[i]))))
+                      and (module is None or applies_window(type(module))))
         w = window if (kind == SLIDING or everywhere) else None
-        module = modules.get(i)
         if module is not None and hasattr(module, "sliding_window"):
             w = module.sliding_window
             if kind == FULL or getattr(module, "is_sliding", True) is False:

@@ -155,8 +155,8 @@ def check_dataset(dataset: Any) -> None:
     """Refuse, before any row is read, a train dataset FlexSP cannot plan: a streamed one (each global batch is
     planned from every sequence's length, so the loader needs ``len`` and indexing; a stream would be read to
     its end first) and one without an ``input_ids`` column (an untokenized ``text`` column)."""
-    from torch.utils.data import IterableDataset   # its base class has __getitem__ (raising): not map-style
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or isinstance(dataset, IterableDataset):
+    streamed = isinstance(dataset, torch.utils.data.IterableDataset)   # its base class has a (raising) __getitem__
+    if streamed or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TrainerSetupError(f"flexsp=True needs a map-style train_dataset (len() and indexing: each global batch is "
                                 f"planned from every sequence's length), got {type(dataset).__name__}; a streamed "
                                 f"dataset must be materialised first")

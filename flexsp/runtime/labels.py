@@ -51,18 +51,24 @@ def integers(value: Any, what: str, error: type[FlexSPError], *, allow_bool: boo
     """``value`` as a 1-D int64 tensor, refusing what the cast would change: floats (truncated), booleans (read
     as 0 and 1; allowed for masks), unsigned values above int64 (wrapped: 2**64 - 100 would become -100) and
     meta tensors (no values)."""
-    try:
-        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
-    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-        raise error(f"{what}: cannot be read as integers: {exc}") from None
-    if t.is_meta:
-        raise error(f"{what}: a meta tensor holds no values")
+    t = _tensor(value, what, error, "integers")
     if t.dim() != 1 or t.is_floating_point() or t.is_complex() or (t.dtype == torch.bool and not allow_bool):
         raise error(f"{what}: must be a 1-D sequence of integers, got shape {tuple(t.shape)} dtype {t.dtype}")
     if (t.dtype == torch.uint64 and t.device.type == "cpu" and type(t) is torch.Tensor   # values readable here
             and bool(t.view(torch.int64).lt(0).any())):   # the bits of a value >= 2**63
         raise error(f"{what}: holds a value above {torch.iinfo(torch.int64).max}")
     return t.to(torch.long)
+
+
+def _tensor(value: Any, what: str, error: type[FlexSPError], kind: str) -> torch.Tensor:
+    """``value`` as a tensor with values to read (not a meta tensor); ``kind`` names what it should hold."""
+    try:
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise error(f"{what}: cannot be read as {kind}: {exc}") from None
+    if t.is_meta:
+        raise error(f"{what}: a meta tensor holds no values")
+    return t
 
 
 def out_of_vocabulary(ids: torch.Tensor, vocab_size: int | None, where: str, error: type[FlexSPError]) -> None:
@@ -142,11 +148,8 @@ def check_columns(columns: Mapping[str, Any], n: int, where: str) -> None:
 
 def _numbers(value: Any, what: str) -> torch.Tensor:
     """A 1-D column of numbers (integers or floats) as float64 on the host."""
-    try:
-        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
-    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-        raise LabelsError(f"{what}: cannot be read as numbers: {exc}") from None
-    if t.is_meta or t.dim() != 1 or t.is_complex() or t.dtype == torch.bool:
+    t = _tensor(value, what, LabelsError, "numbers")
+    if t.dim() != 1 or t.is_complex() or t.dtype == torch.bool:
         raise LabelsError(f"{what}: must be a 1-D sequence of numbers, got shape {tuple(t.shape)} dtype {t.dtype}")
     return t.detach().cpu().to(torch.float64)
 
