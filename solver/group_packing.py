@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 
@@ -45,29 +44,6 @@ class BinPacking:
         return (self.counts * self.multiplicity()[:, None]).sum(axis=0)
 
 
-@dataclass(slots=True)
-class _GroupClass:
-    k: int                   # degree index
-    mult: int                # how many identical groups
-    time: float              # seconds of sequences in each (no beta1)
-    tokens: float
-    items: list[tuple[int, int]]  # (bucket, count) in each group
-    limit: float = 0.0            # time budget the class was opened under (stretched groups: more)
-
-    def add(self, bucket: int, count: int, seq_time: float, length: float) -> None:
-        self.time += count * seq_time
-        self.tokens += count * length
-        self.items.append((bucket, count))
-
-    def split(self, mult: int) -> "_GroupClass":
-        """Detach ``mult`` of the groups as a class of their own."""
-        self.mult -= mult
-        return _GroupClass(self.k, mult, self.time, self.tokens, list(self.items), self.limit)
-
-
-_time = attrgetter("time")
-
-
 class MicroBatchPacker:
     """Packs bucket counts of one micro-batch onto at most ``num_gpus`` GPUs."""
 
@@ -84,23 +60,21 @@ class MicroBatchPacker:
         self.area = self.times * degrees[None, :]                 # GPU-seconds per sequence
         self.min_area = self.area.min(axis=1)
         self.min_time = upper_times.min(axis=1)                  # the longest member sets the critical path
-        self.order = [int(b) for b in np.argsort(-self.lengths, kind="stable")]  # longest first
-        # plain-Python copies: the packing loop touches a handful of numbers at a time
-        self._degrees = [int(d) for d in costs.degrees]
+        self.order = np.argsort(-self.lengths, kind="stable")      # longest first
         # GPUs a group is charged when choosing its degree: its degree, or where tiles do not nest the
         # share of the cluster one tile takes (N / tiles: a 5 in a node of 8 leaves 3 GPUs only small
         # groups can use, so it is charged 8); the budget itself still counts degrees, plus placement
-        charge = (self._degrees if costs.placeable is None or not costs.tiles
-                  else [num_gpus / max(1, int(t)) for t in costs.tiles])
-        self._capacity = [float(c) for c in costs.capacity]
-        self._lengths = self.lengths.tolist()
-        self._times = self.times.tolist()
-        # per bucket, where it runs: (degree index, most of its sequences one group of that degree holds,
-        # seconds of one there, GPUs charged), as the packing loop reads them
-        self._choices = [[(k, math.floor(self._capacity[k] / length), t, charge[k])
-                          for k, t in enumerate(row) if math.isfinite(t)]
-                         for row, length in zip(self._times, self._lengths)]
-        self._stretched = [t * (1 + 1e-9) for t in self.min_time.tolist()]   # a lone sequence's budget (``stretch``)
+        charge = (degrees if costs.placeable is None or not costs.tiles
+                  else num_gpus / np.maximum(1, np.asarray(costs.tiles, dtype=np.int64)))
+        capacity = np.asarray(costs.capacity, dtype=np.float64)
+        # the kernel's view (``pack_kernel.pack_classes``): most sequences of each bucket one group of each
+        # degree holds, the charge, a lone sequence's budget (``stretch``)
+        held = np.floor(capacity[None, :] / self.lengths[:, None])
+        from . import pack_kernel             # here, not at import: numba loads only where a batch is planned
+        self._kernel = pack_kernel
+        self._kernel_args = (self.order, np.ascontiguousarray(self.lengths), np.ascontiguousarray(self.times),
+                             np.minimum(held, 2.0 ** 52).astype(np.int64), np.asarray(charge, dtype=np.float64),
+                             degrees.astype(np.int64), capacity, self.min_time * (1 + 1e-9))
         self._cache: dict[bytes, BinPacking | None] = {}
         self._placeable: dict[bytes, bool] = {}
 
@@ -122,108 +96,27 @@ class MicroBatchPacker:
         ``stretch``: a sequence slower than ``makespan`` even alone at its best degree gets a group
         of its own time instead of failing (used to pack a whole batch, where such a group will
         set the pace of its own micro-batch)."""
-        classes = self._pack_classes(counts, makespan, max_gpus, stretch)
-        return None if classes is None else self._expand(classes, len(counts))
+        return self._best(counts, makespan, 0.0, 0, self.num_gpus if max_gpus is None else max_gpus, stretch)
 
-    def _pack_classes(self, counts: np.ndarray, makespan: float, max_gpus: float | None = None,
-                      stretch: bool = False) -> list[_GroupClass] | None:
-        """``pack`` as group classes, before they become arrays (a bisection expands only its last)."""
-        max_gpus = self.num_gpus if max_gpus is None else max_gpus
-        target = makespan - self.costs.beta1
-        if target <= 0:
-            return None
-        degrees, capacity, choices, stretched = self._degrees, self._capacity, self._choices, self._stretched
-        counts = counts.tolist() if isinstance(counts, np.ndarray) else [int(c) for c in counts]
-        classes: list[_GroupClass] = []
-        gpus = 0
-        for b in self.order:
-            left = counts[b]
-            if left == 0:
-                continue
-            length, t_b = self._lengths[b], self._times[b]
-            budget = target
-            if stretch and stretched[b] > target:
-                budget = stretched[b]
-            # the degree that needs the fewest GPUs for the whole bucket (ties -> smallest degree)
-            k_new, best_gpus, per_new = -1, math.inf, 0
-            for k, held, t, ch in choices[b]:   # floor(min(x, y)) = min(floor(x), floor(y)); no int(inf)
-                x = budget / t
-                per = held if x >= held else int(x)
-                if per > 0:
-                    needed = -(-left // per) * ch
-                    if needed < best_gpus:
-                        k_new, best_gpus, per_new = k, needed, per
-            if k_new < 0:
-                return None                   # this bucket alone exceeds the budget everywhere
-            # classes that may take this bucket, longest first (ties keep their order: a stable sort)
-            if len(classes) < 2:
-                open_classes = [c for c in classes if c.k >= k_new]
-            else:
-                open_classes = sorted(classes if k_new == 0 else [c for c in classes if c.k >= k_new],
-                                      key=_time, reverse=True)
-            for cls in open_classes:
-                t = t_b[cls.k]
-                by_time = ((budget if budget > cls.limit else cls.limit) - cls.time) / t
-                by_memory = (capacity[cls.k] - cls.tokens) / length
-                fit = by_time if by_time < by_memory else by_memory
-                if fit < 1:
-                    continue
-                fit = int(fit)                # floor: fit >= 1
-                if cls.mult * fit > left:     # only part of the class takes this bucket
-                    full, rest = divmod(left, fit)
-                    untouched = cls.mult - full - (1 if rest else 0)
-                    if untouched:
-                        classes.append(cls.split(untouched))
-                    if rest:
-                        partial = cls.split(1)
-                        partial.add(b, rest, t, length)
-                        classes.append(partial)
-                    if cls.mult:              # the remaining `full` groups take `fit` each
-                        cls.add(b, fit, t, length)
-                    left = 0
-                else:
-                    cls.add(b, fit, t, length)
-                    left -= cls.mult * fit
-                if left <= 0:
-                    break
-            if left > 0:
-                gpus += -(-left // per_new) * degrees[k_new]
-                if gpus > max_gpus:
-                    return None
-                full, rest = divmod(left, per_new)
-                for mult, count in ((full, per_new), (1 if rest else 0, rest)):
-                    if mult:
-                        classes.append(_GroupClass(k_new, mult, count * t_b[k_new], count * length, [(b, count)], budget))
-        classes = [c for c in classes if c.mult]
-        if self.costs.placeable is not None and max_gpus <= self.num_gpus and not self._places(classes):
-            return None
-        return classes
+    def _best(self, counts: np.ndarray, makespan: float, lo: float, max_iter: int, max_gpus: float = math.inf,
+              stretch: bool = False, rel_tol: float = 0.0) -> BinPacking | None:
+        """``pack_kernel.best_packing`` (the packing at ``makespan``, bisected towards ``lo``) as a ``BinPacking``."""
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        args = (counts, float(makespan), float(lo), float(rel_tol), int(max_iter), float(max_gpus), bool(stretch),
+                float(self.costs.beta1), int(self.num_gpus))
+        if self.costs.placeable is None:
+            got = self._kernel.best_packing(*args, None, *self._kernel_args)
+        else:
+            got = self._kernel.best_packing_interpreted(*args, self._places, *self._kernel_args)
+        n, degree_idx, mult, _, per_class, makespan = got
+        return None if n < 0 else BinPacking(degree_idx=degree_idx, counts=per_class, makespan=makespan, mult=mult)
 
-    def _places(self, classes: list[_GroupClass]) -> bool:
-        """Whether groups of these classes get ranks in one micro-batch (``DegreeCosts.placeable``), cached."""
-        per_degree = np.zeros(len(self._degrees), dtype=np.int64)
-        for c in classes:
-            per_degree[c.k] += c.mult
+    def _places(self, per_degree: np.ndarray) -> bool:
+        """Whether groups of these counts per degree get ranks in one micro-batch (``DegreeCosts.placeable``), cached."""
         key = per_degree.tobytes()
         if key not in self._placeable:
             self._placeable[key] = self.costs.places(per_degree)
         return self._placeable[key]
-
-    def _expand(self, classes: list[_GroupClass], num_buckets: int) -> BinPacking:
-        mult = np.array([c.mult for c in classes], dtype=np.int64)
-        rows = []
-        for c in classes:                 # a class takes each bucket at most once
-            row = [0] * num_buckets
-            for b, q in c.items:
-                row[b] += q
-            rows.append(row)
-        per_class = np.array(rows, dtype=np.int64).reshape(len(classes), num_buckets)
-        return BinPacking(degree_idx=np.array([c.k for c in classes], dtype=np.int64), counts=per_class,
-                          makespan=self._makespan(classes), mult=mult)
-
-    def _makespan(self, classes: list[_GroupClass]) -> float:
-        """The slowest group's bucketed time, beta1 included."""
-        return max(c.time for c in classes) + self.costs.beta1
 
     def group_times(self, packing: BinPacking) -> np.ndarray:
         """Bucketed seconds of each group (of each class: no beta1)."""
@@ -261,25 +154,6 @@ class MicroBatchPacker:
         lo = self.lower_bound(counts)
         if lo == 0.0:
             return None
-        if below < math.inf:
-            # one packing at ``below`` first: most callers' packings are already as good as the packer
-            # finds, and then this one step answers (None) instead of a whole bisection
-            best, found = None, self._pack_classes(counts, below)
-            if found is None:
-                return None
-            hi = min(below, self._makespan(found))
-        else:
-            best, found = self.pack_memory(counts), None     # memory alone decides whether any makespan works
-            if best is None:
-                return None
-            hi = best.makespan
-        for _ in range(max_iter):
-            if hi - lo <= rel_tol * hi:
-                break
-            mid = 0.5 * (lo + hi)
-            got = self._pack_classes(counts, mid)
-            if got is None:
-                lo = mid
-            else:
-                found, hi = got, min(mid, self._makespan(got))
-        return best if found is None else self._expand(found, len(counts))
+        # from ``below`` when given (most callers' packings are already as good as the packer finds, and then
+        # its one packing answers None instead of a whole bisection), else from the memory-only packing
+        return self._best(counts, below, lo, max_iter, self.num_gpus, rel_tol=rel_tol)

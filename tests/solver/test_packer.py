@@ -96,3 +96,72 @@ def test_solve_below_a_known_makespan_finds_one_under_it_or_says_none(seed):
     again = under.solve(counts)
     check(under, counts, again)
     assert again.makespan == plain.makespan
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_compiled_packer_matches_the_interpreted_one_bit_for_bit(seed):
+    """``pack_kernel`` compiled (numba) and interpreted (its ``py_func``): the same classes, counts and
+    makespan at every target, so a plan never depends on whether numba is installed."""
+    from solver import pack_kernel
+    if not hasattr(pack_kernel.best_packing, "py_func"):
+        pytest.skip("numba not installed: only the interpreted packer runs")
+    rng = np.random.default_rng(seed)
+    lengths = np.unique(rng.integers(1, 800, size=rng.integers(1, 12))).astype(np.float64)
+    packer = MicroBatchPacker(lengths, COSTS, num_gpus=int(rng.choice([4, 8, 64])))
+    for _ in range(20):
+        counts = rng.integers(0, 12, size=len(lengths)).astype(np.int64)
+        for makespan, max_gpus, stretch, iters in ((np.inf, packer.num_gpus, False, 0), (np.inf, np.inf, True, 0),
+                                                   (float(rng.uniform(0.05, 3.0)), np.inf, True, 0),
+                                                   (np.inf, packer.num_gpus, False, 40)):
+            args = (counts, makespan, packer.lower_bound(counts), 2e-3, iters, float(max_gpus), stretch, COSTS.beta1,
+                    packer.num_gpus, None, *packer._kernel_args)
+            compiled, interpreted = pack_kernel.best_packing(*args), pack_kernel.best_packing.py_func(*args)
+            assert compiled[0] == interpreted[0]
+            if compiled[0] >= 0:
+                assert compiled[5] == interpreted[5]
+                for a, b in zip(compiled[1:5], interpreted[1:5]):
+                    assert np.array_equal(a, b)
+            # the inner packing itself, interpreted line for line
+            one = (counts, makespan - COSTS.beta1, float(max_gpus), stretch, *packer._kernel_args)
+            compiled, interpreted = pack_kernel.pack_classes(*one), pack_kernel.pack_classes.py_func(*one)
+            assert compiled[0] == interpreted[0]
+            if compiled[0] >= 0:
+                for a, b in zip(compiled[1:], interpreted[1:]):
+                    assert np.array_equal(a, b)
+
+
+NO_NUMBA = """
+import sys
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numba" or name.startswith("numba."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Blocked())
+import json, numpy as np, flexsp
+from flexsp.plan.token_budget import token_budget_cost
+lengths = np.random.default_rng(3).integers(100, 3000, size=24)
+plan = flexsp.plan_batch(lengths, token_budget_cost(4, 256, 8, 4096), flexsp.Cluster(8, 8), "flexsp", time_limit=60)
+assert "numba" not in sys.modules
+print(json.dumps([plan.predicted_time, [[(g.degree, sorted(map(int, g.seq_ids))) for g in mb.groups]
+                                        for mb in plan.micro_batches]]))
+"""
+
+
+def test_a_plan_does_not_depend_on_whether_numba_is_installed():
+    """Without numba the packer's loop runs interpreted (``pack_kernel``'s fallback): the same plan."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    import flexsp
+    from flexsp.plan.token_budget import token_budget_cost
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", NO_NUMBA], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lengths = np.random.default_rng(3).integers(100, 3000, size=24)
+    plan = flexsp.plan_batch(lengths, token_budget_cost(4, 256, 8, 4096), flexsp.Cluster(8, 8), "flexsp",
+                             time_limit=60)
+    here = [plan.predicted_time, [[(g.degree, sorted(map(int, g.seq_ids))) for g in mb.groups]
+                                  for mb in plan.micro_batches]]
+    assert json.loads(out.stdout) == json.loads(json.dumps(here))

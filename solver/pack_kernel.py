@@ -1,0 +1,187 @@
+"""The packer's inner loop, compiled: one packing of bucket counts at one target makespan.
+
+``MicroBatchPacker`` asks for a few hundred packings per small batch (bisection steps, sweep points,
+local-search trials); interpreted, this loop was a third to a half of a 64-sequence solve. Here it runs
+on flat arrays under numba (compiled once, cached on disk) and returns the group classes as arrays.
+Without numba the same function runs interpreted (same results, slower). The arithmetic is written
+in the interpreter's order, so compiled and interpreted packings agree bit for bit
+(``tests/solver/test_packer.py`` checks both).
+
+Algorithm (see ``group_packing``): buckets longest first; each bucket picks the degree that needs the
+fewest GPUs for all of it within the budget and memory (ties: smallest degree), tops up the classes
+that may take it (degree at least that one, slowest first, ties in creation order; a class only part of
+which takes the bucket splits off the rest), and opens new groups for what is left.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from numba import njit
+except ImportError:          # numba is a dependency; a platform without its wheels runs the loop interpreted
+    njit = None
+
+
+def pack_classes(counts, target, max_gpus, stretch, order, lengths, times, held, charge, degrees, capacity,
+                 stretched):
+    """Group classes of a packing of ``counts`` whose classes' seconds stay within ``target`` (beta1 not
+    included), or ``n = -1`` when it needs more than ``max_gpus`` GPUs or a bucket fits nowhere.
+
+    ``times[b, k]``: seconds of a bucket-``b`` sequence at degree ``k`` (inf: does not fit there);
+    ``held[b, k]``: most of them one group holds (memory); ``charge[k]``: GPUs a group of degree ``k`` is
+    charged when choosing a degree; ``stretched[b]``: a lone sequence's budget (``stretch``).
+
+    Returns ``(n, degree index [n], multiplicity [n], seconds [n], counts [n, B])`` of the classes with
+    at least one group, in creation order."""
+    num_buckets, num_degrees = times.shape
+    most = 2 * num_buckets + 2                 # a bucket adds at most two classes (a split or new groups)
+    cls_k = np.zeros(most, np.int64)
+    cls_mult = np.zeros(most, np.int64)
+    cls_time = np.zeros(most, np.float64)
+    cls_tokens = np.zeros(most, np.float64)
+    cls_limit = np.zeros(most, np.float64)
+    cls_counts = np.zeros((most, num_buckets), np.int64)
+    visit = np.zeros(most, np.int64)
+    n = 0
+    gpus = 0
+    for i in range(num_buckets):
+        b = order[i]
+        left = counts[b]
+        if left == 0:
+            continue
+        length = lengths[b]
+        budget = target
+        if stretch and stretched[b] > target:
+            budget = stretched[b]
+        # the degree that needs the fewest GPUs for the whole bucket (ties -> smallest degree)
+        k_new, best_gpus, per_new = -1, np.inf, 0
+        for k in range(num_degrees):
+            t = times[b, k]
+            if not np.isfinite(t):
+                continue
+            x = budget / t
+            per = held[b, k] if x >= held[b, k] else int(x)
+            if per > 0:
+                needed = ((left + per - 1) // per) * charge[k]
+                if needed < best_gpus:
+                    k_new, best_gpus, per_new = k, needed, per
+        if k_new < 0:
+            return -1, cls_k, cls_mult, cls_time, cls_counts     # this bucket alone exceeds the budget everywhere
+        # classes that may take this bucket, slowest first, ties in creation order (stable insertion)
+        num_open = 0
+        for c in range(n):
+            if cls_k[c] >= k_new and cls_mult[c] > 0:
+                j = num_open
+                while j > 0 and cls_time[visit[j - 1]] < cls_time[c]:
+                    visit[j] = visit[j - 1]
+                    j -= 1
+                visit[j] = c
+                num_open += 1
+        for j in range(num_open):
+            c = visit[j]
+            k = cls_k[c]
+            t = times[b, k]
+            limit = budget if budget > cls_limit[c] else cls_limit[c]
+            by_time = (limit - cls_time[c]) / t
+            by_memory = (capacity[k] - cls_tokens[c]) / length
+            fit_f = by_time if by_time < by_memory else by_memory
+            if fit_f < 1:
+                continue
+            fit = int(fit_f)
+            if cls_mult[c] * fit > left:          # only part of the class takes this bucket
+                full = left // fit
+                rest = left - full * fit
+                untouched = cls_mult[c] - full - (1 if rest else 0)
+                for mult, count in ((untouched, 0), (1 if rest else 0, rest)):
+                    if mult:                       # detach ``mult`` groups as a class of their own
+                        cls_mult[c] -= mult
+                        cls_k[n], cls_mult[n], cls_limit[n] = k, mult, cls_limit[c]
+                        cls_time[n] = cls_time[c] + count * t if count else cls_time[c]
+                        cls_tokens[n] = cls_tokens[c] + count * length if count else cls_tokens[c]
+                        cls_counts[n, :] = cls_counts[c, :]
+                        cls_counts[n, b] += count
+                        n += 1
+                if cls_mult[c]:                    # the remaining ``full`` groups take ``fit`` each
+                    cls_time[c] += fit * t
+                    cls_tokens[c] += fit * length
+                    cls_counts[c, b] += fit
+                left = 0
+            else:
+                cls_time[c] += fit * t
+                cls_tokens[c] += fit * length
+                cls_counts[c, b] += fit
+                left -= cls_mult[c] * fit
+            if left <= 0:
+                break
+        if left > 0:
+            gpus += ((left + per_new - 1) // per_new) * degrees[k_new]
+            if gpus > max_gpus:
+                return -1, cls_k, cls_mult, cls_time, cls_counts
+            full = left // per_new
+            rest = left - full * per_new
+            for mult, count in ((full, per_new), (1 if rest else 0, rest)):
+                if mult:
+                    cls_k[n], cls_mult[n], cls_limit[n] = k_new, mult, budget
+                    cls_time[n] = count * times[b, k_new]
+                    cls_tokens[n] = count * length
+                    cls_counts[n, b] = count
+                    n += 1
+    kept = 0
+    for c in range(n):                             # drop classes whose groups all split away
+        if cls_mult[c] > 0:
+            cls_k[kept], cls_mult[kept], cls_time[kept] = cls_k[c], cls_mult[c], cls_time[c]
+            cls_counts[kept, :] = cls_counts[c, :]
+            kept += 1
+    return kept, cls_k[:kept], cls_mult[:kept], cls_time[:kept], cls_counts[:kept]
+
+
+def best_packing(counts, makespan, lo, rel_tol, max_iter, max_gpus, stretch, beta1, num_gpus, places,
+                 order, lengths, times, held, charge, degrees, capacity, stretched):
+    """The packing at ``makespan``, then bisected down towards ``lo`` (``max_iter`` steps at most, until
+    within ``rel_tol``): the packing at the smallest makespan found, as ``pack_classes`` returns it, plus
+    its bucketed makespan (beta1 included); ``n = -1`` when even ``makespan`` does not fit.
+
+    ``places``: None where degrees nest (then this runs compiled); else a callable on group counts per
+    degree saying whether a micro-batch gets ranks, asked while ``max_gpus <= num_gpus``
+    (``best_packing.py_func`` runs then: this loop interpreted, ``pack_classes`` still compiled)."""
+    got = pack_classes(counts, makespan - beta1, max_gpus if makespan > beta1 else -1.0, stretch,
+                       order, lengths, times, held, charge, degrees, capacity, stretched)
+    n, k, mult, seconds, per_class = got
+    hi, found, mid = makespan, np.inf, makespan
+    for step in range(max_iter + 1):
+        if step:
+            if hi - lo <= rel_tol * hi:
+                break
+            mid = 0.5 * (lo + hi)
+            got = pack_classes(counts, mid - beta1, max_gpus if mid > beta1 else -1.0, stretch,
+                               order, lengths, times, held, charge, degrees, capacity, stretched)
+        fits = got[0] >= 0
+        if fits and places is not None and max_gpus <= num_gpus:
+            per_degree = np.zeros(len(degrees), np.int64)
+            for c in range(got[0]):
+                per_degree[got[1][c]] += got[2][c]
+            fits = bool(places(per_degree))
+        if not fits:
+            if not step:
+                return -1, got[1], got[2], got[3], got[4], np.inf
+            lo = mid
+        else:
+            n, k, mult, seconds, per_class = got
+            found = (seconds.max() if n else 0.0) + beta1
+            hi = mid if mid < found else found
+    return n, k, mult, seconds, per_class, found
+
+
+best_packing_interpreted = best_packing      # the loop interpreted (a ``places`` callable), its packings compiled
+if njit is not None:
+    pack_classes = njit(cache=True, nogil=True)(pack_classes)
+    best_packing = njit(cache=True, nogil=True)(best_packing)
+
+
+def warm() -> None:
+    """Compile the kernels now (or load them from numba's cache on disk), outside any time limit: the first
+    packing of a process pays it otherwise (about 6 s to compile on a 2-core machine, once; a few hundredths
+    of a second to load). ``flexsp.plan_batch`` calls it before its clock starts."""
+    ints, floats = np.ones(1, np.int64), np.ones(1, np.float64)
+    best_packing(ints, np.inf, 0.0, 1e-3, 1, 1.0, False, 0.0, 1, None,
+                 np.zeros(1, np.int64), floats, np.ones((1, 1)), np.ones((1, 1), np.int64), floats, ints, floats, floats)
