@@ -75,13 +75,8 @@ def dp_buckets(lengths: np.ndarray, num_buckets: int = 16) -> Buckets:
     # cost[i, j] for a bucket covering distinct values i..j (inf when i > j)
     cost = v[None, :] * (w_cum[None, 1:] - w_cum[:u, None]) - (s_cum[None, 1:] - s_cum[:u, None])
     cost[j[:, None] > j[None, :]] = np.inf
-    best = cost[0].copy()                       # one bucket covering 0..j
-    choice = np.zeros((num_buckets, u), dtype=np.int64)
-    for b in range(1, num_buckets):
-        # previous buckets cover 0..i-1 (nothing when i == 0), the new one covers i..j
-        total = np.concatenate([[0.0], best[:-1]])[:, None] + cost
-        choice[b] = total.argmin(axis=0)
-        best = total.min(axis=0)
+    from .kernels import bucket_choices         # compiled (numba loads with the first plan, not at import)
+    choice = bucket_choices(cost, num_buckets)
     # Recover bounds by walking back.
     bounds, end = [], u - 1
     for b in range(num_buckets - 1, -1, -1):

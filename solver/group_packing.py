@@ -67,11 +67,11 @@ class MicroBatchPacker:
         charge = (degrees if costs.placeable is None or not costs.tiles
                   else num_gpus / np.maximum(1, np.asarray(costs.tiles, dtype=np.int64)))
         capacity = np.asarray(costs.capacity, dtype=np.float64)
-        # the kernel's view (``pack_kernel.pack_classes``): most sequences of each bucket one group of each
+        # the kernel's view (``kernels.pack_classes``): most sequences of each bucket one group of each
         # degree holds, the charge, a lone sequence's budget (``stretch``)
         held = np.floor(capacity[None, :] / self.lengths[:, None])
-        from . import pack_kernel             # here, not at import: numba loads only where a batch is planned
-        self._kernel = pack_kernel
+        from . import kernels             # here, not at import: numba loads only where a batch is planned
+        self._kernel = kernels
         self._kernel_args = (self.order, np.ascontiguousarray(self.lengths), np.ascontiguousarray(self.times),
                              np.minimum(held, 2.0 ** 52).astype(np.int64), np.asarray(charge, dtype=np.float64),
                              degrees.astype(np.int64), capacity, self.min_time * (1 + 1e-9))
@@ -100,7 +100,7 @@ class MicroBatchPacker:
 
     def _best(self, counts: np.ndarray, makespan: float, lo: float, max_iter: int, max_gpus: float = math.inf,
               stretch: bool = False, rel_tol: float = 0.0) -> BinPacking | None:
-        """``pack_kernel.best_packing`` (the packing at ``makespan``, bisected towards ``lo``) as a ``BinPacking``."""
+        """``kernels.best_packing`` (the packing at ``makespan``, bisected towards ``lo``) as a ``BinPacking``."""
         counts = np.ascontiguousarray(counts, dtype=np.int64)
         args = (counts, float(makespan), float(lo), float(rel_tol), int(max_iter), float(max_gpus), bool(stretch),
                 float(self.costs.beta1), int(self.num_gpus))

@@ -1,7 +1,7 @@
 """What importing FlexSP costs a process: every rank, planner process and CLI call starts by importing it, so
 modules that take a second to import are read where they are used. ``torch.nn.attention.varlen`` imports
 ``torch._dynamo`` (1.3-1.9 s on this machine; a CPU run never calls varlen), ``scipy.optimize`` takes 0.4 s and
-only fits use it; ``numba`` (0.2-0.3 s) loads with the first plan (``solver/pack_kernel.py``)."""
+only fits use it; ``numba`` (0.2-0.3 s) loads with the first plan (``solver/kernels.py``)."""
 import subprocess
 import sys
 

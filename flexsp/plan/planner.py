@@ -252,8 +252,8 @@ def cyclic_gc_paused() -> Iterator[None]:
 def _plan_batch(lengths: Iterable[int] | np.ndarray, cost: CostModel, cluster: Cluster, strategy: str,
                 config: PlanConfig | None, settings: dict[str, Any]) -> Plan:
     """``plan_batch``'s body (its warnings point at ``plan_batch``'s caller: stacklevel 3)."""
-    from solver import pack_kernel          # numba loads with the first plan, not with ``import flexsp``
-    pack_kernel.warm()                      # the packer compiled or loaded before the time limit's clock starts
+    from solver import kernels          # numba loads with the first plan, not with ``import flexsp``
+    kernels.warm()                      # the packer compiled or loaded before the time limit's clock starts
     started = time.perf_counter()
     lengths = as_lengths(lengths)
     config = config if config is not None else PlanConfig()

@@ -1,6 +1,7 @@
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,3 +47,23 @@ def test_many_distinct_lengths_use_candidates_and_stay_valid():
 def test_exact_buckets_round_nothing():
     lengths = np.array([5, 3, 5, 9])
     assert token_error(lengths, exact_buckets(lengths)) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_compiled_bucketing_dp_matches_numpys_bit_for_bit(seed):
+    """``kernels.bucket_choices`` (numba) and ``bucket_choices_vectorised`` (numpy, what runs without numba):
+    the same choices, ties and all, so the buckets never depend on whether numba is installed."""
+    from solver import kernels
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 50 if seed % 2 else 5000, size=int(rng.integers(2, 400)))
+    values, counts = np.unique(lengths, return_counts=True)
+    u = len(values)
+    v = values.astype(np.float64)
+    w_cum = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])
+    s_cum = np.concatenate([[0.0], np.cumsum(counts * v)])
+    j = np.arange(u)
+    cost = v[None, :] * (w_cum[None, 1:] - w_cum[:u, None]) - (s_cum[None, 1:] - s_cum[:u, None])
+    cost[j[:, None] > j[None, :]] = np.inf
+    for num_buckets in (1, 2, 5, 16, u):
+        assert np.array_equal(kernels.bucket_choices(cost, num_buckets),
+                              kernels.bucket_choices_vectorised(cost, num_buckets))

@@ -100,10 +100,10 @@ def test_solve_below_a_known_makespan_finds_one_under_it_or_says_none(seed):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_compiled_packer_matches_the_interpreted_one_bit_for_bit(seed):
-    """``pack_kernel`` compiled (numba) and interpreted (its ``py_func``): the same classes, counts and
+    """``kernels`` compiled (numba) and interpreted (its ``py_func``): the same classes, counts and
     makespan at every target, so a plan never depends on whether numba is installed."""
-    from solver import pack_kernel
-    if not hasattr(pack_kernel.best_packing, "py_func"):
+    from solver import kernels
+    if not hasattr(kernels.best_packing, "py_func"):
         pytest.skip("numba not installed: only the interpreted packer runs")
     rng = np.random.default_rng(seed)
     lengths = np.unique(rng.integers(1, 800, size=rng.integers(1, 12))).astype(np.float64)
@@ -115,7 +115,7 @@ def test_compiled_packer_matches_the_interpreted_one_bit_for_bit(seed):
                                                    (np.inf, packer.num_gpus, False, 40)):
             args = (counts, makespan, packer.lower_bound(counts), 2e-3, iters, float(max_gpus), stretch, COSTS.beta1,
                     packer.num_gpus, None, *packer._kernel_args)
-            compiled, interpreted = pack_kernel.best_packing(*args), pack_kernel.best_packing.py_func(*args)
+            compiled, interpreted = kernels.best_packing(*args), kernels.best_packing.py_func(*args)
             assert compiled[0] == interpreted[0]
             if compiled[0] >= 0:
                 assert compiled[5] == interpreted[5]
@@ -123,7 +123,7 @@ def test_compiled_packer_matches_the_interpreted_one_bit_for_bit(seed):
                     assert np.array_equal(a, b)
             # the inner packing itself, interpreted line for line
             one = (counts, makespan - COSTS.beta1, float(max_gpus), stretch, *packer._kernel_args)
-            compiled, interpreted = pack_kernel.pack_classes(*one), pack_kernel.pack_classes.py_func(*one)
+            compiled, interpreted = kernels.pack_classes(*one), kernels.pack_classes.py_func(*one)
             assert compiled[0] == interpreted[0]
             if compiled[0] >= 0:
                 for a, b in zip(compiled[1:], interpreted[1:]):
@@ -148,7 +148,7 @@ print(json.dumps([plan.predicted_time, [[(g.degree, sorted(map(int, g.seq_ids)))
 
 
 def test_a_plan_does_not_depend_on_whether_numba_is_installed():
-    """Without numba the packer's loop runs interpreted (``pack_kernel``'s fallback): the same plan."""
+    """Without numba the packer's loop runs interpreted (``kernels``'s fallback): the same plan."""
     import json
     import subprocess
     import sys

@@ -1,13 +1,14 @@
-"""The packer's inner loop, compiled: one packing of bucket counts at one target makespan.
+"""The solver's inner loops, compiled: the group packer (one packing of bucket counts at one target
+makespan, and its bisection) and the bucketing DP.
 
-``MicroBatchPacker`` asks for a few hundred packings per small batch (bisection steps, sweep points,
-local-search trials); interpreted, this loop was a third to a half of a 64-sequence solve. Here it runs
-on flat arrays under numba (compiled once, cached on disk) and returns the group classes as arrays.
-Without numba the same function runs interpreted (same results, slower). The arithmetic is written
-in the interpreter's order, so compiled and interpreted packings agree bit for bit
-(``tests/solver/test_packer.py`` checks both).
+A small batch asks for a few hundred packings (bisection steps, sweep points, local-search trials) and
+a few dozen bucketings (each micro-batch refined on its own buckets); interpreted, these loops were
+about half of a 64-sequence solve. Here they run on flat arrays under numba (compiled once, cached on
+disk). Without numba the same functions run interpreted (same results, slower). The arithmetic is
+written in the interpreter's order, so compiled and interpreted results agree bit for bit
+(``tests/solver/test_packer.py`` and ``test_bucketing.py`` check both).
 
-Algorithm (see ``group_packing``): buckets longest first; each bucket picks the degree that needs the
+The packing (see ``group_packing``): buckets longest first; each bucket picks the degree that needs the
 fewest GPUs for all of it within the budget and memory (ties: smallest degree), tops up the classes
 that may take it (degree at least that one, slowest first, ties in creation order; a class only part of
 which takes the bucket splits off the rest), and opens new groups for what is left.
@@ -172,10 +173,46 @@ def best_packing(counts, makespan, lo, rel_tol, max_iter, max_gpus, stretch, bet
     return n, k, mult, seconds, per_class, found
 
 
+def bucket_choices(cost, num_buckets):
+    """The bucketing DP (``bucketing.dp_buckets``): ``choice[b, j]``, the first distinct length of the last
+    bucket when ``b + 1`` buckets cover distinct lengths ``0..j`` with least padding, from ``cost[i, j]``
+    (a bucket covering ``i..j``; inf below the diagonal). Ties take the smallest ``i``."""
+    u = cost.shape[0]
+    choice = np.zeros((num_buckets, u), np.int64)
+    best = cost[0].copy()                          # one bucket covering 0..j
+    new = np.empty(u, np.float64)
+    for b in range(1, num_buckets):
+        for j in range(u):
+            # previous buckets cover 0..i-1 (nothing when i == 0), the new one covers i..j
+            low, at = 0.0 + cost[0, j], 0
+            for i in range(1, u):
+                total = best[i - 1] + cost[i, j]
+                if total < low:
+                    low, at = total, i
+            choice[b, j], new[j] = at, low
+        best[:] = new
+    return choice
+
+
+def bucket_choices_vectorised(cost, num_buckets):
+    """``bucket_choices`` with numpy, one step per bucket (what runs without numba: the triple loop
+    interpreted would take seconds on a thousand candidates); the same choices bit for bit."""
+    best = cost[0].copy()
+    choice = np.zeros((num_buckets, cost.shape[0]), dtype=np.int64)
+    for b in range(1, num_buckets):
+        total = np.concatenate([[0.0], best[:-1]])[:, None] + cost
+        choice[b] = total.argmin(axis=0)
+        best = total.min(axis=0)
+    return choice
+
+
 best_packing_interpreted = best_packing      # the loop interpreted (a ``places`` callable), its packings compiled
 if njit is not None:
     pack_classes = njit(cache=True, nogil=True)(pack_classes)
     best_packing = njit(cache=True, nogil=True)(best_packing)
+    bucket_choices = njit(cache=True, nogil=True)(bucket_choices)
+else:
+    bucket_choices = bucket_choices_vectorised
 
 
 def warm() -> None:
@@ -185,3 +222,4 @@ def warm() -> None:
     ints, floats = np.ones(1, np.int64), np.ones(1, np.float64)
     best_packing(ints, np.inf, 0.0, 1e-3, 1, 1.0, False, 0.0, 1, None,
                  np.zeros(1, np.int64), floats, np.ones((1, 1)), np.ones((1, 1), np.int64), floats, ints, floats, floats)
+    bucket_choices(np.ones((2, 2)), 2)
