@@ -19,8 +19,10 @@ import numpy as np
 
 try:
     from numba import njit
-except ImportError:          # numba is a dependency; a platform without its wheels runs the loop interpreted
+except ImportError:          # numba is a dependency; a platform without its wheels runs the loops interpreted
     njit = None
+
+COMPILED = njit is not None   # False: callers with a numpy form of a loop run that on big inputs instead
 
 
 def pack_classes(counts, target, max_gpus, stretch, order, lengths, times, held, charge, degrees, capacity,
@@ -206,11 +208,87 @@ def bucket_choices_vectorised(cost, num_buckets):
     return choice
 
 
+def lpt_owners(seq_lengths, order, table, degree_idx, caps):
+    """``materialize.rebalance``'s longest-first loop: each sequence (in ``order``) to the group that
+    would finish it first (``table[pos, k]``: its seconds at degree index ``k``) among those with room
+    (``caps``: tokens per group); ties to the lowest group. ``(False, ...)`` when one finds no room."""
+    num_groups = degree_idx.shape[0]
+    load = np.zeros(num_groups, np.float64)
+    tokens = np.zeros(num_groups, np.float64)
+    owner = np.zeros(seq_lengths.shape[0], np.int64)
+    for pos in order:
+        s = seq_lengths[pos]
+        best, finish = -1, np.inf
+        for j in range(num_groups):
+            if tokens[j] + s > caps[j]:
+                continue
+            f = load[j] + table[pos, degree_idx[j]]
+            if f < finish:                  # strict: the first least finish
+                best, finish = j, f
+        if best < 0:
+            return False, owner
+        owner[pos] = best
+        load[best] = finish
+        tokens[best] += s
+    return True, owner
+
+
+def deal_groups(ids, seq_lengths, buckets, table, degree_idx, counts):
+    """``materialize.fill_groups``'s dealing: each bucket's sequences (longest bucket first; within one,
+    longest first, ties in input order) dealt to the ``counts[g, b]`` slots of the groups holding it, the
+    k-th slot of every group before any (k+1)-th, least loaded group first (ties: lower group). Returns
+    ``(ok, ids grouped by group, group sizes, group seconds)``; ``ok`` False when the counts do not match
+    the sequences."""
+    n = ids.shape[0]
+    num_groups, _ = counts.shape
+    perm = np.argsort(-seq_lengths, kind="mergesort")
+    perm = perm[np.argsort(buckets[perm], kind="mergesort")]
+    load = np.zeros(num_groups, np.float64)
+    added = np.zeros(num_groups, np.float64)
+    owner = np.zeros(n, np.int64)                  # group of the t-th sequence dealt
+    dealt = np.zeros(n, np.int64)
+    t, end = 0, n
+    while end > 0:                                 # perm ascends by bucket: the longest bucket is last
+        b = buckets[perm[end - 1]]
+        start = end - 1
+        while start > 0 and buckets[perm[start - 1]] == b:
+            start -= 1
+        total = 0
+        for g in range(num_groups):
+            total += counts[g, b]
+        if total != end - start:
+            return False, dealt, np.zeros(num_groups, np.int64), load
+        slot_group = np.zeros(total, np.int64)
+        slot_rank = np.zeros(total, np.int64)
+        i = 0
+        for g in range(num_groups):
+            for r in range(counts[g, b]):
+                slot_group[i], slot_rank[i] = g, r
+                i += 1
+        order = np.argsort(load[slot_group], kind="mergesort")
+        order = order[np.argsort(slot_rank[order], kind="mergesort")]
+        added[:] = 0.0
+        for i in range(total):
+            g, pos = slot_group[order[i]], perm[start + i]
+            added[g] += table[pos, degree_idx[g]]
+            owner[t], dealt[t] = g, ids[pos]
+            t += 1
+        for g in range(num_groups):
+            load[g] = load[g] + added[g]
+        end = start
+    sizes = np.zeros(num_groups, np.int64)
+    for i in range(n):
+        sizes[owner[i]] += 1
+    return True, dealt[np.argsort(owner, kind="mergesort")], sizes, load
+
+
 best_packing_interpreted = best_packing      # the loop interpreted (a ``places`` callable), its packings compiled
 if njit is not None:
     pack_classes = njit(cache=True, nogil=True)(pack_classes)
     best_packing = njit(cache=True, nogil=True)(best_packing)
     bucket_choices = njit(cache=True, nogil=True)(bucket_choices)
+    lpt_owners = njit(cache=True, nogil=True)(lpt_owners)
+    deal_groups = njit(cache=True, nogil=True)(deal_groups)
 else:
     bucket_choices = bucket_choices_vectorised
 
@@ -223,3 +301,5 @@ def warm() -> None:
     best_packing(ints, np.inf, 0.0, 1e-3, 1, 1.0, False, 0.0, 1, None,
                  np.zeros(1, np.int64), floats, np.ones((1, 1)), np.ones((1, 1), np.int64), floats, ints, floats, floats)
     bucket_choices(np.ones((2, 2)), 2)
+    lpt_owners(floats, ints - 1, np.ones((1, 1)), ints - 1, floats)
+    deal_groups(ints, floats, ints - 1, np.ones((1, 1)), ints - 1, np.ones((1, 1), np.int64))

@@ -1,20 +1,19 @@
 """Turn bucket-count groups back into real sequences, then rebalance on the real lengths."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from .group_packing import BinPacking
 from .types import DegreeCosts, GroupAssignment, Groups, assignment, group_loads, split_at
 
-# LPT rebalancing loops over sequences in Python at O(groups) each: skip it on big micro-batches,
+# LPT rebalancing loops over sequences at O(groups) each: skip it on big micro-batches,
 # where many sequences per group make the dealt version balanced anyway.
 MAX_REBALANCE_PAIRS = 1_000_000
 MAX_REBALANCE_SEQUENCES = 1024
-# Up to this many groups ``fill_groups`` and ``rebalance`` loop in plain Python (``_fill_plain``, ``_lpt_plain``),
-# above it over numpy arrays; ``fill_groups`` only up to PLAIN_MAX_SEQUENCES too (its numpy loop runs per bucket,
-# the plain one per sequence).
+# Without numba, up to this many groups ``fill_groups`` and ``rebalance`` run ``kernels``' loops interpreted, above
+# it their numpy forms; ``fill_groups`` only up to PLAIN_MAX_SEQUENCES too (its numpy loop runs per bucket, the
+# kernel per sequence). With numba the compiled loops run at every size.
 PLAIN_MAX_GROUPS = 64
 PLAIN_MAX_SEQUENCES = 256
 
@@ -22,11 +21,21 @@ PLAIN_MAX_SEQUENCES = 256
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
                 costs: DegreeCosts, with_loads: bool = False):
     """Deal each bucket's real sequences (longest first) round-robin over the groups that hold it,
-    least-loaded group first, so the rounding-up of bucketing is spread evenly: in plain Python on small
-    micro-batches (``_fill_plain``), else with numpy per bucket; both deal alike.
+    least-loaded group first, so the rounding-up of bucketing is spread evenly: ``kernels.deal_groups``
+    (compiled), or without numba on many groups with numpy per bucket; both deal alike.
     ``with_loads``: also each group's seconds on real lengths (the dealing computes them anyway)."""
+    from . import kernels
     small = len(packing.degree_idx) <= PLAIN_MAX_GROUPS and len(seq_ids) <= PLAIN_MAX_SEQUENCES
-    groups, load = (_fill_plain if small else _fill_vectorised)(packing, seq_ids, bucket_of, lengths, costs)
+    if kernels.COMPILED or small:
+        seq_lengths = lengths[seq_ids].astype(np.float64)
+        ok, flat, sizes, load = kernels.deal_groups(
+            np.ascontiguousarray(seq_ids, dtype=np.int64), seq_lengths, np.ascontiguousarray(bucket_of[seq_ids], dtype=np.int64),
+            costs.all_seconds(seq_lengths), np.ascontiguousarray(packing.degree_idx, dtype=np.int64),
+            np.ascontiguousarray(packing.counts, dtype=np.int64))
+        assert ok, "packing counts must match the micro-batch's sequences"
+        groups = Groups(flat, sizes)
+    else:
+        groups, load = _fill_vectorised(packing, seq_ids, bucket_of, lengths, costs)
     return (groups, load) if with_loads else list(groups)
 
 
@@ -57,35 +66,6 @@ def _fill_vectorised(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.nda
     return Groups(member[order], np.bincount(owner, minlength=num_groups)), load
 
 
-def _fill_plain(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
-                costs: DegreeCosts) -> tuple["Groups", np.ndarray]:
-    """``fill_groups``'s dealing in plain Python (numpy's per-call overhead was most of the work on a few
-    groups): the same orders, sorts and sums in the same sequence, so the same groups and loads."""
-    num_groups = len(packing.degree_idx)
-    seq_lengths = lengths[seq_ids]
-    ids, sizes, buckets = seq_ids.tolist(), seq_lengths.tolist(), bucket_of[seq_ids].tolist()
-    seconds = costs.seconds(seq_lengths[:, None], np.arange(costs.num_degrees)[None, :]).tolist()
-    degree_of = packing.degree_idx.tolist()
-    per_bucket: dict[int, list[int]] = {}                           # positions, longest first (stable)
-    for pos in sorted(range(len(ids)), key=lambda p: (buckets[p], -sizes[p])):
-        per_bucket.setdefault(buckets[pos], []).append(pos)
-    columns = packing.counts.T.tolist()                            # [bucket][group]
-    load = [0.0] * num_groups
-    members: list[list[int]] = [[] for _ in range(num_groups)]
-    for b in sorted(per_bucket, reverse=True):                       # longest bucket first
-        positions, column = per_bucket[b], columns[b]
-        slots = [(rank, g) for g in range(num_groups) if column[g] for rank in range(column[g])]
-        slots.sort(key=lambda slot: (slot[0], load[slot[1]]))      # k-th of each group, least loaded first
-        assert len(slots) == len(positions), "packing counts must match the micro-batch's sequences"
-        added = [0.0] * num_groups
-        for (_, g), pos in zip(slots, positions):
-            added[g] += seconds[pos][degree_of[g]]
-            members[g].append(ids[pos])
-        load = [a + b for a, b in zip(load, added)]
-    flat = np.fromiter((i for group in members for i in group), dtype=np.int64, count=len(ids))
-    return Groups(flat, np.array([len(group) for group in members], dtype=np.int64)), np.array(load)
-
-
 def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, costs: DegreeCosts) -> list[np.ndarray] | None:
     """Longest-processing-time-first over fixed group degrees on real lengths, under memory.
 
@@ -94,12 +74,19 @@ def rebalance(seq_ids: np.ndarray, degree_idx: np.ndarray, lengths: np.ndarray, 
     num_groups = len(degree_idx)
     if len(seq_ids) * num_groups > MAX_REBALANCE_PAIRS or len(seq_ids) > MAX_REBALANCE_SEQUENCES:
         return None
-    caps = np.asarray(costs.capacity)[degree_idx]
+    from . import kernels
+    caps = np.asarray(costs.capacity, dtype=np.float64)[degree_idx]
     order = np.argsort(-lengths[seq_ids], kind="stable")
-    lpt = _lpt_plain if num_groups <= PLAIN_MAX_GROUPS else _lpt_vectorised
-    owner = lpt(lengths[seq_ids], order, degree_idx, caps, costs)
-    if owner is None:
-        return None
+    if kernels.COMPILED or num_groups <= PLAIN_MAX_GROUPS:
+        seq_lengths = lengths[seq_ids].astype(np.float64)
+        ok, owner = kernels.lpt_owners(seq_lengths, order, costs.all_seconds(seq_lengths),
+                                       np.ascontiguousarray(degree_idx, dtype=np.int64), caps)
+        if not ok:
+            return None
+    else:
+        owner = _lpt_vectorised(lengths[seq_ids], order, degree_idx, caps, costs)
+        if owner is None:
+            return None
     order = np.argsort(owner, kind="stable")
     return split_at(seq_ids[order], np.bincount(owner, minlength=num_groups))
 
@@ -122,31 +109,6 @@ def _lpt_vectorised(seq_lengths: np.ndarray, order: np.ndarray, degree_idx: np.n
         owner[pos] = j
         load[j] = finish[j]
         tokens[j] += s
-    return owner
-
-
-def _lpt_plain(seq_lengths: np.ndarray, order: np.ndarray, degree_idx: np.ndarray, caps: np.ndarray,
-               costs: DegreeCosts) -> np.ndarray | None:
-    """``rebalance``'s loop in plain Python over a table of each sequence's seconds in each group: on a few
-    groups numpy's per-call overhead is most of the work. The same sums and comparisons, so the same owners."""
-    seconds = costs.seconds(seq_lengths[:, None], np.asarray(degree_idx)[None, :]).tolist()
-    sizes, room = seq_lengths.astype(np.float64).tolist(), caps.astype(np.float64).tolist()
-    groups = range(len(room))
-    load, tokens = [0.0] * len(room), [0.0] * len(room)
-    owner = np.empty(len(sizes), dtype=np.int64)
-    for pos in order.tolist():
-        s, row, best, finish = sizes[pos], seconds[pos], -1, math.inf
-        for j in groups:
-            if tokens[j] + s > room[j]:
-                continue
-            f = load[j] + row[j]
-            if f < finish:                  # strict: the first least finish, as argmin
-                best, finish = j, f
-        if best < 0:
-            return None
-        owner[pos] = best
-        load[best] = finish
-        tokens[best] += s
     return owner
 
 

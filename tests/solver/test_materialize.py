@@ -1,8 +1,9 @@
-"""``rebalance`` and ``fill_groups`` loop in plain Python on a few groups and over numpy arrays on many: both give the same groups."""
+"""``rebalance`` and ``fill_groups`` run ``solver.kernels``' loops (compiled by numba, or interpreted) and, without
+numba on many groups, loops over numpy arrays: all give the same groups."""
 import numpy as np
 import pytest
 
-from solver import materialize
+from solver import kernels, materialize
 from solver.group_packing import BinPacking
 from solver.types import DegreeCosts
 
@@ -19,8 +20,15 @@ def test_plain_and_numpy_rebalance_give_the_same_groups(seed, monkeypatch):
     lengths = rng.integers(1, 6000, size=int(rng.integers(1, 60)))
     seq_ids = rng.permutation(len(lengths))[: int(rng.integers(1, len(lengths) + 1))]
     plain = materialize.rebalance(seq_ids, degree_idx, lengths, COSTS)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "lpt_owners", getattr(kernels.lpt_owners, "py_func", kernels.lpt_owners))
+        interpreted = materialize.rebalance(seq_ids, degree_idx, lengths, COSTS)
     monkeypatch.setattr(materialize, "PLAIN_MAX_GROUPS", 0)
+    monkeypatch.setattr(kernels, "COMPILED", False)
     vectorised = materialize.rebalance(seq_ids, degree_idx, lengths, COSTS)
+    assert (plain is None) == (interpreted is None)
+    if plain is not None:
+        assert all(np.array_equal(a, b) for a, b in zip(plain, interpreted))
     assert (plain is None) == (vectorised is None)
     if plain is not None:
         assert len(plain) == len(vectorised) == num_groups
@@ -42,7 +50,13 @@ def test_plain_and_numpy_dealing_give_the_same_groups_and_loads(seed, monkeypatc
     seq_ids = rng.permutation(len(lengths))
     packing = BinPacking(rng.integers(0, 4, size=num_groups), counts, makespan=0.0)
     plain, plain_load = materialize.fill_groups(packing, seq_ids, bucket_of, lengths, COSTS, with_loads=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "deal_groups", getattr(kernels.deal_groups, "py_func", kernels.deal_groups))
+        interpreted, interpreted_load = materialize.fill_groups(packing, seq_ids, bucket_of, lengths, COSTS,
+                                                                with_loads=True)
+    assert np.array_equal(plain.flat, interpreted.flat) and np.array_equal(plain_load, interpreted_load)
     monkeypatch.setattr(materialize, "PLAIN_MAX_GROUPS", 0)
+    monkeypatch.setattr(kernels, "COMPILED", False)
     vectorised, load = materialize.fill_groups(packing, seq_ids, bucket_of, lengths, COSTS, with_loads=True)
     assert np.array_equal(plain.flat, vectorised.flat) and np.array_equal(plain.sizes, vectorised.sizes)
     assert np.array_equal(plain_load, load)
