@@ -75,17 +75,23 @@ class MicroBatchPacker:
         self._kernel_args = (self.order, np.ascontiguousarray(self.lengths), np.ascontiguousarray(self.times),
                              np.minimum(held, 2.0 ** 52).astype(np.int64), np.asarray(charge, dtype=np.float64),
                              degrees.astype(np.int64), capacity, self.min_time * (1 + 1e-9))
+        self._min_area, self._min_time = self.min_area.tolist(), self.min_time.tolist()
         self._cache: dict[bytes, BinPacking | None] = {}
         self._placeable: dict[bytes, bool] = {}
 
     # --- bounds -------------------------------------------------------------------------------
     def lower_bound(self, counts: np.ndarray) -> float:
         """No packing beats perfect spreading of the cheapest area, nor the slowest sequence alone."""
-        present = counts > 0
-        if not present.any():
+        area, slowest = 0.0, -1.0          # a plain loop: the search asks for a hundred 16-bucket bounds a batch
+        for count, min_area, min_time in zip(counts.tolist(), self._min_area, self._min_time):
+            if count > 0:
+                area += count * min_area
+                if min_time > slowest:
+                    slowest = min_time
+        if slowest < 0:
             return 0.0
-        spread = float((counts * self.min_area)[present].sum()) / self.num_gpus
-        return max(spread, float(self.min_time[present].max())) + self.costs.beta1
+        spread = area / self.num_gpus
+        return (spread if spread > slowest else slowest) + self.costs.beta1
 
     # --- one target -------------------------------------------------------------------------
     def pack(self, counts: np.ndarray, makespan: float, max_gpus: float | None = None,
