@@ -282,13 +282,22 @@ def deal_groups(ids, seq_lengths, buckets, table, degree_idx, counts):
     return True, dealt[np.argsort(owner, kind="mergesort")], sizes, load
 
 
+def _compiled(function):
+    """``function`` compiled by numba, cached on disk (next to this file, else in the user's cache directory);
+    compiled afresh in each process where neither can be written (numba refuses to cache then)."""
+    try:
+        return njit(cache=True, nogil=True)(function)
+    except RuntimeError:                  # "cannot cache function ...: no locator available"
+        return njit(nogil=True)(function)
+
+
 best_packing_interpreted = best_packing      # the loop interpreted (a ``places`` callable), its packings compiled
 if njit is not None:
-    pack_classes = njit(cache=True, nogil=True)(pack_classes)
-    best_packing = njit(cache=True, nogil=True)(best_packing)
-    bucket_choices = njit(cache=True, nogil=True)(bucket_choices)
-    lpt_owners = njit(cache=True, nogil=True)(lpt_owners)
-    deal_groups = njit(cache=True, nogil=True)(deal_groups)
+    pack_classes = _compiled(pack_classes)
+    best_packing = _compiled(best_packing)
+    bucket_choices = _compiled(bucket_choices)
+    lpt_owners = _compiled(lpt_owners)
+    deal_groups = _compiled(deal_groups)
 else:
     bucket_choices = bucket_choices_vectorised
 

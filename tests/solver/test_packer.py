@@ -165,3 +165,19 @@ def test_a_plan_does_not_depend_on_whether_numba_is_installed():
     here = [plan.predicted_time, [[(g.degree, sorted(map(int, g.seq_ids))) for g in mb.groups]
                                   for mb in plan.micro_batches]]
     assert json.loads(out.stdout) == json.loads(json.dumps(here))
+
+
+def test_the_kernels_compile_where_numba_cannot_cache_them():
+    """A read-only install with no writable home: numba finds no cache directory and refuses ``cache=True``
+    at decoration; the kernels then compile in the process instead of failing the import."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("numba")
+    root = Path(__file__).resolve().parents[2]
+    code = ("from solver import kernels\nkernels.warm()\n"
+            "assert kernels.COMPILED and kernels.best_packing._cache.__class__.__name__ == 'NullCache'\nprint('ok')")
+    env = {**os.environ, "PYTHONPATH": str(root), "NUMBA_CACHE_LOCATOR_CLASSES": "IPythonCacheLocator"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
