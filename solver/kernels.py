@@ -291,6 +291,167 @@ def _compiled(function):
         return njit(nogil=True)(function)
 
 
+def tighten_groups(flat, sizes, deg, loads, lengths, quad, lin, ring, hops, degrees, capacity, num_gpus,
+                   max_steps, max_candidates):
+    """``tighten.tighten_members``' steps where degrees nest: each step takes the slowest group and
+    promotes it (free GPUs), merges it with the fastest group of its degree, or moves one of its
+    ``max_candidates`` longest sequences to the group that would finish earliest with it, whichever ends
+    lowest below the slowest load; it stops when none helps or more groups tie at the top than the steps
+    left could take off. Groups are linked lists over ``flat``'s positions (a move or merge relinks a few).
+
+    Returns the live groups' ids (each group's ascending), sizes, degree indices and seconds."""
+    num_groups, n, num_degrees = sizes.shape[0], flat.shape[0], degrees.shape[0]
+    head = np.full(num_groups, -1, np.int64)
+    tail = np.full(num_groups, -1, np.int64)
+    after_pos = np.full(n, -1, np.int64)
+    before_pos = np.full(n, -1, np.int64)
+    count = sizes.copy()
+    deg = deg.copy()
+    loads = loads.copy()
+    alive = np.ones(num_groups, np.bool_)
+    tokens = np.zeros(num_groups, np.float64)
+    free = num_gpus
+    start = 0
+    for g in range(num_groups):
+        for i in range(sizes[g]):
+            p = start + i
+            tokens[g] += lengths[flat[p]]
+            if i:
+                after_pos[p - 1], before_pos[p] = p, p - 1
+        if sizes[g]:
+            head[g], tail[g] = start, start + sizes[g] - 1
+        start += sizes[g]
+        free -= degrees[deg[g]]
+    live = num_groups
+    least = np.zeros(num_degrees, np.float64)
+    for step in range(max_steps):
+        s = 0
+        for g in range(1, num_groups):               # a dead group's load is -inf
+            if loads[g] > loads[s]:
+                s = g
+        worst = loads[s] * (1 - 1e-9)
+        tied = 0
+        for g in range(num_groups):
+            if loads[g] >= worst:
+                tied += 1
+        if tied > 2 * (max_steps - step):
+            break
+        k = deg[s]
+        best, action, other, moved = np.inf, 0, -1, -1    # action: 1 promote, 2 merge, 3 move
+        if k + 1 < num_degrees and free >= degrees[k + 1] - degrees[k]:
+            t, p = 0.0, head[s]
+            while p >= 0:
+                x = float(lengths[flat[p]])
+                t += lin[k + 1] * x + max(quad[k + 1] * x * x, ring[k + 1] * x + hops[k + 1])
+                p = after_pos[p]
+            if t < worst:
+                best, action = t, 1
+        if k + 1 < num_degrees and degrees[k + 1] == 2 * degrees[k]:
+            h = -1
+            for g in range(num_groups):
+                if deg[g] == k and alive[g] and g != s and (h < 0 or loads[g] < loads[h]):
+                    h = g
+            if h >= 0:
+                t = 0.0
+                for g in (s, h):
+                    p = head[g]
+                    while p >= 0:
+                        x = float(lengths[flat[p]])
+                        t += lin[k + 1] * x + max(quad[k + 1] * x * x, ring[k + 1] * x + hops[k + 1])
+                        p = after_pos[p]
+                if t < worst and t < best:
+                    best, action, other = t, 2, h
+        if live > 1 and count[s] > 1:
+            mine = np.empty(count[s], np.int64)
+            p, i = head[s], 0
+            while p >= 0:
+                mine[i], p, i = p, after_pos[p], i + 1
+            mine_lengths = np.empty(count[s], np.float64)
+            for i in range(count[s]):
+                mine_lengths[i] = -float(lengths[flat[mine[i]]])
+            candidates = mine[np.argsort(mine_lengths, kind="mergesort")[:max_candidates]]
+            shortest = np.inf
+            for c in candidates:
+                shortest = min(shortest, float(lengths[flat[c]]))
+            for d in range(num_degrees):
+                least[d] = lin[d] * shortest + max(quad[d] * shortest * shortest, ring[d] * shortest + hops[d])
+            # only groups that could take the shortest candidate and still end before the slowest one did
+            # can be a destination: usually a few, as packed groups end close to the makespan
+            dest = np.empty(num_groups, np.int64)
+            num_dest = 0
+            for j in range(num_groups):
+                if alive[j] and j != s and loads[j] + least[deg[j]] < worst:
+                    dest[num_dest] = j
+                    num_dest += 1
+            score_best, pick_c, pick_j = np.inf, -1, -1
+            for c in candidates:
+                x = float(lengths[flat[c]])
+                left = loads[s] - (lin[k] * x + max(quad[k] * x * x, ring[k] * x + hops[k]))
+                for i in range(num_dest):
+                    j = dest[i]
+                    d = deg[j]
+                    finish = loads[j] + (lin[d] * x + max(quad[d] * x * x, ring[d] * x + hops[d]))
+                    if not tokens[j] + x <= capacity[d]:
+                        finish = np.inf
+                    score = finish if finish > left else left
+                    if score < score_best:
+                        score_best, pick_c, pick_j = score, c, j
+            if pick_c >= 0 and score_best < worst and score_best < best:
+                best, action, other, moved = score_best, 3, pick_j, pick_c
+        if action == 0:
+            break
+        if action == 1:
+            free -= degrees[k + 1] - degrees[k]
+            deg[s], loads[s] = k + 1, best
+        elif action == 2:
+            after_pos[tail[s]], before_pos[head[other]] = head[other], tail[s]
+            tail[s], count[s] = tail[other], count[s] + count[other]
+            head[other], tail[other], count[other] = -1, -1, 0
+            deg[s], loads[s], tokens[s] = k + 1, best, tokens[s] + tokens[other]
+            alive[other], loads[other] = False, -np.inf       # same GPUs: 2 x degree k = degree k + 1
+            live -= 1
+        else:
+            p = moved                                  # unlink from s, append to the destination
+            if before_pos[p] >= 0:
+                after_pos[before_pos[p]] = after_pos[p]
+            else:
+                head[s] = after_pos[p]
+            if after_pos[p] >= 0:
+                before_pos[after_pos[p]] = before_pos[p]
+            else:
+                tail[s] = before_pos[p]
+            before_pos[p], after_pos[p] = tail[other], -1
+            after_pos[tail[other]] = p
+            tail[other] = p
+            count[s] -= 1
+            count[other] += 1
+            x = float(lengths[flat[p]])
+            d, e = deg[s], deg[other]
+            loads[s] -= lin[d] * x + max(quad[d] * x * x, ring[d] * x + hops[d])
+            loads[other] += lin[e] * x + max(quad[e] * x * x, ring[e] * x + hops[e])
+            tokens[s] -= x
+            tokens[other] += x
+    kept = 0
+    for g in range(num_groups):
+        if alive[g] and count[g] > 0:
+            kept += 1
+    out_ids = np.empty(n, np.int64)
+    out_sizes = np.empty(kept, np.int64)
+    out_deg = np.empty(kept, np.int64)
+    out_loads = np.empty(kept, np.float64)
+    i, q = 0, 0
+    for g in range(num_groups):
+        if not alive[g] or count[g] == 0:
+            continue
+        first, p = i, head[g]
+        while p >= 0:
+            out_ids[i], p, i = flat[p], after_pos[p], i + 1
+        out_ids[first:i] = np.sort(out_ids[first:i])
+        out_sizes[q], out_deg[q], out_loads[q] = i - first, deg[g], loads[g]
+        q += 1
+    return out_ids, out_sizes, out_deg, out_loads
+
+
 best_packing_interpreted = best_packing      # the loop interpreted (a ``places`` callable), its packings compiled
 if njit is not None:
     pack_classes = _compiled(pack_classes)
@@ -298,6 +459,7 @@ if njit is not None:
     bucket_choices = _compiled(bucket_choices)
     lpt_owners = _compiled(lpt_owners)
     deal_groups = _compiled(deal_groups)
+    tighten_groups = _compiled(tighten_groups)
 else:
     bucket_choices = bucket_choices_vectorised
 
@@ -312,3 +474,4 @@ def warm() -> None:
     bucket_choices(np.ones((2, 2)), 2)
     lpt_owners(floats, ints - 1, np.ones((1, 1)), ints - 1, floats)
     deal_groups(ints, floats, ints - 1, np.ones((1, 1)), ints - 1, np.ones((1, 1), np.int64))
+    tighten_groups(ints - 1, ints, ints - 1, floats, ints, floats, floats, floats, floats, ints, floats, 1, 1, 1)

@@ -43,9 +43,14 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
     seconds, if known); returns the new ids as ``Groups`` (each group's sorted) and degree indices (and,
     ``with_loads``, their seconds).
 
-    The groups stay one flat array: a step reads the few groups it changes as slices and keeps their new
+    Where degrees nest and numba is installed the steps run compiled (``kernels.tighten_groups``: the same
+    steps, sums taken in order; a step costs microseconds, so the deadline is not checked there). Otherwise
+    the groups stay one flat array: a step reads the few groups it changes as slices and keeps their new
     ids apart (``changed``), and a merged-away group is marked dead instead of deleted, so a micro-batch
     of thousands of groups is never split into thousands of arrays."""
+    from . import kernels
+    if kernels.COMPILED and costs.placeable is None:
+        return _tighten_compiled(members, deg, lengths, costs, num_gpus, loads, with_loads)
     flat, sizes = flat_ids(members), group_sizes(members)
     starts = np.cumsum(sizes) - sizes
     changed: dict[int, np.ndarray] = {}
@@ -156,3 +161,17 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
     keep = new_sizes > 0
     out = Groups(key % span, new_sizes[keep]), deg[alive][keep]
     return (*out, loads[alive][keep]) if with_loads else out
+
+
+def _tighten_compiled(members, deg: np.ndarray, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int,
+                      loads: np.ndarray | None, with_loads: bool):
+    """``tighten_members`` by ``kernels.tighten_groups`` (degrees that nest)."""
+    from . import kernels
+    loads = group_loads(members, deg, lengths, costs) if loads is None else np.array(loads, dtype=np.float64)
+    ids, sizes, deg, loads = kernels.tighten_groups(
+        np.ascontiguousarray(flat_ids(members), dtype=np.int64), np.ascontiguousarray(group_sizes(members), dtype=np.int64),
+        np.ascontiguousarray(deg, dtype=np.int64), loads, np.ascontiguousarray(lengths, dtype=np.int64),
+        costs._quad, costs._lin, costs._ring, costs._hops, np.asarray(costs.degrees, dtype=np.int64),
+        np.asarray(costs.capacity, dtype=np.float64), int(num_gpus), MAX_STEPS, MAX_MOVE_CANDIDATES)
+    out = Groups(ids, sizes), deg
+    return (*out, loads) if with_loads else out

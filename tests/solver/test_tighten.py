@@ -96,3 +96,30 @@ def test_flat_groups_in_give_the_same_groups_out_as_a_list_and_merged_groups_lea
     assert np.array_equal(from_flat[1], from_list[1]) and np.array_equal(from_flat[2], from_list[2])
     assert np.allclose(from_flat[2], group_loads(from_flat[0], from_flat[1], lengths, COSTS))
     assert sorted(flat_ids(from_flat[0]).tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_compiled_steps_give_the_numpy_steps_groups(seed, monkeypatch):
+    """``kernels.tighten_groups`` (numba, degrees that nest) against the numpy steps: the same groups,
+    degrees and loads (up to the order its sums are taken in); a test of the interpreted kernel too."""
+    from solver import kernels
+    if not kernels.COMPILED:
+        pytest.skip("numba not installed: only the numpy steps run")
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(12, 60))
+    num_groups = int(rng.integers(2, 12))
+    lengths = rng.integers(1, 60, size=n + 5)[rng.permutation(n + 5)]
+    owner = np.concatenate([np.arange(num_groups), rng.integers(0, num_groups, size=n - num_groups)])
+    members = [rng.permutation(np.flatnonzero(owner == g)) for g in range(num_groups)]
+    deg = rng.integers(0, 2, size=num_groups)
+    num_gpus = int(np.asarray(COSTS.degrees)[deg].sum() + rng.integers(0, 6))
+    compiled = tighten_members(members, deg, lengths, COSTS, num_gpus, with_loads=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "tighten_groups", kernels.tighten_groups.py_func)
+        interpreted = tighten_members(members, deg, lengths, COSTS, num_gpus, with_loads=True)
+    monkeypatch.setattr(kernels, "COMPILED", False)
+    steps = tighten_members(members, deg, lengths, COSTS, num_gpus, with_loads=True)
+    for other in (interpreted, steps):
+        assert [g.tolist() for g in compiled[0]] == [g.tolist() for g in other[0]]
+        assert np.array_equal(compiled[1], other[1])
+        assert np.allclose(compiled[2], other[2], rtol=1e-12, atol=0)
