@@ -233,12 +233,13 @@ def lpt_owners(seq_lengths, order, table, degree_idx, caps):
     return True, owner
 
 
-def deal_groups(ids, seq_lengths, buckets, table, degree_idx, counts):
+def deal_groups(ids, seq_lengths, buckets, quad, lin, ring, hops, degree_idx, counts):
     """``materialize.fill_groups``'s dealing: each bucket's sequences (longest bucket first; within one,
     longest first, ties in input order) dealt to the ``counts[g, b]`` slots of the groups holding it, the
-    k-th slot of every group before any (k+1)-th, least loaded group first (ties: lower group). Returns
+    k-th slot of every group before any (k+1)-th, least loaded group first (ties: lower group); a sequence
+    of length ``x`` costs ``lin*x + max(quad*x^2, ring*x + hops)`` at its group's degree. Returns
     ``(ok, ids grouped by group, group sizes, group seconds)``; ``ok`` False when the counts do not match
-    the sequences."""
+    the sequences. O(n log n + buckets x groups): a bucket's groups are sorted by load once, not its slots."""
     n = ids.shape[0]
     num_groups, _ = counts.shape
     perm = np.argsort(-seq_lengths, kind="mergesort")
@@ -247,32 +248,39 @@ def deal_groups(ids, seq_lengths, buckets, table, degree_idx, counts):
     added = np.zeros(num_groups, np.float64)
     owner = np.zeros(n, np.int64)                  # group of the t-th sequence dealt
     dealt = np.zeros(n, np.int64)
+    holders = np.zeros(num_groups, np.int64)
     t, end = 0, n
     while end > 0:                                 # perm ascends by bucket: the longest bucket is last
         b = buckets[perm[end - 1]]
         start = end - 1
         while start > 0 and buckets[perm[start - 1]] == b:
             start -= 1
-        total = 0
+        total, num_holders = 0, 0
         for g in range(num_groups):
-            total += counts[g, b]
+            if counts[g, b] > 0:
+                total += counts[g, b]
+                holders[num_holders] = g
+                num_holders += 1
         if total != end - start:
             return False, dealt, np.zeros(num_groups, np.int64), load
-        slot_group = np.zeros(total, np.int64)
-        slot_rank = np.zeros(total, np.int64)
-        i = 0
-        for g in range(num_groups):
-            for r in range(counts[g, b]):
-                slot_group[i], slot_rank[i] = g, r
-                i += 1
-        order = np.argsort(load[slot_group], kind="mergesort")
-        order = order[np.argsort(slot_rank[order], kind="mergesort")]
+        active = holders[:num_holders][np.argsort(load[holders[:num_holders]], kind="mergesort")]
         added[:] = 0.0
-        for i in range(total):
-            g, pos = slot_group[order[i]], perm[start + i]
-            added[g] += table[pos, degree_idx[g]]
-            owner[t], dealt[t] = g, ids[pos]
-            t += 1
+        rank, i = 0, start
+        while num_holders > 0:                     # the rank-th slot of each group still holding one
+            kept = 0
+            for a in range(num_holders):
+                g = active[a]
+                pos = perm[i]
+                i += 1
+                x, d = seq_lengths[pos], degree_idx[g]
+                added[g] += lin[d] * x + max(quad[d] * x * x, ring[d] * x + hops[d])
+                owner[t], dealt[t] = g, ids[pos]
+                t += 1
+                if counts[g, b] > rank + 1:
+                    active[kept] = g
+                    kept += 1
+            num_holders = kept
+            rank += 1
         for g in range(num_groups):
             load[g] = load[g] + added[g]
         end = start
@@ -280,15 +288,6 @@ def deal_groups(ids, seq_lengths, buckets, table, degree_idx, counts):
     for i in range(n):
         sizes[owner[i]] += 1
     return True, dealt[np.argsort(owner, kind="mergesort")], sizes, load
-
-
-def _compiled(function):
-    """``function`` compiled by numba, cached on disk (next to this file, else in the user's cache directory);
-    compiled afresh in each process where neither can be written (numba refuses to cache then)."""
-    try:
-        return njit(cache=True, nogil=True)(function)
-    except RuntimeError:                  # "cannot cache function ...: no locator available"
-        return njit(nogil=True)(function)
 
 
 def tighten_groups(flat, sizes, deg, loads, lengths, quad, lin, ring, hops, degrees, capacity, num_gpus,
@@ -452,6 +451,15 @@ def tighten_groups(flat, sizes, deg, loads, lengths, quad, lin, ring, hops, degr
     return out_ids, out_sizes, out_deg, out_loads
 
 
+def _compiled(function):
+    """``function`` compiled by numba, cached on disk (next to this file, else in the user's cache directory);
+    compiled afresh in each process where neither can be written (numba refuses to cache then)."""
+    try:
+        return njit(cache=True, nogil=True)(function)
+    except RuntimeError:                  # "cannot cache function ...: no locator available"
+        return njit(nogil=True)(function)
+
+
 best_packing_interpreted = best_packing      # the loop interpreted (a ``places`` callable), its packings compiled
 if njit is not None:
     pack_classes = _compiled(pack_classes)
@@ -473,5 +481,5 @@ def warm() -> None:
                  np.zeros(1, np.int64), floats, np.ones((1, 1)), np.ones((1, 1), np.int64), floats, ints, floats, floats)
     bucket_choices(np.ones((2, 2)), 2)
     lpt_owners(floats, ints - 1, np.ones((1, 1)), ints - 1, floats)
-    deal_groups(ints, floats, ints - 1, np.ones((1, 1)), ints - 1, np.ones((1, 1), np.int64))
+    deal_groups(ints, floats, ints - 1, floats, floats, floats, floats, ints - 1, np.ones((1, 1), np.int64))
     tighten_groups(ints - 1, ints, ints - 1, floats, ints, floats, floats, floats, floats, ints, floats, 1, 1, 1)
