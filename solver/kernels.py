@@ -15,6 +15,8 @@ which takes the bucket splits off the rest), and opens new groups for what is le
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 try:
@@ -472,10 +474,11 @@ else:
     bucket_choices = bucket_choices_vectorised
 
 
+@functools.cache
 def warm() -> None:
     """Compile the kernels now (or load them from numba's cache on disk), outside any time limit: the first
-    packing of a process pays it otherwise (about 6 s to compile on a 2-core machine, once; a few hundredths
-    of a second to load). ``flexsp.plan_batch`` calls it before its clock starts."""
+    packing of a process pays it otherwise (6-10 s to compile on a 2-core machine, once; 0.3-0.7 s to load).
+    ``flexsp.plan_batch`` calls it before its clock starts; once a process (later calls return at once)."""
     ints, floats = np.ones(1, np.int64), np.ones(1, np.float64)
     best_packing(ints, np.inf, 0.0, 1e-3, 1, 1.0, False, 0.0, 1, None,
                  np.zeros(1, np.int64), floats, np.ones((1, 1)), np.ones((1, 1), np.int64), floats, ints, floats, floats)
