@@ -2,7 +2,8 @@
 
 The packer bisects a makespan on bucketed estimates; once real sequences are placed, a few groups
 (often one long sequence alone in a small group) run past the rest while most GPUs idle. Each step
-takes the slowest group and tries, costed for every group at once with numpy:
+takes the slowest group and tries, costed for every group at once (compiled, ``kernels.tighten_groups``, where
+degrees nest; with numpy otherwise):
 
 * **promote** it to the next larger degree when the micro-batch has that many GPUs free;
 * **merge** it with the fastest group of its degree into one group of twice the degree (same GPUs,
@@ -27,6 +28,12 @@ MAX_STEPS = 256             # steps per micro-batch (each O(groups x moved candi
 MAX_MOVE_CANDIDATES = 16    # longest sequences of the slowest group considered for a move
 
 
+def in_order(seconds: np.ndarray) -> float:
+    """The sum taken element by element, as the compiled steps take it (numpy's ``sum`` pairs them up: near
+    ties could then pick another step with numba than without)."""
+    return float(np.cumsum(seconds)[-1]) if len(seconds) else 0.0
+
+
 def tighten(groups: tuple[GroupAssignment, ...], lengths: np.ndarray, costs: DegreeCosts, num_gpus: int,
             deadline: float | None = None) -> tuple[GroupAssignment, ...]:
     """The micro-batch with its slowest groups promoted, merged or relieved while that helps."""
@@ -44,12 +51,12 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
     ``with_loads``, their seconds).
 
     Where degrees nest and numba is installed the steps run compiled (``kernels.tighten_groups``: the same
-    steps, sums taken in order; a step costs microseconds, so the deadline is not checked there). Otherwise
-    the groups stay one flat array: a step reads the few groups it changes as slices and keeps their new
+    steps and sums; the deadline is checked before them only, as all 256 take about 50 ms at 16,384 groups).
+    Otherwise the groups stay one flat array: a step reads the few groups it changes as slices and keeps their new
     ids apart (``changed``), and a merged-away group is marked dead instead of deleted, so a micro-batch
     of thousands of groups is never split into thousands of arrays."""
     from . import kernels
-    if kernels.COMPILED and costs.placeable is None:
+    if kernels.COMPILED and costs.placeable is None and (deadline is None or time.perf_counter() <= deadline):
         return _tighten_compiled(members, deg, lengths, costs, num_gpus, loads, with_loads)
     flat, sizes = flat_ids(members), group_sizes(members)
     starts = np.cumsum(sizes) - sizes
@@ -92,7 +99,7 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
         k = deg[s]
         mine = ids(s)
         if k + 1 < len(degrees) and free >= degrees[k + 1] - degrees[k]:
-            t = float(costs.seconds(lengths[mine], k + 1).sum())
+            t = in_order(costs.seconds(lengths[mine], k + 1))
             if t < worst and places(k, 1):
                 best = (t, ("promote", s))
         if k + 1 < len(degrees) and degrees[k + 1] == 2 * degrees[k]:
@@ -100,7 +107,7 @@ def tighten_members(members, deg: np.ndarray, lengths: np.ndarray, costs: Degree
             same = same[same != s]
             if same.size:
                 h = int(same[loads[same].argmin()])
-                t = float(costs.seconds(lengths[np.concatenate([mine, ids(h)])], k + 1).sum())
+                t = in_order(costs.seconds(lengths[np.concatenate([mine, ids(h)])], k + 1))
                 if t < worst and (best is None or t < best[0]) and places(k, 2):
                     best = (t, ("merge", s, h))
         if live > 1 and len(mine) > 1:
@@ -168,9 +175,10 @@ def _tighten_compiled(members, deg: np.ndarray, lengths: np.ndarray, costs: Degr
     """``tighten_members`` by ``kernels.tighten_groups`` (degrees that nest)."""
     from . import kernels
     loads = group_loads(members, deg, lengths, costs) if loads is None else np.array(loads, dtype=np.float64)
+    flat = np.ascontiguousarray(flat_ids(members), dtype=np.int64)
     ids, sizes, deg, loads = kernels.tighten_groups(
-        np.ascontiguousarray(flat_ids(members), dtype=np.int64), np.ascontiguousarray(group_sizes(members), dtype=np.int64),
-        np.ascontiguousarray(deg, dtype=np.int64), loads, np.ascontiguousarray(lengths, dtype=np.int64),
+        flat, np.ascontiguousarray(group_sizes(members), dtype=np.int64), np.ascontiguousarray(deg, dtype=np.int64),
+        loads, np.asarray(lengths)[flat].astype(np.float64),     # a fresh array: never a read-only caller's
         costs._quad, costs._lin, costs._ring, costs._hops, np.asarray(costs.degrees, dtype=np.int64),
         np.asarray(costs.capacity, dtype=np.float64), int(num_gpus), MAX_STEPS, MAX_MOVE_CANDIDATES)
     out = Groups(ids, sizes), deg

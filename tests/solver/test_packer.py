@@ -181,3 +181,21 @@ def test_the_kernels_compile_where_numba_cannot_cache_them():
     env = {**os.environ, "PYTHONPATH": str(root), "NUMBA_CACHE_LOCATOR_CLASSES": "IPythonCacheLocator"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_group_with_room_for_more_than_an_int_still_packs_exactly():
+    """A cost with (nearly) unbounded memory: the room a group has in sequences is clamped before it becomes an
+    integer (numba's float-to-int conversion would wrap to -2^63)."""
+    costs = DegreeCosts(degrees=(1, 2), quad=(1e-6, 5e-7), lin=(1e-3, 6e-4), capacity=(1e20, 2e20), beta1=0.05)
+    lengths = np.array([10.0, 300.0])
+    packer = MicroBatchPacker(lengths, costs, num_gpus=2)
+    counts = np.array([3, 5])
+    for packing in (packer.pack(counts, np.inf), packer.solve(counts)):
+        assert (packing.counts >= 0).all() and (packing.total_counts() == counts).all()
+        assert packing.makespan > costs.beta1
+
+
+def test_nothing_to_pack_still_takes_beta1():
+    packer = MicroBatchPacker(np.array([100.0]), COSTS, num_gpus=2)
+    assert packer.pack(np.array([0]), COSTS.beta1 * 0.5) is None
+    assert packer.pack(np.array([0]), 1.0).makespan == COSTS.beta1

@@ -98,28 +98,53 @@ def test_flat_groups_in_give_the_same_groups_out_as_a_list_and_merged_groups_lea
     assert sorted(flat_ids(from_flat[0]).tolist()) == list(range(n))
 
 
-@pytest.mark.parametrize("seed", range(40))
+RING_COSTS = DegreeCosts(degrees=(1, 2, 4, 8, 16), quad=(1e-6, 5e-7, 2.5e-7, 1.25e-7, 6e-8),
+                         lin=(1e-3, 6e-4, 3.5e-4, 2e-4, 1.2e-4), capacity=(100.0, 200.0, 400.0, 800.0, 1600.0),
+                         beta1=0.05, ring=(0.0, 0.0, 0.0, 2e-5, 3e-5), hops=(0.0, 0.0, 0.0, 1e-3, 2e-3))
+
+
+@pytest.mark.parametrize("seed", range(60))
 def test_compiled_steps_give_the_numpy_steps_groups(seed, monkeypatch):
-    """``kernels.tighten_groups`` (numba, degrees that nest) against the numpy steps: the same groups,
-    degrees and loads (up to the order its sums are taken in); a test of the interpreted kernel too."""
+    """``kernels.tighten_groups`` (numba, degrees that nest) against the numpy steps and the kernel interpreted:
+    the same groups, degrees and loads bit for bit (both sum in order), with ring terms, repeated lengths (near
+    ties) and groups that start empty."""
     from solver import kernels
     if not kernels.COMPILED:
         pytest.skip("numba not installed: only the numpy steps run")
+    costs = RING_COSTS if seed % 2 else COSTS
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(12, 60))
+    n = int(rng.integers(12, 80))
     num_groups = int(rng.integers(2, 12))
-    lengths = rng.integers(1, 60, size=n + 5)[rng.permutation(n + 5)]
-    owner = np.concatenate([np.arange(num_groups), rng.integers(0, num_groups, size=n - num_groups)])
-    members = [rng.permutation(np.flatnonzero(owner == g)) for g in range(num_groups)]
-    deg = rng.integers(0, 2, size=num_groups)
-    num_gpus = int(np.asarray(COSTS.degrees)[deg].sum() + rng.integers(0, 6))
-    compiled = tighten_members(members, deg, lengths, COSTS, num_gpus, with_loads=True)
+    pool = rng.integers(1, 60, size=int(rng.integers(2, 8)))            # few distinct lengths: ties
+    lengths = pool[rng.integers(0, len(pool), size=n)]
+    owner = rng.integers(0, num_groups, size=n)
+    members = [rng.permutation(np.flatnonzero(owner == g)) for g in range(num_groups)]   # some may be empty
+    deg = rng.integers(0, 3, size=num_groups)
+    num_gpus = int(np.asarray(costs.degrees)[deg].sum() + rng.integers(0, 6))
+    compiled = tighten_members(members, deg, lengths, costs, num_gpus, with_loads=True)
     with monkeypatch.context() as patch:
         patch.setattr(kernels, "tighten_groups", kernels.tighten_groups.py_func)
-        interpreted = tighten_members(members, deg, lengths, COSTS, num_gpus, with_loads=True)
+        interpreted = tighten_members(members, deg, lengths, costs, num_gpus, with_loads=True)
     monkeypatch.setattr(kernels, "COMPILED", False)
-    steps = tighten_members(members, deg, lengths, COSTS, num_gpus, with_loads=True)
+    steps = tighten_members(members, deg, lengths, costs, num_gpus, with_loads=True)
     for other in (interpreted, steps):
         assert [g.tolist() for g in compiled[0]] == [g.tolist() for g in other[0]]
-        assert np.array_equal(compiled[1], other[1])
-        assert np.allclose(compiled[2], other[2], rtol=1e-12, atol=0)
+        assert np.array_equal(compiled[1], other[1]) and np.array_equal(compiled[2], other[2])
+    assert sorted(flat_ids(compiled[0]).tolist()) == list(range(n))
+    assert np.allclose(compiled[2], group_loads(compiled[0], compiled[1], lengths, costs), rtol=1e-12)
+
+
+def test_read_only_lengths_compile_no_second_kernel():
+    """Length arrays the project hands out read-only (``LengthDistribution.lengths``) reach ``tighten`` as they
+    are; the kernel gets a fresh copy of the micro-batch's own, so nothing is compiled inside a plan's deadline."""
+    from solver import kernels
+    if not kernels.COMPILED:
+        pytest.skip("numba not installed")
+    lengths = np.array([60, 30, 10, 5, 40, 20], dtype=np.int64)
+    lengths.flags.writeable = False
+    members = [np.array([0, 1, 2]), np.array([3]), np.array([4, 5])]
+    kernels.warm()
+    before = list(kernels.tighten_groups.signatures)
+    got = tighten_members(members, np.zeros(3, dtype=np.int64), lengths, COSTS, num_gpus=5, with_loads=True)
+    assert sorted(flat_ids(got[0]).tolist()) == list(range(6))
+    assert list(kernels.tighten_groups.signatures) == before
