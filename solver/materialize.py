@@ -27,11 +27,11 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
     ``with_loads``: also each group's seconds on real lengths (the dealing computes them anyway)."""
     from . import kernels
     small = len(packing.degree_idx) <= PLAIN_MAX_GROUPS and len(seq_ids) <= PLAIN_MAX_SEQUENCES
-    if small:
+    if kernels.COMPILED or small:
+        seq_lengths, buckets = lengths[seq_ids].astype(np.float64), np.ascontiguousarray(bucket_of[seq_ids], dtype=np.int64)
         ok, flat, sizes, load = kernels.deal_groups(
-            np.ascontiguousarray(seq_ids, dtype=np.int64), lengths[seq_ids].astype(np.float64),
-            np.ascontiguousarray(bucket_of[seq_ids], dtype=np.int64), costs._quad, costs._lin, costs._ring,
-            costs._hops, np.ascontiguousarray(packing.degree_idx, dtype=np.int64),
+            np.ascontiguousarray(seq_ids, dtype=np.int64), seq_lengths, buckets, np.lexsort((-seq_lengths, buckets)),
+            costs._quad, costs._lin, costs._ring, costs._hops, np.ascontiguousarray(packing.degree_idx, dtype=np.int64),
             np.ascontiguousarray(packing.counts, dtype=np.int64))
         assert ok, "packing counts must match the micro-batch's sequences"
         groups = Groups(flat, sizes)
