@@ -11,10 +11,9 @@ from .types import DegreeCosts, GroupAssignment, Groups, assignment, group_loads
 # where many sequences per group make the dealt version balanced anyway.
 MAX_REBALANCE_PAIRS = 1_000_000
 MAX_REBALANCE_SEQUENCES = 1024
-# Up to this many groups ``fill_groups`` and ``rebalance`` run ``kernels``' loops (compiled; interpreted without
-# numba), above it their numpy forms; ``fill_groups`` only up to PLAIN_MAX_SEQUENCES too (numpy's sorts, once per
-# bucket, beat the compiled dealing on a 16,384-GPU micro-batch of 97,000 sequences: 0.16 against 0.20 s a plan).
-# With numba ``rebalance`` runs compiled at every size it runs at (MAX_REBALANCE_PAIRS).
+# With numba ``fill_groups`` and ``rebalance`` run ``kernels``' loops compiled at every size. Without it they run
+# them interpreted up to this many groups (``fill_groups`` only up to PLAIN_MAX_SEQUENCES too), above it their
+# numpy forms (a pass per bucket, or per sequence over arrays of the groups).
 PLAIN_MAX_GROUPS = 64
 PLAIN_MAX_SEQUENCES = 256
 
@@ -22,8 +21,8 @@ PLAIN_MAX_SEQUENCES = 256
 def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, lengths: np.ndarray,
                 costs: DegreeCosts, with_loads: bool = False):
     """Deal each bucket's real sequences (longest first) round-robin over the groups that hold it,
-    least-loaded group first, so the rounding-up of bucketing is spread evenly: ``kernels.deal_groups`` on
-    small micro-batches, numpy per bucket on big ones; both deal alike.
+    least-loaded group first, so the rounding-up of bucketing is spread evenly: ``kernels.deal_groups``, or
+    without numba on big micro-batches numpy per bucket; both deal alike.
     ``with_loads``: also each group's seconds on real lengths (the dealing computes them anyway)."""
     from . import kernels
     small = len(packing.degree_idx) <= PLAIN_MAX_GROUPS and len(seq_ids) <= PLAIN_MAX_SEQUENCES
