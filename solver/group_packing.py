@@ -9,7 +9,9 @@ groups that already have room (fullest first, i.e. best fit) before opening new 
 bisected between a lower bound and the memory-only packing; the smallest ``T`` whose packing needs
 at most ``N`` GPUs wins. With degrees whose tiles do not nest (``DegreeCosts.placeable`` given), a
 packing must also place: one whose group counts per degree get no ranks counts as not fitting (the
-check is cached by those counts, a handful of numbers, so it costs per distinct degree mix).
+check is cached by those counts, a handful of numbers, so it costs per distinct degree mix). The packing
+loop and its bisection run compiled (``kernels.pack_classes``, ``kernels.best_packing``); this class
+prepares their arrays, caches their answers and turns them into ``BinPacking``s.
 """
 from __future__ import annotations
 
