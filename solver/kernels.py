@@ -152,8 +152,8 @@ def best_packing(counts, makespan, lo, rel_tol, max_iter, max_gpus, stretch, bet
     ``places``: None where degrees nest (then this runs compiled); else a callable on group counts per
     degree saying whether a micro-batch gets ranks, asked while ``max_gpus <= num_gpus``
     (``best_packing.py_func`` runs then: this loop interpreted, ``pack_classes`` still compiled)."""
-    got = pack_classes(counts, makespan - beta1, max_gpus if makespan > beta1 else -1.0, stretch,
-                       order, lengths, times, held, charge, degrees, capacity, stretched)
+    got = pack_classes(counts, makespan - beta1, max_gpus, stretch, order, lengths, times, held, charge, degrees,
+                       capacity, stretched)
     n, k, mult, seconds, per_class = got
     hi, found, mid = makespan, np.inf, makespan
     for step in range(max_iter + 1):
@@ -161,8 +161,8 @@ def best_packing(counts, makespan, lo, rel_tol, max_iter, max_gpus, stretch, bet
             if hi - lo <= rel_tol * hi:
                 break
             mid = 0.5 * (lo + hi)
-            got = pack_classes(counts, mid - beta1, max_gpus if mid > beta1 else -1.0, stretch,
-                               order, lengths, times, held, charge, degrees, capacity, stretched)
+            got = pack_classes(counts, mid - beta1, max_gpus, stretch, order, lengths, times, held, charge, degrees,
+                               capacity, stretched)
         fits = got[0] >= 0 and mid > beta1     # no packing, even of nothing, finishes before beta1
         if fits and places is not None and max_gpus <= num_gpus:
             per_degree = np.zeros(len(degrees), np.int64)
@@ -238,6 +238,12 @@ def lpt_owners(seq_lengths, order, table, degree_idx, caps):
     return True, owner
 
 
+def seconds_at(x, d, quad, lin, ring, hops):
+    """Seconds of a sequence of ``x`` tokens at degree index ``d``: ``solver.types.seconds``' formula, the
+    same operations in the same order (so the kernels' sums match numpy's element for element)."""
+    return lin[d] * x + max(quad[d] * x * x, ring[d] * x + hops[d])
+
+
 def deal_groups(ids, seq_lengths, buckets, perm, quad, lin, ring, hops, degree_idx, counts):
     """``materialize.fill_groups``'s dealing: each bucket's sequences (longest bucket first; within one,
     longest first, ties in input order) dealt to the ``counts[g, b]`` slots of the groups holding it, the
@@ -278,7 +284,7 @@ def deal_groups(ids, seq_lengths, buckets, perm, quad, lin, ring, hops, degree_i
                 pos = perm[i]
                 i += 1
                 x, d = seq_lengths[pos], degree_idx[g]
-                added[g] += lin[d] * x + max(quad[d] * x * x, ring[d] * x + hops[d])
+                added[g] += seconds_at(x, d, quad, lin, ring, hops)
                 owner[t], dealt[t] = g, ids[pos]
                 t += 1
                 if counts[g, b] > rank + 1:
@@ -355,7 +361,7 @@ def tighten_groups(flat, sizes, deg, loads, flat_lengths, quad, lin, ring, hops,
             t, p = 0.0, head[s]
             while p >= 0:
                 x = float(flat_lengths[p])
-                t += lin[k + 1] * x + max(quad[k + 1] * x * x, ring[k + 1] * x + hops[k + 1])
+                t += seconds_at(x, k + 1, quad, lin, ring, hops)
                 p = after_pos[p]
             if t < worst:
                 best, action = t, 1
@@ -370,7 +376,7 @@ def tighten_groups(flat, sizes, deg, loads, flat_lengths, quad, lin, ring, hops,
                     p = head[g]
                     while p >= 0:
                         x = float(flat_lengths[p])
-                        t += lin[k + 1] * x + max(quad[k + 1] * x * x, ring[k + 1] * x + hops[k + 1])
+                        t += seconds_at(x, k + 1, quad, lin, ring, hops)
                         p = after_pos[p]
                 if t < worst and t < best:
                     best, action, other = t, 2, h
@@ -387,7 +393,7 @@ def tighten_groups(flat, sizes, deg, loads, flat_lengths, quad, lin, ring, hops,
             for c in candidates:
                 shortest = min(shortest, float(flat_lengths[c]))
             for d in range(num_degrees):
-                least[d] = lin[d] * shortest + max(quad[d] * shortest * shortest, ring[d] * shortest + hops[d])
+                least[d] = seconds_at(shortest, d, quad, lin, ring, hops)
             # only groups that could take the shortest candidate and still end before the slowest one did
             # can be a destination: usually a few, as packed groups end close to the makespan
             dest = np.empty(num_groups, np.int64)
@@ -399,11 +405,11 @@ def tighten_groups(flat, sizes, deg, loads, flat_lengths, quad, lin, ring, hops,
             score_best, pick_c, pick_j = np.inf, -1, -1
             for c in candidates:
                 x = float(flat_lengths[c])
-                left = loads[s] - (lin[k] * x + max(quad[k] * x * x, ring[k] * x + hops[k]))
+                left = loads[s] - seconds_at(x, k, quad, lin, ring, hops)
                 for i in range(num_dest):
                     j = dest[i]
                     d = deg[j]
-                    finish = loads[j] + (lin[d] * x + max(quad[d] * x * x, ring[d] * x + hops[d]))
+                    finish = loads[j] + seconds_at(x, d, quad, lin, ring, hops)
                     if not tokens[j] + x <= capacity[d]:
                         finish = np.inf
                     score = finish if finish > left else left
@@ -447,8 +453,8 @@ def tighten_groups(flat, sizes, deg, loads, flat_lengths, quad, lin, ring, hops,
             count[other] += 1
             x = float(flat_lengths[p])
             d, e = deg[s], deg[other]
-            loads[s] -= lin[d] * x + max(quad[d] * x * x, ring[d] * x + hops[d])
-            loads[other] += lin[e] * x + max(quad[e] * x * x, ring[e] * x + hops[e])
+            loads[s] -= seconds_at(x, d, quad, lin, ring, hops)
+            loads[other] += seconds_at(x, e, quad, lin, ring, hops)
             tokens[s] -= x
             tokens[other] += x
     kept = 0
@@ -487,6 +493,7 @@ if njit is not None:
     best_packing = _compiled(best_packing)
     bucket_choices = _compiled(bucket_choices)
     lpt_owners = _compiled(lpt_owners)
+    seconds_at = _compiled(seconds_at)       # before the kernels calling it compile (at their first call)
     deal_groups = _compiled(deal_groups)
     tighten_groups = _compiled(tighten_groups)
 else:

@@ -1,7 +1,6 @@
 """Turn bucket-count groups back into real sequences, then rebalance on the real lengths."""
 from __future__ import annotations
 
-
 import numpy as np
 
 from .group_packing import BinPacking
