@@ -209,16 +209,22 @@ class FlexSPLoader:
             self._planner_next = cursor
         return self._planner
 
-    def start(self) -> None:
+    def start(self, wait: bool = False) -> None:
         """Start preparing the first step now (e.g. while the model or the optimizer is built); iterating
-        does it anyway. Non-blocking: the planner process is started and, with ``config.prefetch``, the first
-        step is prepared on the loader thread like every later one (its plan made in this process while the
-        planner process starts, broadcast, fetched, packed), so the first ``next()`` waits only for what is
-        not ready by then. With several ranks, call it on every rank (or on none) at about the same point:
+        does it anyway. Non-blocking by default: the planner process is started and, with ``config.prefetch``,
+        the first step is prepared on the loader thread like every later one (its plan made in this process
+        while the planner process starts, broadcast, fetched, packed), so the first ``next()`` waits only for
+        what is not ready by then. With several ranks, call it on every rank (or on none) at about the same point:
         the preparation's broadcast and load agreement wait for the others (``config.failure_timeout``).
         Errors (a too-long sequence, a bad item) are raised by the first step, on every rank.
+
+        ``wait=True`` returns once the first step is prepared (or has failed), for a loop with little left to
+        overlap: the HF Trainer starts its loader a few milliseconds before its first step, in set-up that holds
+        the GIL, so the loader thread got little done meanwhile and the first step waited for most of it.
         """
         if self._ahead is not None:
+            if wait:
+                self._ahead.wait()
             return
         if self.plans_here:
             warm = getattr(self._solve, "warm", None)
@@ -231,6 +237,8 @@ class FlexSPLoader:
                     pass   # raised again, on every rank, by the first step
         if self.config.prefetch:
             self._prefetch()
+            if wait:
+                self._ahead.wait()
 
     def _planned(self) -> PlannedBatch:
         planner = self._ensure_planner()

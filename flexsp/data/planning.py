@@ -28,6 +28,7 @@ stalled one). Every plan is the same solver's on the same lengths, wherever it w
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import pickle
 import queue
@@ -95,25 +96,27 @@ class PlanBatch:
         return plan_batch(lengths, self.cost, self.cluster, config=self.config)
 
     def warm(self) -> None:
-        """Pay the solver's first-call costs now: its imports and the lazy ones inside numpy (``np.unique``
-        imports ``numpy.ma``, 13 ms) on a two-sequence plan. The planner process does this before it says it
-        is up; the loader's ``start()`` on the thread that calls it, so the first plan on the loader thread,
-        which shares the GIL with a training thread still setting up, is only the plan (16 -> 5 ms here)."""
-        from flexsp.plan.planner import plan_batch
-        try:
-            plan_batch(np.ones(2, dtype=np.int64), self.cost, self.cluster, config=self.config)
-        except Exception:
-            pass   # a warm-up only: whatever is wrong is raised by the first real batch's plan
+        """Pay the solver's first-call costs now (``warm_solver``: once a process, whatever the cost model).
+        The planner process does this before it says it is up; the loader's ``start()`` on the thread that
+        calls it, so the first plan on the loader thread, which shares the GIL with a training thread still
+        setting up, is only the plan (16 -> 5 ms here)."""
+        warm_solver()
 
 
+@functools.cache
 def warm_solver() -> None:
-    """``PlanBatch.warm`` for a process that will plan soon but has no cost model yet: a two-GPU plan on a
-    made-up cost pays the imports and numpy's lazy ones (the costs are the same whatever the model). The
-    HF Trainer calls it at construction, because it takes its first step a few milliseconds after its
-    loader starts: 15 ms of warm-up there was most of the first step's wait."""
+    """The solver's first-call costs, paid once a process: its imports and the lazy ones inside numpy
+    (``np.unique`` imports ``numpy.ma``, 13 ms), on a two-GPU plan of a made-up cost (the costs are the same
+    whatever the model). The HF Trainer calls it at construction, because it takes its first step a few
+    milliseconds after its loader starts: 15 ms of warm-up there was most of the first step's wait, and a
+    second warm-up in ``start()`` (a whole tiny plan, 3.5-5 ms) delayed the first plan as much again."""
     from flexsp.plan.cluster import Cluster
+    from flexsp.plan.planner import plan_batch
     from flexsp.plan.token_budget import token_budget_cost
-    PlanBatch(token_budget_cost(1, 8, 2, 64), Cluster(2, 2)).warm()
+    try:
+        plan_batch(np.ones(2, dtype=np.int64), token_budget_cost(1, 8, 2, 64), Cluster(2, 2))
+    except Exception:
+        pass   # a warm-up only: whatever is wrong is raised by the first real batch's plan
 
 
 # --- compact plans ----------------------------------------------------------------------------------

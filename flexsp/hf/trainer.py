@@ -320,7 +320,11 @@ class FlexSPTrainer(Trainer):
             return super().get_train_dataloader()
         if self.flexsp_loader is None:
             self.flexsp_loader = self._build_loader()
-        self.flexsp_loader.start()   # at its (resumed) position: the planner starts while the Trainer sets up
+        # At its (resumed) position, and prepared before the loop starts: the Trainer takes its first step a few
+        # milliseconds after this, after set-up that holds the GIL, so the loader thread would prepare little
+        # meanwhile (the example's first step waited 20-25 ms of its 85 ms for it). Started earlier, in train(), the
+        # ranks' uneven set-up after it (0.2-0.5 s there) lands in the first step's collectives instead.
+        self.flexsp_loader.start(wait=True)
         return StepStream(self.flexsp_loader)
 
     # --- model and step ------------------------------------------------------------------------
