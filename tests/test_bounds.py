@@ -54,6 +54,50 @@ def test_coupled_bound_is_tighter_when_a_long_sequence_needs_a_big_group():
     assert coupled == pytest.approx(optimum, rel=1e-5) and coupled <= optimum
 
 
+def test_the_largest_micro_batch_leaves_time_for_the_tokens_it_cannot_hold(monkeypatch):
+    """250 tokens on 2 GPUs of 100 each need two micro-batches, and 50 tokens (0.055 GPU-s at their cheapest)
+    run outside the larger, so it has at most S - 0.0275 s, not all of S. The 100-token sequence takes 0.12 s
+    on one GPU (0.33 GPU-s on two): S >= 0.1475, where the LP that gave the largest micro-batch all of S
+    stopped at the spread work, 0.1425. Both below the exhaustive optimum (0.177)."""
+    from flexsp.plan import bounds
+    cost = flexsp.CostModel(alpha1=2e-6, alpha2=1e-3, beta1=0.001, comm_bytes_per_token=2_097_152,
+                            alltoall_bandwidth={2: 1e9}, token_capacity=100)
+    cluster = flexsp.Cluster(2, 1)
+    lengths = [100, 50, 50, 50]
+    optimum = brute_force_optimum(lengths, cost, 2)
+    tight = coupled_lower_bound(lengths, cost, cluster, memory_split=False)
+    monkeypatch.setattr(bounds, "_forced_work", lambda lengths, area, memory, n, count: np.zeros(count))
+    loose = coupled_lower_bound(lengths, cost, cluster, memory_split=False)
+    assert optimum == pytest.approx(0.177)
+    assert loose == pytest.approx(0.1425 + 2 * 0.001, rel=1e-5)
+    assert tight == pytest.approx(0.1475 + 2 * 0.001, rel=1e-5) and tight <= optimum
+
+
+@st.composite
+def memory_bound_instances(draw):
+    """Tiny batches that need several micro-batches, with long sequences slow enough (a large attention term,
+    slow links past one node) that their degree depends on the time their micro-batch has."""
+    num_gpus = draw(st.sampled_from([2, 4, 8]))
+    node = draw(st.sampled_from([1, 2]))
+    capacity = draw(st.integers(50, 300))
+    lengths = draw(st.lists(st.integers(1, capacity * num_gpus), min_size=2, max_size=6)
+                   .filter(lambda x: sum(x) > capacity * num_gpus))
+    bandwidth = {d: 1.2e11 if d <= node else draw(st.floats(3e8, 3e10)) for d in (2, 4, 8) if d <= num_gpus}
+    cost = flexsp.CostModel(alpha1=draw(st.floats(1e-8, 1e-5)), alpha2=draw(st.floats(9e-5, 3.6e-4)),
+                            beta1=draw(st.floats(1e-3, 0.1)), comm_bytes_per_token=2_097_152,
+                            alltoall_bandwidth=bandwidth, token_capacity=capacity)
+    return flexsp.Cluster(num_gpus, node), cost, lengths
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(memory_bound_instances())
+def test_bounds_of_batches_that_memory_splits_never_exceed_the_optimum(instance):
+    cluster, cost, lengths = instance
+    optimum = brute_force_optimum(lengths, cost, cluster.num_gpus)
+    for memory_split in (True, False):
+        assert coupled_lower_bound(lengths, cost, cluster, memory_split=memory_split) <= optimum * (1 + 1e-9)
+
+
 def test_coupled_bound_equals_simple_when_nothing_couples():
     """Many equal short sequences: perfect spreading is achievable up to rounding, both agree."""
     cost = make_cost(4096, 8)

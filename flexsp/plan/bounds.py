@@ -6,14 +6,15 @@ area-expensive degree to finish within its micro-batch, and that memory caps how
 micro-batch can take, so a gap to it may be the bound's, not the plan's.
 
 ``coupled_lower_bound`` couples the three. Sort any plan's micro-batches by makespan; ``tau_j``
-(the ``j``-th largest, minus ``beta1``) is at most ``S / j``, where ``S`` is the sum of all of them.
-A sequence in micro-batch ``j`` must use a degree that finishes it within ``S / j`` and holds it, so
-its GPU-seconds are at least ``a(s, S / j)``, the least area over such degrees. Each micro-batch
-holds at most ``N x capacity`` tokens and at most ``N tau_j <= N S / j`` GPU-seconds, and all of
-them at most ``N S``. The smallest ``S`` for which a fractional assignment of tokens to micro-batch
-ranks meets all of that (a small LP over length buckets, each costed at its shortest length) plus
-``M beta1``, minimised over the micro-batch count ``M``, is a bound no plan can beat, and never
-below the simple one. Counts up to a few above the memory bound get one LP each; all larger counts
+(the ``j``-th largest, minus ``beta1``) is at most ``(S - w_j) / j``, where ``S`` is the sum of all of
+them and ``w_j`` the least time the micro-batches after the ``j``-th need for the tokens the first ``j``
+cannot hold (``_forced_work``; 0 where they hold everything). A sequence in micro-batch ``j`` must use a
+degree that finishes it within that and holds it, so its GPU-seconds are at least ``a(s, (S - w_j) / j)``,
+the least area over such degrees. Each micro-batch holds at most ``N x capacity`` tokens and at most
+``N tau_j`` GPU-seconds, and all of them at most ``N S``. The smallest ``S`` for which a fractional
+assignment of tokens to micro-batch ranks meets all of that (a small LP over length buckets, each
+costed at its shortest length) plus ``M beta1``, minimised over the micro-batch count ``M``, is a bound
+no plan can beat, and never below the simple one. Counts up to a few above the memory bound get one LP each; all larger counts
 share one LP whose last rank pools every rank beyond (no memory limit there), so the minimum is
 over every count.
 
@@ -100,15 +101,16 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     last = min(fewest + EXTRA_COUNTS, len(lengths))
     split = (_split_spans(lengths, costs, area, float(cost.token_capacity), n, fewest, last) if memory_split
              else np.zeros(last - fewest + 2))                        # [counts fewest..last, every count above]
+    forced = _forced_work(lengths, area, n * float(cost.token_capacity), n, last + 1)
     best = math.inf
     if last < len(lengths):
         # every count above ``last``: ranks beyond it pooled into one tail without memory limit
         best = (last + 1) * costs.beta1 + max(split[-1], _least_span(
-            last + 1, per_token, seq_time, tokens, n * cost.token_capacity, n, floor, tail=True))
+            last + 1, per_token, seq_time, tokens, n * cost.token_capacity, n, floor, forced, tail=True))
     for count in range(fewest, last + 1):
         if count * costs.beta1 + max(floor, split[count - fewest]) >= best:
             continue
-        span = _least_span(count, per_token, seq_time, tokens, n * cost.token_capacity, n, floor)
+        span = _least_span(count, per_token, seq_time, tokens, n * cost.token_capacity, n, floor, forced)
         best = min(best, count * costs.beta1 + max(span, split[count - fewest]))
     return float(best) * (1 - SAFETY)
 
@@ -212,50 +214,67 @@ def _buckets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(shortest, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
 
 
-def _rates(span: float, count: int, per_token: np.ndarray, seq_time: np.ndarray) -> np.ndarray:
+def _forced_work(lengths: np.ndarray, area: np.ndarray, memory: float, num_gpus: int, count: int) -> np.ndarray:
+    """``[count]``: ``w_j``, the least seconds per GPU of the tokens that the ``j`` largest micro-batches cannot
+    hold (``total - j x memory`` of them, the cheapest GPU-seconds per token first, fractionally).
+
+    In any plan sorted by micro-batch time, ``j tau_j <= tau_1 + ... + tau_j = S - (tau_(j+1) + ...)``, and the
+    micro-batches after the ``j``-th hold those tokens, so ``tau_j <= (S - w_j) / j``: a long sequence in the
+    largest micro-batch must finish while the others run the tokens it has no room for, not within all of
+    ``S`` (the gpt-7b constants at 16,384 GPUs: 0.3 s of a 2.3 s span)."""
+    total = float(lengths.sum())
+    rate = np.divide(area, lengths, out=np.zeros_like(area), where=lengths > 0)
+    order = np.argsort(rate, kind="stable")
+    cum_tokens = np.concatenate([[0.0], np.cumsum(lengths[order])])
+    cum_area = np.concatenate([[0.0], np.cumsum(area[order])])
+    left = np.maximum(0.0, total - memory * np.arange(1, count + 1))
+    return np.interp(left, cum_tokens, cum_area) / num_gpus
+
+
+def _rates(span: float, count: int, per_token: np.ndarray, seq_time: np.ndarray, forced: np.ndarray) -> np.ndarray:
     """``[B, count]`` least GPU-seconds per token of each bucket in micro-batch rank ``j`` (time
-    budget ``span / j``); inf where no degree finishes it in time."""
-    budget = span / np.arange(1, count + 1)                          # [M]
+    budget ``(span - w_j) / j``, ``_forced_work``); inf where no degree finishes it in time."""
+    budget = (span - forced[:count]) / np.arange(1, count + 1)       # [M]
     ok = seq_time[:, :, None] <= budget[None, None, :] * (1 + 1e-12)  # [B, D, M]
     return np.where(ok, per_token[:, :, None], np.inf).min(axis=1)
 
 
 def _least_span(count: int, per_token: np.ndarray, seq_time: np.ndarray, tokens: np.ndarray,
-                memory: float, num_gpus: int, floor: float, tail: bool = False) -> float:
+                memory: float, num_gpus: int, floor: float, forced: np.ndarray, tail: bool = False) -> float:
     """Least ``S`` for which the token assignment LP is feasible with ``count`` micro-batches
     (``tail``: the last rank stands for all ranks from ``count`` on, with no memory limit).
 
-    The rates change only at breakpoints ``j x seq_time[b, d]``; bisect them for the first
+    The rates change only at breakpoints ``j x seq_time[b, d] + w_j``; bisect them for the first
     feasible one, then solve the LP for ``S`` itself on the interval below it."""
     finite = seq_time[np.isfinite(seq_time)]
-    points = np.unique((finite[:, None] * np.arange(1, count + 1)[None, :]).ravel())
+    points = np.unique((finite[:, None] * np.arange(1, count + 1)[None, :] + forced[None, :count]).ravel())
     points = points[points > floor]
     top = max(points[-1] if points.size else floor, floor) * 2 + count * float(
         (tokens * np.where(np.isfinite(per_token), per_token, np.inf).min(axis=1)).sum()) / num_gpus
     points = np.concatenate([[floor], points, [top]])
     lo, hi = 0, len(points) - 1
-    if _solve(points[0], points[0], count, per_token, seq_time, tokens, memory, num_gpus, tail) is not None:
+    if _solve(points[0], points[0], count, per_token, seq_time, tokens, memory, num_gpus, forced, tail) is not None:
         return float(points[0])
-    if _solve(points[hi], points[hi], count, per_token, seq_time, tokens, memory, num_gpus, tail) is None:
+    if _solve(points[hi], points[hi], count, per_token, seq_time, tokens, memory, num_gpus, forced, tail) is None:
         return float(points[hi])      # not even then: memory; the counts above take over
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _solve(points[mid], points[mid], count, per_token, seq_time, tokens, memory, num_gpus, tail) is not None:
+        if _solve(points[mid], points[mid], count, per_token, seq_time, tokens, memory, num_gpus, forced, tail) is not None:
             hi = mid
         else:
             lo = mid
-    inside = _solve(points[lo], points[hi], count, per_token, seq_time, tokens, memory, num_gpus, tail)
+    inside = _solve(points[lo], points[hi], count, per_token, seq_time, tokens, memory, num_gpus, forced, tail)
     return float(points[hi] if inside is None else inside)
 
 
 def _solve(rate_at: float, upper: float, count: int, per_token: np.ndarray, seq_time: np.ndarray,
-           tokens: np.ndarray, memory: float, num_gpus: int, tail: bool = False) -> float | None:
+           tokens: np.ndarray, memory: float, num_gpus: int, forced: np.ndarray, tail: bool = False) -> float | None:
     """Least ``S`` in ``[rate_at, upper]`` with the rates at ``rate_at``; None if infeasible.
 
     Variables: ``z[b, j]``, the share of bucket ``b``'s tokens in micro-batch rank ``j``, then ``S``;
     rows scaled to O(1) (memory in micro-batches, GPU-seconds per GPU in seconds)."""
     from scipy.optimize import linprog  # slow to import; only bound users pay
-    rates = _rates(rate_at, count, per_token, seq_time)               # [B, M]
+    rates = _rates(rate_at, count, per_token, seq_time, forced)       # [B, M]
     nb = len(tokens)
     nvar = nb * count + 1
     finite = np.isfinite(rates)
@@ -268,8 +287,9 @@ def _solve(rate_at: float, upper: float, count: int, per_token: np.ndarray, seq_
     for j in range(count - 1 if tail else count):
         a_ub[j, j:nb * count:count] = tokens / memory                 # memory of micro-batch j
         b_ub[j] = 1.0
-        a_ub[count + j, j:nb * count:count] = work[:, j]              # its GPU-seconds <= N S / (j+1)
+        a_ub[count + j, j:nb * count:count] = work[:, j]              # its GPU-seconds <= N (S - w_j) / (j+1)
         a_ub[count + j, -1] = -1.0 / (j + 1)
+        b_ub[count + j] = -forced[j] / (j + 1)
     a_ub[-1, :-1] = work.ravel()                                      # all GPU-seconds <= N S
     a_ub[-1, -1] = -1.0
     bounds = [(0.0, 1.0 if ok else 0.0) for ok in finite.ravel()] + [(rate_at, upper)]
