@@ -66,6 +66,10 @@ def test_the_largest_micro_batch_leaves_time_for_the_tokens_it_cannot_hold(monke
     lengths = [100, 50, 50, 50]
     optimum = brute_force_optimum(lengths, cost, 2)
     tight = coupled_lower_bound(lengths, cost, cluster, memory_split=False)
+    # what the later micro-batches must run: the cheapest tokens first, none when the largest holds everything,
+    # and no time for sequences without tokens
+    assert bounds._forced_work(np.array([0.0, 10.0, 10.0]), np.array([5.0, 3.0, 9.0]), 15.0, 1, 2).tolist() == [1.5, 0.0]
+    assert bounds._forced_work(np.array([0.0, 10.0]), np.array([5.0, 10.0]), 100.0, 1, 2).tolist() == [0.0, 0.0]
     monkeypatch.setattr(bounds, "_forced_work", lambda lengths, area, memory, n, count: np.zeros(count))
     loose = coupled_lower_bound(lengths, cost, cluster, memory_split=False)
     assert optimum == pytest.approx(0.177)

@@ -218,9 +218,10 @@ class FlexSPLoader:
         the preparation's broadcast and load agreement wait for the others (``config.failure_timeout``).
         Errors (a too-long sequence, a bad item) are raised by the first step, on every rank.
 
-        ``wait=True`` returns once the first step is prepared (or has failed), for a loop with little left to
-        overlap: the HF Trainer starts its loader a few milliseconds before its first step, in set-up that holds
-        the GIL, so the loader thread got little done meanwhile and the first step waited for most of it.
+        ``wait=True`` (with ``config.prefetch``) returns once the first step is prepared (or has failed), for a
+        loop with little left to overlap: the HF Trainer starts its loader a few milliseconds before its first
+        step, in set-up that holds the GIL, so the loader thread got little done meanwhile and the first step
+        waited for most of it. Every rank must call it: one that waits alone waits ``config.failure_timeout``.
         """
         if self._ahead is not None:
             if wait:

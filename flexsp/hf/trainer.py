@@ -320,11 +320,12 @@ class FlexSPTrainer(Trainer):
             return super().get_train_dataloader()
         if self.flexsp_loader is None:
             self.flexsp_loader = self._build_loader()
-        # At its (resumed) position, and prepared before the loop starts: the Trainer takes its first step a few
-        # milliseconds after this, after set-up that holds the GIL, so the loader thread would prepare little
-        # meanwhile (the example's first step waited 20-25 ms of its 85 ms for it). Started earlier, in train(), the
-        # ranks' uneven set-up after it (0.2-0.5 s there) lands in the first step's collectives instead.
-        self.flexsp_loader.start(wait=True)
+        # At its (resumed) position, and inside train() prepared before the loop starts: the Trainer takes its first
+        # step a few milliseconds after this, after set-up that holds the GIL, so the loader thread would prepare
+        # little meanwhile (the example's first step waited 20-25 ms of its 85 ms for it). Started earlier, in
+        # train(), the ranks' uneven set-up after it (0.2-0.5 s there) lands in the first step's collectives
+        # instead. Outside train() it does not wait: a rank that asks alone would wait for peers that never come.
+        self.flexsp_loader.start(wait=self.is_in_train)
         return StepStream(self.flexsp_loader)
 
     # --- model and step ------------------------------------------------------------------------

@@ -241,6 +241,7 @@ def test_the_planning_rank_pays_the_solvers_first_call_costs_at_construction(tmp
     FlexSPTrainer(model=build("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
     assert calls == ["warm"]
     monkeypatch.undo()
+    planning.warm_solver.cache_clear()   # once a process: an earlier test may have warmed it already
     planning.warm_solver()   # the real one plans a made-up batch without error
 
 
@@ -257,6 +258,7 @@ def test_the_first_step_is_prepared_before_the_trainer_takes_it(tmp_path):
                                    save_strategy="no")
     data = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]})
     trainer = FlexSPTrainer(model=build("llama"), args=args, train_dataset=data)
+    trainer.is_in_train = True   # as train() sets it before asking (outside train() it does not wait)
     try:
         stream = trainer.get_train_dataloader()
         assert trainer.flexsp_loader._ahead.done()
