@@ -14,9 +14,9 @@ the least area over such degrees. Each micro-batch holds at most ``N x capacity`
 ``N tau_j`` GPU-seconds, and all of them at most ``N S``. The smallest ``S`` for which a fractional
 assignment of tokens to micro-batch ranks meets all of that (a small LP over length buckets, each
 costed at its shortest length) plus ``M beta1``, minimised over the micro-batch count ``M``, is a bound
-no plan can beat, and never below the simple one. Counts up to a few above the memory bound get one LP each; all larger counts
-share one LP whose last rank pools every rank beyond (no memory limit there), so the minimum is
-over every count.
+no plan can beat, and never below the simple one. Counts up to a few above the memory bound get one LP
+each; all larger counts share one LP whose last rank pools every rank beyond (no memory limit there), so
+the minimum is over every count.
 
 The LP pools memory and GPU-seconds over the whole micro-batch, so it lets short sequences use the
 memory of GPUs that a long sequence's group keeps busy. ``_split_spans`` (issue 27) closes that for
