@@ -16,8 +16,8 @@ compared with run to their end (``BASELINE_TIME_LIMIT``). Prints
 median / max solve time of FlexSP, plan / lower bound for both bounds of ``flexsp.plan.bounds`` (the
 simple one and the coupled LP one), FlexSP's speedup over batchada, static (largest degree) and
 dynamic-cp, and whether the issue-16 targets hold (plan / simple bound <= 1.10 from 1,024 GPUs,
-median solve <= 0.5 s at mean plan / lower bound <= 1.05 at 16,384, issue 43, judged on the coupled bound, the
-tightest valid bound this project computes, with the simple one's ratio printed beside it; wall and CPU medians, a full run appends
+median solve <= 0.5 s at mean plan / lower bound <= 1.05 at 16,384, issue 43, judged on both bounds; wall and CPU
+medians, a full run appends
 them to results/solve_time_history.md); then how far each strategy runs past a 0.5 s ``time_limit`` at the
 largest size (the constant of issue 21); then, at one size, communicators per rank against plan
 time for restricted degree sets. ``--quick`` runs N = 64 and 256 only.
@@ -43,9 +43,9 @@ from planner_benchmark import append_history, machine_line, reference_loop, spee
 CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
 TARGET_RATIO = 1.10                        # issue 16: plan / lower bound <= 1.10 from 1,024 GPUs
-# issue 43 at 16,384 GPUs: median solve <= 0.5 s (issue 27's was 1 s) at mean plan / lower bound <= 1.05. Judged on the
-# coupled bound: both bounds are valid, so the tighter says more truly how far a plan is from the optimum (on the gpt-7b
-# constants at 16,384 GPUs the simple one is 2.3% lower: a plan would have to sit within 2.6% of the coupled bound to pass it)
+# issue 43 at 16,384 GPUs: median solve <= 0.5 s (issue 27's was 1 s) at mean plan / lower bound <= 1.05, judged on both
+# bounds: the coupled one says more truly how far a plan is from the optimum; the issue's own figures were the simple
+# one's (on the gpt-7b constants at 16,384 GPUs 2.3% lower: a plan would have to sit within 2.6% of the coupled bound)
 TARGET_SOLVE, TARGET_RATIO_LARGEST = 0.5, 1.05
 # The baselines FlexSP is compared with get all the time they need: under the 2 s default, batchada was cut
 # short at 16,384 GPUs on a slow day (Wikipedia: 1.32x "faster" than it, 1.19x when it finishes).
@@ -114,8 +114,8 @@ def row(mix: str, num_gpus: int, reps: int, time_limit: float | None) -> tuple[s
         verdicts.append("met" if result["max_ratio"] <= TARGET_RATIO else "**MISSED**")
     if num_gpus >= 16384:
         verdicts.append(f"solve {'met' if result['median_solve'] <= TARGET_SOLVE else '**MISSED**'}")
-        verdicts.append(f"mean ratio {'met' if result['coupled'] <= TARGET_RATIO_LARGEST else '**MISSED**'} "
-                        f"({result['coupled']:.3f}; simple bound {result['ratio']:.3f})")
+        verdicts.append(f"mean ratio on the coupled bound {'met' if result['coupled'] <= TARGET_RATIO_LARGEST else '**MISSED**'}, "
+                        f"on the simple bound {'met' if result['ratio'] <= TARGET_RATIO_LARGEST else '**MISSED**'}")
     line = (f"| {mix} | {num_gpus:,} | {8 * num_gpus:,} | {np.median(solve):.2f} / {np.max(solve):.2f} | "
             f"{np.median(cpu):.2f} | "
             f"{np.mean(ratio):.3f} (max {np.max(ratio):.3f}) | {np.mean(coupled):.3f} (max {np.max(coupled):.3f}) | "
@@ -176,7 +176,7 @@ def main() -> None:
     header = ["| setting | GPUs | batch | solve median / max, wall (s) | solve median, CPU (s) | plan / lower bound | "
               "plan / coupled bound | vs batchada | vs static | vs dynamic-cp | "
               f"target (max <= {TARGET_RATIO} from 1,024; wall median <= {TARGET_SOLVE:g} s and mean plan / "
-              f"coupled bound <= {TARGET_RATIO_LARGEST} at 16,384) |",
+              f"lower bound <= {TARGET_RATIO_LARGEST} at 16,384, on each bound) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     points = [(m, n) for m in MIXES for n in sizes]
     results = [row(mix, n, reps, args.time_limit) for mix, n in tqdm(points, desc="scale")]
