@@ -223,23 +223,20 @@ class FlexSPLoader:
         step, in set-up that holds the GIL, so the loader thread got little done meanwhile and the first step
         waited for most of it. Every rank must call it: one that waits alone waits ``config.failure_timeout``.
         """
-        if self._ahead is not None:
-            if wait:
-                self._ahead.wait()
-            return
-        if self.plans_here:
-            warm = getattr(self._solve, "warm", None)
-            if self.config.prefetch and callable(warm):
-                warm()   # the solver's first-call imports here, not on the loader thread (see PlanBatch.warm)
-            if self.config.lookahead > 0:
-                try:
-                    self._ensure_planner()   # the planner process starts now, on this thread
-                except Exception:
-                    pass   # raised again, on every rank, by the first step
-        if self.config.prefetch:
-            self._prefetch()
-            if wait:
-                self._ahead.wait()
+        if self._ahead is None:
+            if self.plans_here:
+                warm = getattr(self._solve, "warm", None)
+                if self.config.prefetch and callable(warm):
+                    warm()   # the solver's first-call imports here, not on the loader thread (see PlanBatch.warm)
+                if self.config.lookahead > 0:
+                    try:
+                        self._ensure_planner()   # the planner process starts now, on this thread
+                    except Exception:
+                        pass   # raised again, on every rank, by the first step
+            if self.config.prefetch:
+                self._prefetch()
+        if wait and self._ahead is not None:
+            self._ahead.wait()
 
     def _planned(self) -> PlannedBatch:
         planner = self._ensure_planner()

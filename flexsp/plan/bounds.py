@@ -101,16 +101,17 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     last = min(fewest + EXTRA_COUNTS, len(lengths))
     split = (_split_spans(lengths, costs, area, float(cost.token_capacity), n, fewest, last) if memory_split
              else np.zeros(last - fewest + 2))                        # [counts fewest..last, every count above]
-    forced = _forced_work(lengths, area, n * float(cost.token_capacity), n, last + 1)
+    memory = n * float(cost.token_capacity)                          # tokens one micro-batch holds
+    forced = _forced_work(lengths, area, memory, n, last + 1)
     best = math.inf
     if last < len(lengths):
         # every count above ``last``: ranks beyond it pooled into one tail without memory limit
         best = (last + 1) * costs.beta1 + max(split[-1], _least_span(
-            last + 1, per_token, seq_time, tokens, n * cost.token_capacity, n, floor, forced, tail=True))
+            last + 1, per_token, seq_time, tokens, memory, n, floor, forced, tail=True))
     for count in range(fewest, last + 1):
         if count * costs.beta1 + max(floor, split[count - fewest]) >= best:
             continue
-        span = _least_span(count, per_token, seq_time, tokens, n * cost.token_capacity, n, floor, forced)
+        span = _least_span(count, per_token, seq_time, tokens, memory, n, floor, forced)
         best = min(best, count * costs.beta1 + max(span, split[count - fewest]))
     return float(best) * (1 - SAFETY)
 
