@@ -85,6 +85,35 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     beta1). ``memory_split`` (default) also takes, count by count, the larger of the LP's span and
     ``_split_spans`` (memory caps what the longest sequence's micro-batch can compute); False gives
     the LP bound alone (issue 27's baseline)."""
+    return coupled_by_count(lengths, cost, cluster, max_degree, degrees, memory_split).least * (1 - SAFETY)
+
+
+@dataclasses.dataclass
+class CountBounds:
+    """``coupled_by_count``'s answer: the bound (beta1 included, before ``SAFETY``) for each micro-batch count
+    tried one LP each, for every count above them (``above``), and the LP's inputs, for a caller that refines
+    a count further (``flexsp.plan.refined_bound``)."""
+
+    by_count: dict[int, float]
+    above: float
+    costs: DegreeCosts
+    shortest: np.ndarray      # [B] each LP bucket's shortest length
+    tokens: np.ndarray        # [B] its tokens
+    longest: np.ndarray       # [B] its longest length
+    per_token: np.ndarray     # [B, D] least GPU-seconds per token at each degree
+    seq_time: np.ndarray      # [B, D] seconds of the shortest member at each degree; inf where it does not fit
+    forced: np.ndarray        # ``_forced_work``
+    floor: float              # a span every count needs
+
+    @property
+    def least(self) -> float:
+        return min([self.above, *self.by_count.values()])
+
+
+def coupled_by_count(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None,
+                     degrees=None, memory_split: bool = True) -> CountBounds:
+    """``coupled_lower_bound`` count by count. A count whose cheapest possible value already reaches a
+    smaller count's bound is not solved: it gets that cheap value (still a bound, and not the least)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     costs = _degree_costs(cost, cluster, max_degree, degrees, lengths)
     n = cluster.num_gpus
@@ -92,7 +121,7 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
     area = (times * np.asarray(costs.degrees)[None, :]).min(axis=1)
     fewest = max(1, math.ceil(lengths.sum() / (cost.token_capacity * n) - 1e-12))
     floor = max(float(area.sum()) / n, float(times.min(axis=1).max()))   # valid for every count
-    shortest, tokens = _buckets(lengths)
+    shortest, tokens, longest = _buckets(lengths)
     # per-token rates without the ring's per-sequence hop latency: with it, time / tokens would fall
     # with length and the shortest sequence's rate would overstate a bucket's longer ones
     bare = _rate_floor(costs)
@@ -103,17 +132,20 @@ def coupled_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: 
              else np.zeros(last - fewest + 2))                        # [counts fewest..last, every count above]
     memory = n * float(cost.token_capacity)                          # tokens one micro-batch holds
     forced = _forced_work(lengths, area, memory, n, last + 1)
-    best = math.inf
+    above = math.inf
     if last < len(lengths):
         # every count above ``last``: ranks beyond it pooled into one tail without memory limit
-        best = (last + 1) * costs.beta1 + max(split[-1], _least_span(
+        above = (last + 1) * costs.beta1 + max(split[-1], _least_span(
             last + 1, per_token, seq_time, tokens, memory, n, floor, forced, tail=True))
+    by_count: dict[int, float] = {}
     for count in range(fewest, last + 1):
-        if count * costs.beta1 + max(floor, split[count - fewest]) >= best:
+        cheap = count * costs.beta1 + max(floor, split[count - fewest])
+        if cheap >= min([above, *by_count.values()]):
+            by_count[count] = cheap
             continue
         span = _least_span(count, per_token, seq_time, tokens, memory, n, floor, forced)
-        best = min(best, count * costs.beta1 + max(span, split[count - fewest]))
-    return float(best) * (1 - SAFETY)
+        by_count[count] = count * costs.beta1 + max(span, split[count - fewest])
+    return CountBounds(by_count, float(above), costs, shortest, tokens, longest, per_token, seq_time, forced, floor)
 
 
 def _rate_floor(costs: DegreeCosts) -> DegreeCosts:
@@ -197,22 +229,24 @@ def _split_spans(lengths: np.ndarray, costs: DegreeCosts, area: np.ndarray, capa
     return out
 
 
-def _buckets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Shortest length and total tokens of each LP bucket; the longest sequences alone."""
+def _buckets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Shortest length, total tokens and longest length of each LP bucket; the longest sequences alone."""
     order = np.sort(lengths)
     own = order[-OWN_BUCKETS:]
     rest = order[:-OWN_BUCKETS]
-    shortest, tokens = list(own), list(own)
+    shortest, tokens, longest = list(own), list(own), list(own)
     if rest.size:
         buckets = dp_buckets(rest.astype(np.int64), BOUND_BUCKETS)
         nb = len(buckets.upper)
-        low = np.full(nb, np.inf)
+        low, high = np.full(nb, np.inf), np.full(nb, -np.inf)
         np.minimum.at(low, buckets.index, rest)
+        np.maximum.at(high, buckets.index, rest)
         mass = np.bincount(buckets.index, weights=rest, minlength=nb)
         keep = mass > 0
         shortest += list(low[keep])
         tokens += list(mass[keep])
-    return np.asarray(shortest, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+        longest += list(high[keep])
+    return tuple(np.asarray(v, dtype=np.float64) for v in (shortest, tokens, longest))
 
 
 def _forced_work(lengths: np.ndarray, area: np.ndarray, memory: float, num_gpus: int, count: int) -> np.ndarray:
