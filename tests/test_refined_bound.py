@@ -34,6 +34,28 @@ def test_refined_bound_of_batches_that_memory_splits_never_exceeds_the_optimum(i
     check_between(instance, solves=40)
 
 
+def test_every_count_below_the_best_is_refined():
+    """Two 108-token sequences on 6 GPUs of 71 tokens: one micro-batch of two groups or two micro-batches. The
+    coupled bound of the one-micro-batch plan (1.67 s) is far below its optimum; refining it alone and stopping at
+    the next count's coupled value (1.94 s) would leave the answer there. Refined count by count it meets the
+    optimum (2.3676 s: one micro-batch, each sequence on 2 GPUs) within 0.1%."""
+    cost = flexsp.CostModel(alpha1=0.0, alpha2=0.00667395986669196, beta1=0.2680373809075686,
+                            comm_bytes_per_token=1e6, token_capacity=71.0, window_alpha={9: 0.0017384194260273186},
+                            alltoall_bandwidth={2: 56183669.0, 3: 51800220.3, 4: 262341474.5, 5: 133852137.6,
+                                                6: 235068732.1})
+    cluster = flexsp.Cluster(6, 1)
+    refined, coupled = check_between((cluster, cost, [108, 108]), solves=120)
+    assert coupled == pytest.approx(1.6677, rel=1e-4)
+    assert refined == pytest.approx(2.36756, rel=1e-3)      # at 120 solves, within 0.1% of the optimum
+
+
+def test_bounds_refuse_what_plan_batch_refuses():
+    from flexsp.errors import LengthsError
+    cost, cluster = make_cost(200, 4, seed=1), flexsp.Cluster(4, 4)
+    with pytest.raises(LengthsError, match=r"lengths\[0\] = 0 is not a valid sequence length"):
+        refined_lower_bound([0, 5], cost, cluster)
+
+
 def test_no_solves_leaves_the_coupled_bound():
     cost = make_cost(200, 4, seed=1)
     cluster = flexsp.Cluster(4, 4)

@@ -34,6 +34,7 @@ import numpy as np
 
 from flexsp.plan.cluster import Cluster
 from flexsp.plan.cost import CostModel, TermCosts
+from flexsp.plan.lengths import as_lengths
 from solver.bucketing import dp_buckets
 from solver.types import DegreeCosts
 
@@ -71,7 +72,7 @@ def lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | No
                 degrees=None) -> float:
     """Every sequence at its cheapest degree (GPU-seconds) spread perfectly over all GPUs, plus
     beta1 for each of the fewest micro-batches whose memory could hold the batch."""
-    lengths = np.asarray(lengths, dtype=np.float64)
+    lengths = as_lengths(lengths).astype(np.float64)
     costs = _degree_costs(cost, cluster, max_degree, degrees, lengths)
     area = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)
     micro_batches = max(1, math.ceil(lengths.sum() / (cost.token_capacity * cluster.num_gpus) - 1e-12))
@@ -103,7 +104,6 @@ class CountBounds:
     per_token: np.ndarray     # [B, D] least GPU-seconds per token at each degree
     seq_time: np.ndarray      # [B, D] seconds of the shortest member at each degree; inf where it does not fit
     forced: np.ndarray        # ``_forced_work``
-    floor: float              # a span every count needs
 
     @property
     def least(self) -> float:
@@ -114,7 +114,7 @@ def coupled_by_count(lengths, cost: CostModel, cluster: Cluster, max_degree: int
                      degrees=None, memory_split: bool = True) -> CountBounds:
     """``coupled_lower_bound`` count by count. A count whose cheapest possible value already reaches a
     smaller count's bound is not solved: it gets that cheap value (still a bound, and not the least)."""
-    lengths = np.asarray(lengths, dtype=np.float64)
+    lengths = as_lengths(lengths).astype(np.float64)
     costs = _degree_costs(cost, cluster, max_degree, degrees, lengths)
     n = cluster.num_gpus
     times = costs.times(lengths)                                     # inf where it cannot fit
@@ -145,7 +145,7 @@ def coupled_by_count(lengths, cost: CostModel, cluster: Cluster, max_degree: int
             continue
         span = _least_span(count, per_token, seq_time, tokens, memory, n, floor, forced)
         by_count[count] = count * costs.beta1 + max(span, split[count - fewest])
-    return CountBounds(by_count, float(above), costs, shortest, tokens, longest, per_token, seq_time, forced, floor)
+    return CountBounds(by_count, float(above), costs, shortest, tokens, longest, per_token, seq_time, forced)
 
 
 def _rate_floor(costs: DegreeCosts) -> DegreeCosts:
@@ -332,9 +332,11 @@ def _solve(rate_at: float, upper: float, count: int, per_token: np.ndarray, seq_
     c = np.zeros(nvar)
     c[-1] = 1.0
     res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(nb), bounds=bounds, method="highs")
-    if res.status != 0:
+    if res.status == 2:
         return None
-    return float(res.x[-1])
+    # only a proven infeasibility may raise the bound: an unfinished solve (iteration limit, numerical trouble)
+    # answers the interval's least span
+    return float(res.x[-1]) if res.status == 0 else rate_at
 
 
 def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster, degrees=None) -> dict[str, float]:
@@ -352,7 +354,7 @@ def gap_breakdown(plan, lengths, cost: CostModel, cluster: Cluster, degrees=None
     ``degree + idle + extra_micro_batches`` is what separates a plan from the simple bound; the
     coupled bound sits above it where long sequences force degrees or micro-batches, so the gap to
     the coupled bound is that sum minus ``coupled_lower_bound - lower_bound``."""
-    lengths = np.asarray(lengths, dtype=np.float64)
+    lengths = as_lengths(lengths).astype(np.float64)
     n = cluster.num_gpus
     costs = _degree_costs(cost, cluster, None, degrees, lengths)
     cheapest = (costs.times(lengths) * np.asarray(costs.degrees)[None, :]).min(axis=1)

@@ -42,30 +42,28 @@ from flexsp.plan.cost import CostModel
 
 # LP solves per micro-batch count (a deterministic budget: the same batch gives the same bound on any machine)
 REFINE_SOLVES = 120
-# Intervals of the largest micro-batch's time before branching, and the relative precision of each
-# interval's bisection on ``S``
+# Before branching, intervals of the largest micro-batch's time up to FIRST_REACH above the coupled span (plans sit
+# a few percent above it) and one interval beyond; each interval's bisection on ``S`` stops at REL_TOL
 FIRST_INTERVALS = 8
+FIRST_REACH = 0.1
 REL_TOL = 2e-4
 
 
 def refined_lower_bound(lengths, cost: CostModel, cluster: Cluster, max_degree: int | None = None,
                         degrees=None, solves: int = REFINE_SOLVES) -> float:
     """The bound of the module docstring: never above any plan's time, never below ``coupled_lower_bound``."""
-    lengths = np.asarray(lengths, dtype=np.float64)
     coupled = coupled_by_count(lengths, cost, cluster, max_degree, degrees)
     beta1 = coupled.costs.beta1
     best = coupled.above
-    # the most promising count first: a count's refined bound is at least its coupled one
+    # the most promising count first; a count's refined bound is at least its coupled one, so once that reaches
+    # the best refined so far, neither it nor any later count can lower the answer
     for count in sorted(coupled.by_count, key=coupled.by_count.get):
         value = coupled.by_count[count]
         if value >= best:
-            continue
-        others = [v for c, v in coupled.by_count.items() if c != count] + [coupled.above]
-        cap = min(best, min(others))                  # past this, another count gives the bound anyway
-        if not math.isfinite(cap):
-            cap = value + 3 * (value - count * beta1)     # past 4x the span, the bound need not be tight
-        span = _refine(count, value - count * beta1, cap - count * beta1, coupled,
-                       cluster.num_gpus, solves)
+            break
+        # past ``best`` another count gives the answer anyway; with none yet, past 4x the span need not be tight
+        cap = best if math.isfinite(best) else value + 3 * (value - count * beta1)
+        span = _refine(count, value - count * beta1, cap - count * beta1, coupled, cluster.num_gpus, solves)
         best = min(best, count * beta1 + span)
     return float(best) * (1 - SAFETY)
 
@@ -84,8 +82,11 @@ def _refine(count: int, span_lo: float, span_cap: float, coupled: CountBounds, n
     program = _Program(count, coupled, num_gpus)
     low = max(span_lo / count, float(coupled.seq_time.min(axis=1).max()))
     if low >= span_cap:
-        return span_cap
-    edges = np.linspace(low, span_cap, FIRST_INTERVALS + 1)
+        return max(span_lo, span_cap)
+    top = min(span_cap, span_lo * (1 + FIRST_REACH))
+    edges = np.linspace(low, top, FIRST_INTERVALS + 1)
+    if top < span_cap:
+        edges = np.append(edges, span_cap)
     leaves = []
     for a, b in zip(edges, edges[1:]):
         value = max(span_lo, a)                       # S >= tau_0 >= a
@@ -202,4 +203,4 @@ class _Program:
         bounds[tau] = (a, min(b, hi[0]))
         res = linprog(np.zeros(nvar), A_ub=a_ub.tocsr(), b_ub=b_ub, A_eq=a_eq.tocsr(), b_eq=np.ones(nb),
                       bounds=bounds, method="highs")
-        return res.status == 0
+        return res.status != 2                        # only a proven infeasibility raises the bound
