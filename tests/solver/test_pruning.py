@@ -109,7 +109,12 @@ def test_the_search_computes_each_sequences_seconds_once_and_the_same():
     lengths = np.random.default_rng(5).integers(1, 800, size=500)
     search = BatchSearch(lengths, COSTS, 8, SearchOptions())
     assert np.array_equal(mean_bucket_times(lengths, search.buckets, COSTS),
-                          mean_bucket_times(lengths, search.buckets, COSTS, COSTS.all_seconds(lengths)))
+                          mean_bucket_times(lengths, search.buckets, COSTS, search.per_degree))
+    assert np.array_equal(search.per_degree, COSTS.all_seconds(lengths).T)
+    part = np.arange(0, len(lengths), 3)                          # a micro-batch's sequences, as refine reads them
+    local = search.bucket(lengths[part], 8)
+    assert np.array_equal(mean_bucket_times(lengths[part], local, COSTS),
+                          mean_bucket_times(lengths[part], local, COSTS, (row[part] for row in search.per_degree)))
     real = COSTS.times(lengths)
     assert np.isinf(real).any()                                   # some sequences overflow small degrees
     assert np.array_equal(search.real_time, real.min(axis=1))
