@@ -14,10 +14,10 @@ Three settings:
 ``plan_batch`` runs with its default ``time_limit`` (2 s) unless ``--time-limit`` is given; the baselines it is
 compared with run to their end (``BASELINE_TIME_LIMIT``). Prints
 median / max solve time of FlexSP, plan / lower bound for both bounds of ``flexsp.plan.bounds`` (the
-simple one and the coupled LP one), FlexSP's speedup over batchada, static (largest degree) and
-dynamic-cp, and whether the issue-16 targets hold (plan / simple bound <= 1.10 from 1,024 GPUs,
-median solve <= 0.5 s at mean plan / lower bound <= 1.05 at 16,384, issue 43, judged on both bounds; wall and CPU
-medians, a full run appends
+simple one and the coupled LP one) and, at the largest size, for ``flexsp.plan.refined_bound``, FlexSP's
+speedup over batchada, static (largest degree) and dynamic-cp, and whether the targets hold (issue 16: plan /
+simple bound <= 1.10 from 1,024 GPUs; issue 43 at 16,384: median solve <= 0.5 s at mean plan / coupled bound
+<= 1.05, with the simple bound's verdict beside it; wall and CPU medians, a full run appends
 them to results/solve_time_history.md); then how far each strategy runs past a 0.5 s ``time_limit`` at the
 largest size (the constant of issue 21); then, at one size, communicators per rank against plan
 time for restricted degree sets. ``--quick`` runs N = 64 and 256 only.
@@ -35,6 +35,7 @@ from tqdm import tqdm
 import flexsp
 from flexsp.plan.analytic import analytic_cost_model
 from flexsp.plan.bounds import coupled_lower_bound, lower_bound
+from flexsp.plan.refined_bound import refined_lower_bound
 from flexsp.plan.lengths import get_distribution, preprocess
 from flexsp.plan.strategies import names as strategy_names
 from outputs import resolve_out  # noqa: E402
@@ -43,9 +44,10 @@ from planner_benchmark import append_history, machine_line, reference_loop, spee
 CONTEXT = 2 * 1024 * 1024
 MIXES = ("wikipedia", "long-mix", "gpt-7b-constants")
 TARGET_RATIO = 1.10                        # issue 16: plan / lower bound <= 1.10 from 1,024 GPUs
-# issue 43 at 16,384 GPUs: median solve <= 0.5 s (issue 27's was 1 s) at mean plan / lower bound <= 1.05, judged on both
-# bounds: the coupled one says more truly how far a plan is from the optimum; the issue's own figures were the simple
-# one's (on the gpt-7b constants at 16,384 GPUs 2.3% lower: a plan would have to sit within 2.6% of the coupled bound)
+# issue 43 at 16,384 GPUs: median solve <= 0.5 s (issue 27's was 1 s) at mean plan / lower bound <= 1.05, judged on the
+# coupled bound: the issue quoted the previous release at 1.080, the coupled column's figure then (the simple one read
+# 1.086). The simple bound's ratio gets its verdict beside it; the refined bound (flexsp.plan.refined_bound, 1-5 s a
+# batch, so at the largest size only) says how much of what is left is the bounds' and not the plans'
 TARGET_SOLVE, TARGET_RATIO_LARGEST = 0.5, 1.05
 # The baselines FlexSP is compared with get all the time they need: under the 2 s default, batchada was cut
 # short at 16,384 GPUs on a slow day (Wikipedia: 1.32x "faster" than it, 1.19x when it finishes).
@@ -87,11 +89,13 @@ def draw(mix: str, size: int, cost: flexsp.CostModel, cluster: flexsp.Cluster, r
     return preprocess(lengths, CONTEXT, cluster.num_gpus)[0]
 
 
-def row(mix: str, num_gpus: int, reps: int, time_limit: float | None) -> tuple[str, dict]:
+def row(mix: str, num_gpus: int, reps: int, time_limit: float | None, refine: bool = False) -> tuple[str, dict]:
+    """One table row; ``refine``: also the refined bound (seconds a batch, so the benchmark asks at its largest size)."""
     cost, cluster = setting(mix, num_gpus)
     limit = {} if time_limit is None else {"time_limit": time_limit}
     rng = np.random.default_rng(num_gpus)
-    solve, cpu, ratio, coupled, speed = [], [], [], [], {"batchada": [], "static": [], "dynamic-cp": []}
+    solve, cpu, ratio, coupled, refined = [], [], [], [], []
+    speed = {"batchada": [], "static": [], "dynamic-cp": []}
     for _ in range(reps):
         lengths = draw(mix, 8 * num_gpus, cost, cluster, rng)
         cpu_started = time.process_time()
@@ -101,6 +105,8 @@ def row(mix: str, num_gpus: int, reps: int, time_limit: float | None) -> tuple[s
         solve.append(plan.solve_time)
         ratio.append(plan.predicted_time / lower_bound(lengths, cost, cluster))
         coupled.append(plan.predicted_time / coupled_lower_bound(lengths, cost, cluster))
+        if refine:
+            refined.append(plan.predicted_time / refined_lower_bound(lengths, cost, cluster))
         for name in speed:   # each baseline searched to its end: a cut-short one would flatter FlexSP
             other = flexsp.plan_batch(lengths, cost, cluster, name, time_limit=BASELINE_TIME_LIMIT)
             if other.meta.get("time_limit_hit"):
@@ -108,17 +114,19 @@ def row(mix: str, num_gpus: int, reps: int, time_limit: float | None) -> tuple[s
             speed[name].append(other.predicted_time / plan.predicted_time)
     result = {"mix": mix, "gpus": num_gpus, "median_solve": float(np.median(solve)), "median_cpu": float(np.median(cpu)),
               "ratio": float(np.mean(ratio)),
-              "max_ratio": float(np.max(ratio)), "coupled": float(np.mean(coupled))}
+              "max_ratio": float(np.max(ratio)), "coupled": float(np.mean(coupled)),
+              "refined": float(np.mean(refined)) if refined else None}
     verdicts = []
     if num_gpus >= 1024:
         verdicts.append("met" if result["max_ratio"] <= TARGET_RATIO else "**MISSED**")
     if num_gpus >= 16384:
         verdicts.append(f"solve {'met' if result['median_solve'] <= TARGET_SOLVE else '**MISSED**'}")
-        verdicts.append(f"mean ratio on the coupled bound {'met' if result['coupled'] <= TARGET_RATIO_LARGEST else '**MISSED**'}, "
-                        f"on the simple bound {'met' if result['ratio'] <= TARGET_RATIO_LARGEST else '**MISSED**'}")
+        verdicts.append(f"mean ratio {'met' if result['coupled'] <= TARGET_RATIO_LARGEST else '**MISSED**'} "
+                        f"(on the simple bound: {'met' if result['ratio'] <= TARGET_RATIO_LARGEST else '**MISSED**'})")
     line = (f"| {mix} | {num_gpus:,} | {8 * num_gpus:,} | {np.median(solve):.2f} / {np.max(solve):.2f} | "
             f"{np.median(cpu):.2f} | "
             f"{np.mean(ratio):.3f} (max {np.max(ratio):.3f}) | {np.mean(coupled):.3f} (max {np.max(coupled):.3f}) | "
+            + (f"{np.mean(refined):.3f} (max {np.max(refined):.3f}) | " if refined else "- | ")
             + " | ".join(f"{np.mean(v):.2f}x" for v in speed.values()) + f" | {', '.join(verdicts) or '-'} |")
     return line, result
 
@@ -174,12 +182,12 @@ def main() -> None:
     load, reference = os.getloadavg()[0], reference_loop(1 if args.quick else 3)
     limit = "default 2 s" if args.time_limit is None else f"{args.time_limit:g} s"
     header = ["| setting | GPUs | batch | solve median / max, wall (s) | solve median, CPU (s) | plan / lower bound | "
-              "plan / coupled bound | vs batchada | vs static | vs dynamic-cp | "
+              "plan / coupled bound | plan / refined bound | vs batchada | vs static | vs dynamic-cp | "
               f"target (max <= {TARGET_RATIO} from 1,024; wall median <= {TARGET_SOLVE:g} s and mean plan / "
-              f"lower bound <= {TARGET_RATIO_LARGEST} at 16,384, on each bound) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              f"coupled bound <= {TARGET_RATIO_LARGEST} at 16,384) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     points = [(m, n) for m in MIXES for n in sizes]
-    results = [row(mix, n, reps, args.time_limit) for mix, n in tqdm(points, desc="scale")]
+    results = [row(mix, n, reps, args.time_limit, refine=n == sizes[-1]) for mix, n in tqdm(points, desc="scale")]
     rows = [line for line, _ in results]
     lines = [LABEL, "", f"### FlexSP at scale: batch 8 x N, context 2M, time_limit {limit} (the baselines it is compared with: "
              f"{BASELINE_TIME_LIMIT:g} s, run to their end)", "", *header, *rows]

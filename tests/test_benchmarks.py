@@ -9,7 +9,7 @@ EXPECTED = {
                           "speedup over static SP 64", "**simulated**", "<!-- generated: readme -->",
                           "Small batches: solve pace", "| HF Trainer default (4 x 256, 4,096 tokens/rank) | 4 | 8 |",
                           "plan time / batchada's"],
-    "scale_benchmark": ["| wikipedia | 64 |", "| long-mix | 256 |", "| gpt-7b-constants | 256 |", "plan / coupled bound",
+    "scale_benchmark": ["| wikipedia | 64 |", "| long-mix | 256 |", "| gpt-7b-constants | 256 |", "plan / coupled bound", "plan / refined bound",
                         "Past the time limit", "communicators per rank", "**simulated**",
                         "<!-- generated: readme -->"],
     "dynamic_cp_benchmark": ["FlexSP speedup over dynamic-cp"],
