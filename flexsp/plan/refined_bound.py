@@ -18,14 +18,14 @@ confined to an interval ``[a, b]``: a sequence runs in the largest micro-batch o
 within ``b``, and each degree's GPUs there give at most ``b`` seconds each; in the others, ``min(b, (S - a) / j,
 (S - w_j) / (j + 1))``. Over an interval that is a relaxation of every plan whose largest micro-batch lasts
 between ``a`` and ``b``, so the least feasible ``S`` (bisected) bounds them. Intervals are split where their
-bound is lowest (branch and bound) for a fixed number of LP solves; the minimum over the intervals bounds
+bound is lowest (best first) for a fixed number of LP solves; the minimum over the intervals bounds
 every plan of that micro-batch count, and the count's coupled bound stays a floor.
 
 Two counting cuts hold in every group of degree ``d`` and are added per micro-batch: at most one sequence
 longer than half its memory (``capacity[d] / 2``), and at most one whose time exceeds half the micro-batch's.
 
 Cost: a few LPs of ``buckets x degrees x micro-batches`` variables per solve, ``REFINE_SOLVES`` solves per
-micro-batch count at most (1-4 s on a 16,384-GPU batch of 131,072 sequences, on this project's 2-core machine);
+micro-batch count at most (2-6 s on a 16,384-GPU batch of 131,072 sequences, on this project's 2-core machine);
 it is meant for benchmarks and reports, not the planning loop (``flexsp simulate`` keeps the coupled bound).
 """
 from __future__ import annotations
@@ -157,7 +157,6 @@ class _Program:
         ok = self.fits[:, :, None] & (self.seq_time[:, :, None] <= hi[None, None, :] * (1 + 1e-12))
         bs, ds, js = np.nonzero(ok)
         nx = len(bs)
-        g = nx + ds * m + js                          # each share's G[d, j] column
         tau = nx + nd * m                             # first tau column
         nvar = tau + m
         tok = self.tokens[bs]
