@@ -198,9 +198,10 @@ class BatchSearch:
                              f"({costs.capacity[-1]:.0f} tokens on {costs.degrees[-1]} GPUs)")
         self.bucket = RULES[options.bucketing]
         self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
-        # [n, D], once: the bucket means here and in ``refine_members`` (by degree), and the real times
-        self.per_seq = per_seq = costs.all_seconds(self.lengths)
-        self.per_degree = np.ascontiguousarray(per_seq.T)          # [D, n]: ``mean_bucket_times`` reads rows
+        # every sequence at every degree, once: the bucket means here and in ``refine_members``, the real times here
+        # and in ``batch_bound``; kept as [D, n] rows (``mean_bucket_times`` reads rows), ``.T`` where [n, D] is wanted
+        per_seq = costs.all_seconds(self.lengths)
+        self.per_degree = np.ascontiguousarray(per_seq.T)
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
                                        mean_bucket_times(self.lengths, self.buckets, costs, self.per_degree))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
@@ -771,7 +772,7 @@ class BatchSearch:
         ``T`` (a step function, found over its steps); ``m`` is at least the fewest micro-batches memory
         allows. This couples the critical path with the area (a long sequence at a high degree costs the
         others GPUs), which the per-micro-batch ``bound`` and ``real_bound`` do not."""
-        times = self.costs.times(self.lengths, self.per_seq)            # [n, D], inf where it does not fit
+        times = self.costs.times(self.lengths, self.per_degree.T)       # [n, D], inf where it does not fit
         order = np.argsort(times, axis=1, kind="stable")                 # each sequence's degrees, fastest first
         by_time = np.take_along_axis(times, order, axis=1)
         area = np.take_along_axis(times * np.asarray(self.costs.degrees, dtype=np.float64)[None, :], order, axis=1)

@@ -125,19 +125,17 @@ class _Program:
 
     def __init__(self, count: int, coupled: CountBounds, num_gpus: int):
         costs = coupled.costs
-        keep = coupled.shortest > 0                   # empty sequences need no GPU-seconds nor memory
         self.count, self.n = count, float(num_gpus)
-        self.tokens, self.per_token = coupled.tokens[keep], coupled.per_token[keep]
-        self.seq_time = coupled.seq_time[keep]
+        self.tokens, self.per_token, self.seq_time = coupled.tokens, coupled.per_token, coupled.seq_time
         self.forced = coupled.forced
         degrees = np.asarray(costs.degrees, dtype=np.float64)
         self.degrees = degrees
         self.gpu_memory = np.asarray(costs.capacity, dtype=np.float64) / degrees    # tokens per GPU, per degree
-        self.fits = coupled.shortest[keep][:, None] <= np.asarray(costs.capacity)[None, :]
+        self.fits = coupled.shortest[:, None] <= np.asarray(costs.capacity)[None, :]
         self.fits &= np.isfinite(self.per_token) & np.isfinite(self.seq_time)
-        self.sequences = self.tokens / coupled.longest[keep]  # at least this many sequences in each bucket
+        self.sequences = self.tokens / coupled.longest  # at least this many sequences in each bucket
         # a group of degree d holds at most one member of a bucket longer than half its memory
-        self.half_memory = coupled.shortest[keep][:, None] > np.asarray(costs.capacity)[None, :] / 2
+        self.half_memory = coupled.shortest[:, None] > np.asarray(costs.capacity)[None, :] / 2
 
     def budgets(self, span: float, a: float, b: float) -> np.ndarray:
         """Most seconds each micro-batch rank may last when the largest lasts between ``a`` and ``b``."""
