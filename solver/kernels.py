@@ -49,7 +49,10 @@ def pack_classes(counts, target, max_gpus, stretch, order, lengths, times, held,
     cls_tokens = np.zeros(most, np.float64)
     cls_limit = np.zeros(most, np.float64)
     cls_counts = np.zeros((most, num_buckets), np.int64)
-    visit = np.zeros(most, np.int64)
+    ranked = np.zeros(most, np.int64)           # classes by time descending, ties in creation order
+    changed = np.zeros(most, np.int64)
+    merged = np.zeros(most, np.int64)
+    is_changed = np.zeros(most, np.bool_)
     n = 0
     gpus = 0
     for i in range(num_buckets):
@@ -75,19 +78,15 @@ def pack_classes(counts, target, max_gpus, stretch, order, lengths, times, held,
                     k_new, best_gpus, per_new = k, needed, per
         if k_new < 0:
             return -1, cls_k, cls_mult, cls_time, cls_counts     # this bucket alone exceeds the budget everywhere
-        # classes that may take this bucket, slowest first, ties in creation order (stable insertion)
-        num_open = 0
-        for c in range(n):
-            if cls_k[c] >= k_new and cls_mult[c] > 0:
-                j = num_open
-                while j > 0 and cls_time[visit[j - 1]] < cls_time[c]:
-                    visit[j] = visit[j - 1]
-                    j -= 1
-                visit[j] = c
-                num_open += 1
-        for j in range(num_open):
-            c = visit[j]
+        # classes that may take this bucket, slowest first, ties in creation order: ``ranked`` holds every
+        # class in that order, kept sorted as classes change (no sort per bucket)
+        first_new = n
+        num_changed = 0
+        for j in range(first_new):
+            c = ranked[j]
             k = cls_k[c]
+            if k < k_new or cls_mult[c] == 0:
+                continue
             t = times[b, k]
             limit = budget if budget > cls_limit[c] else cls_limit[c]
             by_time = (limit - cls_time[c]) / t
@@ -111,11 +110,15 @@ def pack_classes(counts, target, max_gpus, stretch, order, lengths, times, held,
                         n += 1
                 if cls_mult[c]:                    # the remaining ``full`` groups take ``fit`` each
                     cls_time[c] += fit * t
+                    changed[num_changed] = c
+                    num_changed += 1
                     cls_tokens[c] += fit * length
                     cls_counts[c, b] += fit
                 left = 0
             else:
                 cls_time[c] += fit * t
+                changed[num_changed] = c
+                num_changed += 1
                 cls_tokens[c] += fit * length
                 cls_counts[c, b] += fit
                 left -= cls_mult[c] * fit
@@ -134,6 +137,40 @@ def pack_classes(counts, target, max_gpus, stretch, order, lengths, times, held,
                     cls_tokens[n] = count * length
                     cls_counts[n, b] = count
                     n += 1
+        # re-rank: the classes whose time grew and the new ones, in order among themselves, merged into the rest
+        for c in range(first_new, n):
+            changed[num_changed] = c
+            num_changed += 1
+        if num_changed:
+            for a in range(num_changed):
+                is_changed[changed[a]] = True
+            for a in range(1, num_changed):          # insertion sort: a bucket changes few classes, mostly
+                c = changed[a]
+                j = a
+                while j > 0 and (cls_time[changed[j - 1]] < cls_time[c]
+                                 or (cls_time[changed[j - 1]] == cls_time[c] and changed[j - 1] > c)):
+                    changed[j] = changed[j - 1]
+                    j -= 1
+                changed[j] = c
+            a, out = 0, 0
+            for j in range(first_new):
+                c = ranked[j]
+                if is_changed[c]:
+                    continue
+                while a < num_changed and (cls_time[changed[a]] > cls_time[c]
+                                           or (cls_time[changed[a]] == cls_time[c] and changed[a] < c)):
+                    merged[out] = changed[a]
+                    out += 1
+                    a += 1
+                merged[out] = c
+                out += 1
+            while a < num_changed:
+                merged[out] = changed[a]
+                out += 1
+                a += 1
+            for j in range(n):
+                ranked[j] = merged[j]
+                is_changed[ranked[j]] = False
     kept = 0
     for c in range(n):                             # drop classes whose groups all split away
         if cls_mult[c] > 0:

@@ -199,3 +199,92 @@ def test_nothing_to_pack_still_takes_beta1():
     packer = MicroBatchPacker(np.array([100.0]), COSTS, num_gpus=2)
     assert packer.pack(np.array([0]), COSTS.beta1 * 0.5) is None
     assert packer.pack(np.array([0]), 1.0).makespan == COSTS.beta1
+
+
+def reference_classes(counts, target, max_gpus, stretch, order, lengths, times, held, charge, degrees, capacity,
+                      stretched):
+    """``kernels.pack_classes``' rule written plainly, for comparison: every bucket sorts the classes that may
+    take it (slowest first, ties in creation order) afresh, where the kernel keeps one ranking up to date."""
+    classes = []                                   # dicts in creation order
+    gpus = 0
+    for b in order:
+        left = int(counts[b])
+        if left == 0:
+            continue
+        budget = stretched[b] if stretch and stretched[b] > target else target
+        k_new, best, per_new = -1, np.inf, 0
+        for k in range(len(degrees)):
+            if np.isfinite(times[b, k]):
+                x = budget / times[b, k]
+                per = held[b, k] if x >= held[b, k] else int(x)
+                if per > 0 and ((left + per - 1) // per) * charge[k] < best:
+                    k_new, best, per_new = k, ((left + per - 1) // per) * charge[k], per
+        if k_new < 0:
+            return None
+        opened = sorted((c for c in classes if c["k"] >= k_new and c["mult"] > 0),
+                        key=lambda c: (-c["time"], c["id"]))
+        for c in opened:
+            t = times[b, c["k"]]
+            fit_f = min((max(budget, c["limit"]) - c["time"]) / t, (capacity[c["k"]] - c["tokens"]) / lengths[b])
+            if fit_f < 1:
+                continue
+            fit = int(min(fit_f, 2.0 ** 52))
+            if c["mult"] * fit > left:
+                full, rest = left // fit, left % fit
+                for mult, count in ((c["mult"] - full - (1 if rest else 0), 0), (1 if rest else 0, rest)):
+                    if mult:
+                        c["mult"] -= mult
+                        new = dict(c, id=len(classes), mult=mult, counts=c["counts"].copy())
+                        new["time"], new["tokens"] = c["time"] + count * t if count else c["time"], \
+                            c["tokens"] + count * lengths[b] if count else c["tokens"]
+                        new["counts"][b] += count
+                        classes.append(new)
+                if c["mult"]:
+                    c["time"], c["tokens"] = c["time"] + fit * t, c["tokens"] + fit * lengths[b]
+                    c["counts"][b] += fit
+                left = 0
+            else:
+                c["time"], c["tokens"] = c["time"] + fit * t, c["tokens"] + fit * lengths[b]
+                c["counts"][b] += fit
+                left -= c["mult"] * fit
+            if left <= 0:
+                break
+        if left > 0:
+            gpus += ((left + per_new - 1) // per_new) * degrees[k_new]
+            if gpus > max_gpus:
+                return None
+            for mult, count in ((left // per_new, per_new), (1 if left % per_new else 0, left % per_new)):
+                if mult:
+                    row = np.zeros(len(lengths), np.int64)
+                    row[b] = count
+                    classes.append(dict(id=len(classes), k=k_new, mult=mult, limit=budget, time=count * times[b, k_new],
+                                        tokens=count * lengths[b], counts=row))
+    return [c for c in classes if c["mult"] > 0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_packer_ranks_classes_as_a_fresh_sort_per_bucket_would(seed):
+    """The kernel keeps the classes ranked (slowest first, ties in creation order) across buckets instead of
+    sorting them per bucket (4x faster on a 340-bucket micro-batch): the same classes as sorting afresh, on
+    hundreds of buckets and with times rounded to force ties."""
+    from solver import kernels
+    rng = np.random.default_rng(seed)
+    num_buckets = int(rng.choice([5, 40, 300]))
+    lengths = np.sort(rng.choice(np.arange(1, 800), size=num_buckets, replace=False))[::-1].astype(np.float64)
+    times = COSTS.times(lengths) * rng.uniform(0.9, 1.0, size=(num_buckets, len(COSTS.degrees)))
+    if seed % 2:
+        times = np.round(times, 2) + 0.01           # equal times: the tie order matters
+    packer = MicroBatchPacker(lengths, COSTS, num_gpus=int(rng.choice([8, 64, 1024])), bucket_times=times)
+    for _ in range(10):
+        counts = rng.integers(0, 30, size=num_buckets).astype(np.int64)
+        target = float(rng.uniform(0.02, 3.0))
+        for max_gpus, stretch in ((float(packer.num_gpus), False), (np.inf, True)):
+            args = (counts, target, max_gpus, stretch, *packer._kernel_args)
+            got, want = kernels.pack_classes(*args), reference_classes(*args)
+            assert (got[0] < 0) == (want is None)
+            if want is not None:
+                assert got[0] == len(want)
+                assert np.array_equal(got[1], [c["k"] for c in want])
+                assert np.array_equal(got[2], [c["mult"] for c in want])
+                assert np.array_equal(got[3], [c["time"] for c in want])
+                assert np.array_equal(got[4].reshape(len(want), -1), np.array([c["counts"] for c in want]).reshape(len(want), -1))
