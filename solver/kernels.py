@@ -275,6 +275,20 @@ def lpt_owners(seq_lengths, order, table, degree_idx, caps):
     return True, owner
 
 
+def bucket_sums(per_seq, ids, index, num_buckets):
+    """``[num_buckets, D]`` sums of ``per_seq[ids[j], k]`` over the ``j`` with ``index[j] == b``, added in ``j``'s
+    order (``np.bincount``'s order, so the sums are its bit for bit), reading each sequence's row in place: a
+    micro-batch's ids come in group order, and 15 gathers of its 97,000 seconds (one per degree) cost 7 ms where
+    one pass over rows costs 3."""
+    num_degrees = per_seq.shape[1]
+    out = np.zeros((num_buckets, num_degrees), np.float64)
+    for j in range(ids.shape[0]):
+        b, i = index[j], ids[j]
+        for k in range(num_degrees):
+            out[b, k] += per_seq[i, k]
+    return out
+
+
 def seconds_at(x, d, quad, lin, ring, hops):
     """Seconds of a sequence of ``x`` tokens at degree index ``d``: ``solver.types.seconds``' formula, the
     same operations in the same order (so the kernels' sums match numpy's element for element)."""
@@ -530,6 +544,7 @@ if njit is not None:
     best_packing = _compiled(best_packing)
     bucket_choices = _compiled(bucket_choices)
     lpt_owners = _compiled(lpt_owners)
+    bucket_sums = _compiled(bucket_sums)
     seconds_at = _compiled(seconds_at)       # before the kernels calling it compile (at their first call)
     deal_groups = _compiled(deal_groups)
     tighten_groups = _compiled(tighten_groups)
@@ -549,5 +564,6 @@ def warm() -> None:
                  floats, ints, floats, floats)      # also called alone, by the interpreted bisection (placement)
     bucket_choices(np.ones((2, 2)), 2)
     lpt_owners(floats, ints - 1, np.ones((1, 1)), ints - 1, floats)
+    bucket_sums(np.ones((1, 1)), ints - 1, ints - 1, 1)
     deal_groups(ints, floats, ints - 1, ints - 1, floats, floats, floats, floats, ints - 1, np.ones((1, 1), np.int64))
     tighten_groups(ints - 1, ints, ints - 1, floats, floats, floats, floats, floats, floats, ints, floats, 1, 1, 1)

@@ -171,16 +171,23 @@ def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mean_bucket_times(lengths: np.ndarray, buckets: Buckets, costs: DegreeCosts,
-                      per_degree=None) -> np.ndarray:
+                      per_seq: np.ndarray | None = None, ids: np.ndarray | None = None) -> np.ndarray:
     """``[B, D]`` average real time of each bucket's sequences per degree: unbiased, unlike the
-    time of the bucket's upper bound. ``per_degree``: each degree's seconds of the sequences (``D`` arrays of
-    ``n``), if the caller has them; contiguous rows, since a strided column costs ``bincount`` a copy (a 97,000-sequence
-    micro-batch's means took 14 ms from ``[n, D]`` columns, 10 ms from rows)."""
+    time of the bucket's upper bound. ``per_seq``: ``[n, D]`` seconds of a whole batch's sequences at each
+    degree, if the caller has them, with ``ids`` the rows that are ``lengths`` (None: all, in order).
+    Compiled, the sums read those rows in place (``kernels.bucket_sums``); else each degree's column is
+    gathered and summed by ``bincount``, in the same order (the same means bit for bit)."""
+    from . import kernels
     nb = len(buckets.upper)
     counts = np.maximum(buckets.counts, 1)
-    if per_degree is None:
-        per_degree = costs.all_seconds(lengths).T
-    return np.stack([np.bincount(buckets.index, weights=row, minlength=nb) / counts for row in per_degree], axis=1)
+    if per_seq is None:
+        per_seq, ids = costs.all_seconds(lengths), None
+    if ids is None:
+        ids = np.arange(len(per_seq))
+    if kernels.COMPILED:
+        return kernels.bucket_sums(per_seq, np.asarray(ids, dtype=np.int64), buckets.index, nb) / counts[:, None]
+    return np.stack([np.bincount(buckets.index, weights=column, minlength=nb) / counts for column in per_seq[ids].T],
+                    axis=1)
 
 
 class BatchSearch:
@@ -199,11 +206,10 @@ class BatchSearch:
         self.bucket = RULES[options.bucketing]
         self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
         # every sequence at every degree, once: the bucket means here and in ``refine_members``, the real times here
-        # and in ``batch_bound``; kept as [D, n] rows (``mean_bucket_times`` reads rows), ``.T`` where [n, D] is wanted
-        per_seq = costs.all_seconds(self.lengths)
-        self.per_degree = np.ascontiguousarray(per_seq.T)
+        # and in ``batch_bound``
+        self.per_seq = per_seq = costs.all_seconds(self.lengths)      # [n, D]
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
-                                       mean_bucket_times(self.lengths, self.buckets, costs, self.per_degree))
+                                       mean_bucket_times(self.lengths, self.buckets, costs, per_seq))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
                       else np.arange(len(self.lengths)))
         self.fastest = self.packer.times.min(axis=1)           # per bucket, seconds at its fastest degree
@@ -710,7 +716,7 @@ class BatchSearch:
                         break
                     upper = self.costs.times(local.upper)               # inf where one does not fit: as the packer
                     if estimate == "mean":
-                        means = mean_bucket_times(self.lengths[ids], local, self.costs, (row[ids] for row in self.per_degree))
+                        means = mean_bucket_times(self.lengths[ids], local, self.costs, self.per_seq, ids)
                         bucket_times = np.where(np.isfinite(upper), means, np.inf)
                     else:
                         bucket_times = upper
@@ -772,7 +778,7 @@ class BatchSearch:
         ``T`` (a step function, found over its steps); ``m`` is at least the fewest micro-batches memory
         allows. This couples the critical path with the area (a long sequence at a high degree costs the
         others GPUs), which the per-micro-batch ``bound`` and ``real_bound`` do not."""
-        times = self.costs.times(self.lengths, self.per_degree.T)       # [n, D], inf where it does not fit
+        times = self.costs.times(self.lengths, self.per_seq)           # [n, D], inf where it does not fit
         order = np.argsort(times, axis=1, kind="stable")                 # each sequence's degrees, fastest first
         by_time = np.take_along_axis(times, order, axis=1)
         area = np.take_along_axis(times * np.asarray(self.costs.degrees, dtype=np.float64)[None, :], order, axis=1)

@@ -102,19 +102,25 @@ def test_a_reused_materialized_micro_batch_is_a_fresh_one(seed):
         assert len(warm._materialized) < sum(len(split.packings) for split in candidates)
 
 
-def test_the_search_computes_each_sequences_seconds_once_and_the_same():
+def test_the_search_computes_each_sequences_seconds_once_and_the_same(monkeypatch):
     """``BatchSearch`` costs every sequence at every degree once (``DegreeCosts.all_seconds``) for the bucket
     means and the real times: bit for bit what ``mean_bucket_times`` alone and ``DegreeCosts.times`` give."""
     from solver.search import mean_bucket_times
     lengths = np.random.default_rng(5).integers(1, 800, size=500)
     search = BatchSearch(lengths, COSTS, 8, SearchOptions())
     assert np.array_equal(mean_bucket_times(lengths, search.buckets, COSTS),
-                          mean_bucket_times(lengths, search.buckets, COSTS, search.per_degree))
-    assert np.array_equal(search.per_degree, COSTS.all_seconds(lengths).T)
-    part = np.arange(0, len(lengths), 3)                          # a micro-batch's sequences, as refine reads them
+                          mean_bucket_times(lengths, search.buckets, COSTS, search.per_seq))
+    assert np.array_equal(search.per_seq, COSTS.all_seconds(lengths))
+    part = np.random.default_rng(6).permutation(len(lengths))[:170]   # a micro-batch's sequences, in group order
     local = search.bucket(lengths[part], 8)
-    assert np.array_equal(mean_bucket_times(lengths[part], local, COSTS),
-                          mean_bucket_times(lengths[part], local, COSTS, (row[part] for row in search.per_degree)))
+    # read in place from the batch's rows (compiled) or gathered: numpy's bincount on the micro-batch, bit for bit
+    bincount = np.stack([np.bincount(local.index, weights=row, minlength=len(local.upper))
+                         for row in COSTS.all_seconds(lengths[part]).T], axis=1) / np.maximum(local.counts, 1)[:, None]
+    from solver import kernels
+    for compiled in (kernels.COMPILED, False):
+        monkeypatch.setattr(kernels, "COMPILED", compiled)
+        assert np.array_equal(mean_bucket_times(lengths[part], local, COSTS), bincount)
+        assert np.array_equal(mean_bucket_times(lengths[part], local, COSTS, search.per_seq, part), bincount)
     real = COSTS.times(lengths)
     assert np.isinf(real).any()                                   # some sequences overflow small degrees
     assert np.array_equal(search.real_time, real.min(axis=1))
