@@ -275,6 +275,30 @@ def lpt_owners(seq_lengths, order, table, degree_idx, caps):
     return True, owner
 
 
+def seconds_table(lengths, quad, lin, ring, hops, capacity, degrees):
+    """Every sequence at every degree in one pass: ``[n, D]`` seconds memory aside (``DegreeCosts.all_seconds``),
+    and each sequence's least seconds and least GPU-seconds among the degrees whose memory holds it (``inf``
+    rows of ``DegreeCosts.times`` skipped). The formula as ``seconds_at`` (numpy's, element for element); the
+    numpy form took 70 ms of temporaries on 131,072 sequences x 15 degrees, this about 5."""
+    n, num_degrees = lengths.shape[0], quad.shape[0]
+    out = np.empty((n, num_degrees), np.float64)
+    least_time = np.full(n, np.inf)
+    least_area = np.full(n, np.inf)
+    for i in range(n):
+        x = float(lengths[i])
+        for k in range(num_degrees):
+            t = seconds_at(x, k, quad, lin, ring, hops)
+            out[i, k] = t
+            if x > capacity[k]:
+                continue
+            if t < least_time[i]:
+                least_time[i] = t
+            area = t * degrees[k]
+            if area < least_area[i]:
+                least_area[i] = area
+    return out, least_time, least_area
+
+
 def bucket_sums(per_seq, ids, index, num_buckets):
     """``[num_buckets, D]`` sums of ``per_seq[ids[j], k]`` over the ``j`` with ``index[j] == b``, added in ``j``'s
     order (``np.bincount``'s order, so the sums are its bit for bit), reading each sequence's row in place: a
@@ -546,6 +570,7 @@ if njit is not None:
     lpt_owners = _compiled(lpt_owners)
     bucket_sums = _compiled(bucket_sums)
     seconds_at = _compiled(seconds_at)       # before the kernels calling it compile (at their first call)
+    seconds_table = _compiled(seconds_table)
     deal_groups = _compiled(deal_groups)
     tighten_groups = _compiled(tighten_groups)
 else:
@@ -565,5 +590,6 @@ def warm() -> None:
     bucket_choices(np.ones((2, 2)), 2)
     lpt_owners(floats, ints - 1, np.ones((1, 1)), ints - 1, floats)
     bucket_sums(np.ones((1, 1)), ints - 1, ints - 1, 1)
+    seconds_table(ints, floats, floats, floats, floats, floats, floats)
     deal_groups(ints, floats, ints - 1, ints - 1, floats, floats, floats, floats, ints - 1, np.ones((1, 1), np.int64))
     tighten_groups(ints - 1, ints, ints - 1, floats, floats, floats, floats, floats, floats, ints, floats, 1, 1, 1)

@@ -190,6 +190,20 @@ def mean_bucket_times(lengths: np.ndarray, buckets: Buckets, costs: DegreeCosts,
                     axis=1)
 
 
+def sequence_seconds(lengths: np.ndarray, costs: DegreeCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[n, D]`` seconds of every sequence at every degree (memory aside), and each one's least seconds and least
+    GPU-seconds among the degrees that hold it: one compiled pass (``kernels.seconds_table``) or numpy's, the
+    same numbers bit for bit."""
+    from . import kernels
+    if kernels.COMPILED:
+        return kernels.seconds_table(np.asarray(lengths, dtype=np.int64), costs._quad, costs._lin, costs._ring,
+                                     costs._hops, np.asarray(costs.capacity, dtype=np.float64),
+                                     np.asarray(costs.degrees, dtype=np.float64))
+    per_seq = costs.all_seconds(lengths)
+    real = costs.times(lengths, per_seq)                                  # inf where one does not fit
+    return per_seq, real.min(axis=1), (real * np.asarray(costs.degrees)[None, :]).min(axis=1)
+
+
 class BatchSearch:
     def __init__(self, lengths: np.ndarray, costs: DegreeCosts, num_gpus: int, options: SearchOptions,
                  deadline: float | None = None):
@@ -207,7 +221,8 @@ class BatchSearch:
         self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
         # every sequence at every degree, once: the bucket means here and in ``refine_members``, the real times here
         # and in ``batch_bound``
-        self.per_seq = per_seq = costs.all_seconds(self.lengths)      # [n, D]
+        per_seq, self.real_time, self.real_area = sequence_seconds(self.lengths, costs)
+        self.per_seq = per_seq                                    # [n, D]
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
                                        mean_bucket_times(self.lengths, self.buckets, costs, per_seq))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
@@ -222,9 +237,6 @@ class BatchSearch:
         # each bucket's sequences in search order (``assign_from_counts`` deals them out, longest first)
         by_bucket = self.order[np.argsort(self.buckets.index[self.order], kind="stable")]
         self.bucket_members = np.split(by_bucket, np.cumsum(self.buckets.counts)[:-1])
-        real = costs.times(self.lengths, per_seq)                 # [n, D] on real lengths, inf: no room
-        self.real_area = (real * np.asarray(costs.degrees)[None, :]).min(axis=1)
-        self.real_time = real.min(axis=1)
         self._refined: dict[bytes, tuple] = {}                   # refine_members' results by their input
         self._swept: set[bytes] = set()                          # whole-batch packings arranged_split dealt
         self._materialized: dict[tuple, tuple] = {}              # members' micro-batches by (ids, packing)

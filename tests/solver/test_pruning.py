@@ -175,3 +175,22 @@ def test_batchadas_estimate_bounds_non_nesting_degrees_with_tiles_too(seed):
     times = {k: single_degree(lengths, costs, 12, d).time(lengths, costs) for k, d in enumerate(costs.degrees)}
     assert all(_estimate(lengths, costs, 12, k) <= t * (1 + 1e-12) for k, t in times.items())
     assert batchada(lengths, costs, 12).time(lengths, costs) == min(times.values())
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_sequence_seconds_compiled_and_numpy_agree_bit_for_bit(monkeypatch, ring):
+    """``sequence_seconds`` (every sequence at every degree, its least seconds and GPU-seconds where memory holds
+    it): the compiled pass gives numpy's numbers exactly, including sequences that overflow small degrees."""
+    from solver import kernels
+    from solver.search import sequence_seconds
+    costs = COSTS if not ring else DegreeCosts(COSTS.degrees, COSTS.quad, COSTS.lin, COSTS.capacity, COSTS.beta1,
+                                               ring=tuple(3e-4 / d for d in COSTS.degrees),
+                                               hops=tuple(1e-3 * d for d in COSTS.degrees))
+    lengths = np.random.default_rng(8).integers(1, int(costs.capacity[-1]), size=700)
+    real = costs.times(lengths)
+    want = (costs.all_seconds(lengths), real.min(axis=1), (real * np.asarray(costs.degrees)).min(axis=1))
+    assert np.isinf(real).any()
+    for compiled in (kernels.COMPILED, False):
+        monkeypatch.setattr(kernels, "COMPILED", compiled)
+        for got, expected in zip(sequence_seconds(lengths, costs), want):
+            assert np.array_equal(got, expected)
