@@ -299,6 +299,16 @@ def seconds_table(lengths, quad, lin, ring, hops, capacity, degrees):
     return out, least_time, least_area
 
 
+def group_max(owner, values, num_groups):
+    """``[num_groups]`` largest of ``values[i]`` over the ``i`` with ``owner[i] == g`` (0.0 where none): what
+    ``np.maximum.at`` gives, which took 8-13 ms on 131,072 sequences inside a solve (0.4 ms alone)."""
+    out = np.zeros(num_groups, np.float64)
+    for i in range(owner.shape[0]):
+        if values[i] > out[owner[i]]:
+            out[owner[i]] = values[i]
+    return out
+
+
 def bucket_sums(per_seq, ids, index, num_buckets):
     """``[num_buckets, D]`` sums of ``per_seq[ids[j], k]`` over the ``j`` with ``index[j] == b``, added in ``j``'s
     order (``np.bincount``'s order, so the sums are its bit for bit), reading each sequence's row in place: a
@@ -569,6 +579,7 @@ if njit is not None:
     bucket_choices = _compiled(bucket_choices)
     lpt_owners = _compiled(lpt_owners)
     bucket_sums = _compiled(bucket_sums)
+    group_max = _compiled(group_max)
     seconds_at = _compiled(seconds_at)       # before the kernels calling it compile (at their first call)
     seconds_table = _compiled(seconds_table)
     deal_groups = _compiled(deal_groups)
@@ -590,6 +601,7 @@ def warm() -> None:
     bucket_choices(np.ones((2, 2)), 2)
     lpt_owners(floats, ints - 1, np.ones((1, 1)), ints - 1, floats)
     bucket_sums(np.ones((1, 1)), ints - 1, ints - 1, 1)
+    group_max(ints - 1, floats, 1)
     seconds_table(ints, floats, floats, floats, floats, floats, floats)
     deal_groups(ints, floats, ints - 1, ints - 1, floats, floats, floats, floats, ints - 1, np.ones((1, 1), np.int64))
     tighten_groups(ints - 1, ints, ints - 1, floats, floats, floats, floats, floats, floats, ints, floats, 1, 1, 1)

@@ -777,8 +777,12 @@ class BatchSearch:
         sequence at its fastest degree, plus beta1; shaved by ``BOUND_SLACK``."""
         num_mb = len(split.packings)
         area = np.bincount(split.assignment, weights=self.real_area, minlength=num_mb) / self.num_gpus
-        slowest = np.zeros(num_mb)
-        np.maximum.at(slowest, split.assignment, self.real_time)
+        from . import kernels
+        if kernels.COMPILED:
+            slowest = kernels.group_max(split.assignment, self.real_time, num_mb)
+        else:
+            slowest = np.zeros(num_mb)
+            np.maximum.at(slowest, split.assignment, self.real_time)
         return float((np.maximum(area, slowest) + self.costs.beta1).sum()) * (1 - BOUND_SLACK)
 
     def batch_bound(self) -> float:

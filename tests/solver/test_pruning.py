@@ -194,3 +194,15 @@ def test_sequence_seconds_compiled_and_numpy_agree_bit_for_bit(monkeypatch, ring
         monkeypatch.setattr(kernels, "COMPILED", compiled)
         for got, expected in zip(sequence_seconds(lengths, costs), want):
             assert np.array_equal(got, expected)
+
+
+def test_group_max_is_numpys_maximum_at():
+    """``kernels.group_max`` (the slowest sequence of each micro-batch, for ``real_bound``) against
+    ``np.maximum.at`` from zeros, with micro-batches that hold nothing."""
+    from solver import kernels
+    rng = np.random.default_rng(9)
+    owner = rng.choice([0, 2, 3, 6], size=1000)
+    values = rng.random(1000)
+    want = np.zeros(8)
+    np.maximum.at(want, owner, values)
+    assert np.array_equal(kernels.group_max(owner, values, 8), want)
