@@ -329,17 +329,28 @@ def seconds_at(x, d, quad, lin, ring, hops):
     return lin[d] * x + max(quad[d] * x * x, ring[d] * x + hops[d])
 
 
-def deal_groups(ids, seq_lengths, buckets, perm, quad, lin, ring, hops, degree_idx, counts):
+def deal_groups(ids, seq_lengths, buckets, perm, quad, lin, ring, hops, class_degree, class_counts, class_mult):
     """``materialize.fill_groups``'s dealing: each bucket's sequences (longest bucket first; within one,
-    longest first, ties in input order) dealt to the ``counts[g, b]`` slots of the groups holding it, the
-    k-th slot of every group before any (k+1)-th, least loaded group first (ties: lower group); a sequence
-    of length ``x`` costs ``lin*x + max(quad*x^2, ring*x + hops)`` at its group's degree. Returns
+    longest first, ties in input order) dealt to the slots of the groups holding it, the k-th slot of every
+    group before any (k+1)-th, least loaded group first (ties: lower group); a sequence of length ``x``
+    costs ``lin*x + max(quad*x^2, ring*x + hops)`` at its group's degree. The groups come as the packer's
+    classes: ``class_mult[c]`` groups of degree index ``class_degree[c]`` holding ``class_counts[c, b]``
+    sequences of bucket ``b`` each, numbered class by class (``BinPacking.expanded``'s order). Returns
     ``(ok, ids grouped by group, group sizes, group seconds)``; ``ok`` False when the counts do not match
     the sequences. ``perm``: the positions by bucket, then longest first, then input order (numpy's
-    ``lexsort((-seq_lengths, buckets))``, faster than a compiled sort). O(n + buckets x groups log groups): a
-    bucket's groups are sorted by load once, not its slots."""
+    ``lexsort((-seq_lengths, buckets))``, faster than a compiled sort). O(n + buckets x classes + the groups
+    holding each bucket, log of them): a bucket's groups are sorted by load once, not its slots, and the
+    classes are not expanded into a [groups, buckets] table (11,000 groups x 340 buckets in a refined
+    micro-batch)."""
     n = ids.shape[0]
-    num_groups, _ = counts.shape
+    num_classes = class_counts.shape[0]
+    first = np.zeros(num_classes + 1, np.int64)     # each class's first group
+    for c in range(num_classes):
+        first[c + 1] = first[c] + class_mult[c]
+    num_groups = first[num_classes]
+    group_class = np.empty(num_groups, np.int64)
+    for c in range(num_classes):
+        group_class[first[c]:first[c + 1]] = c
     load = np.zeros(num_groups, np.float64)
     added = np.zeros(num_groups, np.float64)
     owner = np.zeros(n, np.int64)                  # group of the t-th sequence dealt
@@ -352,15 +363,16 @@ def deal_groups(ids, seq_lengths, buckets, perm, quad, lin, ring, hops, degree_i
         while start > 0 and buckets[perm[start - 1]] == b:
             start -= 1
         total, num_holders = 0, 0
-        for g in range(num_groups):
-            if counts[g, b] > 0:
-                total += counts[g, b]
-                holders[num_holders] = g
-                num_holders += 1
+        for c in range(num_classes):
+            if class_counts[c, b] > 0:
+                total += class_counts[c, b] * class_mult[c]
+                for g in range(first[c], first[c + 1]):
+                    holders[num_holders] = g
+                    num_holders += 1
         if total != end - start:
             return False, dealt, np.zeros(num_groups, np.int64), load
         active = holders[:num_holders][np.argsort(load[holders[:num_holders]], kind="mergesort")]
-        added[:] = 0.0
+        touched = active.copy()
         rank, i = 0, start
         while num_holders > 0:                     # the rank-th slot of each group still holding one
             kept = 0
@@ -368,17 +380,18 @@ def deal_groups(ids, seq_lengths, buckets, perm, quad, lin, ring, hops, degree_i
                 g = active[a]
                 pos = perm[i]
                 i += 1
-                x, d = seq_lengths[pos], degree_idx[g]
+                x, d = seq_lengths[pos], class_degree[group_class[g]]
                 added[g] += seconds_at(x, d, quad, lin, ring, hops)
                 owner[t], dealt[t] = g, ids[pos]
                 t += 1
-                if counts[g, b] > rank + 1:
+                if class_counts[group_class[g], b] > rank + 1:
                     active[kept] = g
                     kept += 1
             num_holders = kept
             rank += 1
-        for g in range(num_groups):
+        for g in touched:                          # the other groups' loads stay (adding 0.0 changes nothing)
             load[g] = load[g] + added[g]
+            added[g] = 0.0
         end = start
     sizes = np.zeros(num_groups, np.int64)
     for i in range(n):
@@ -603,5 +616,6 @@ def warm() -> None:
     bucket_sums(np.ones((1, 1)), ints - 1, ints - 1, 1)
     group_max(ints - 1, floats, 1)
     seconds_table(ints, floats, floats, floats, floats, floats, floats)
-    deal_groups(ints, floats, ints - 1, ints - 1, floats, floats, floats, floats, ints - 1, np.ones((1, 1), np.int64))
+    deal_groups(ints, floats, ints - 1, ints - 1, floats, floats, floats, floats, ints - 1, np.ones((1, 1), np.int64),
+                ints)
     tighten_groups(ints - 1, ints, ints - 1, floats, floats, floats, floats, floats, floats, ints, floats, 1, 1, 1)

@@ -24,17 +24,17 @@ def fill_groups(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray,
     without numba on big micro-batches numpy per bucket; both deal alike.
     ``with_loads``: also each group's seconds on real lengths (the dealing computes them anyway)."""
     from . import kernels
-    small = len(packing.degree_idx) <= PLAIN_MAX_GROUPS and len(seq_ids) <= PLAIN_MAX_SEQUENCES
+    small = int(packing.multiplicity().sum()) <= PLAIN_MAX_GROUPS and len(seq_ids) <= PLAIN_MAX_SEQUENCES
     if kernels.COMPILED or small:
         seq_lengths, buckets = lengths[seq_ids].astype(np.float64), np.ascontiguousarray(bucket_of[seq_ids], dtype=np.int64)
         ok, flat, sizes, load = kernels.deal_groups(
             np.ascontiguousarray(seq_ids, dtype=np.int64), seq_lengths, buckets, np.lexsort((-seq_lengths, buckets)),
             costs._quad, costs._lin, costs._ring, costs._hops, np.ascontiguousarray(packing.degree_idx, dtype=np.int64),
-            np.ascontiguousarray(packing.counts, dtype=np.int64))
+            np.ascontiguousarray(packing.counts, dtype=np.int64), packing.multiplicity().astype(np.int64))
         assert ok, "packing counts must match the micro-batch's sequences"
         groups = Groups(flat, sizes)
     else:
-        groups, load = _fill_vectorised(packing, seq_ids, bucket_of, lengths, costs)
+        groups, load = _fill_vectorised(packing.expanded(), seq_ids, bucket_of, lengths, costs)
     return (groups, load) if with_loads else list(groups)
 
 
@@ -116,14 +116,14 @@ def to_members(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, 
     """``to_groups`` without building group objects: each non-empty group's ids and its degree index
     (what a caller that compares several packings needs; objects only for the one it keeps), and with
     ``with_loads`` each group's seconds (no beta1)."""
-    packing = packing.expanded()
-    if len(packing.degree_idx) == 1:                    # one group: nothing to deal or balance
-        members, deg = [np.sort(seq_ids)], packing.degree_idx[:1].copy()
+    degree_idx = np.repeat(packing.degree_idx, packing.multiplicity())     # per group (the classes stay classes)
+    if len(degree_idx) == 1:                            # one group: nothing to deal or balance
+        members, deg = [np.sort(seq_ids)], degree_idx[:1].copy()
         return (members, deg, group_loads(members, deg, lengths, costs)) if with_loads else (members, deg)
     best, loads = fill_groups(packing, seq_ids, bucket_of, lengths, costs, with_loads=True)
-    lpt = rebalance(seq_ids, packing.degree_idx, lengths, costs) if rebalanced else None
+    lpt = rebalance(seq_ids, degree_idx, lengths, costs) if rebalanced else None
     if lpt is not None:
-        lpt_loads = group_loads(lpt, packing.degree_idx, lengths, costs)
+        lpt_loads = group_loads(lpt, degree_idx, lengths, costs)
         if lpt_loads.max() < loads.max():
             best, loads = lpt, lpt_loads
     if isinstance(best, Groups):
@@ -132,7 +132,7 @@ def to_members(packing: BinPacking, seq_ids: np.ndarray, bucket_of: np.ndarray, 
         sizes = np.fromiter(map(len, best), dtype=np.int64, count=len(best))
         used = np.flatnonzero(sizes)
         members = best if used.size == len(best) else [best[j] for j in used.tolist()]
-    return (members, packing.degree_idx[used], loads[used]) if with_loads else (members, packing.degree_idx[used])
+    return (members, degree_idx[used], loads[used]) if with_loads else (members, degree_idx[used])
 
 
 def as_groups(members, degree_idx: np.ndarray, costs: DegreeCosts) -> tuple[GroupAssignment, ...]:

@@ -43,6 +43,8 @@ def test_plain_and_numpy_dealing_give_the_same_groups_and_loads(seed, monkeypatc
     rng = np.random.default_rng(seed)
     num_groups, num_buckets = int(rng.integers(1, 10)), int(rng.integers(1, 8))
     counts = rng.integers(0, 4, size=(num_groups, num_buckets)) * (rng.random((num_groups, num_buckets)) < 0.6)
+    counts = np.repeat(counts, rng.integers(1, 4, size=num_groups), axis=0)    # runs of identical groups
+    num_groups = len(counts)
     per_bucket = counts.sum(axis=0)
     bucket_of = np.repeat(np.arange(num_buckets), per_bucket)
     lengths = 500 * bucket_of + rng.integers(1, 500, size=len(bucket_of))     # longer buckets, longer sequences
@@ -50,6 +52,12 @@ def test_plain_and_numpy_dealing_give_the_same_groups_and_loads(seed, monkeypatc
     seq_ids = rng.permutation(len(lengths))
     packing = BinPacking(rng.integers(0, 4, size=num_groups), counts, makespan=0.0)
     plain, plain_load = materialize.fill_groups(packing, seq_ids, bucket_of, lengths, COSTS, with_loads=True)
+    # the same groups as classes (runs of equal rows with a multiplicity): dealt as the expanded rows are
+    runs = np.flatnonzero(np.r_[True, (np.diff(counts, axis=0) != 0).any(axis=1) | (np.diff(packing.degree_idx) != 0)])
+    classes = BinPacking(packing.degree_idx[runs], counts[runs], makespan=0.0, mult=np.diff(np.r_[runs, num_groups]))
+    assert np.array_equal(classes.expanded().counts, counts)
+    as_classes, classes_load = materialize.fill_groups(classes, seq_ids, bucket_of, lengths, COSTS, with_loads=True)
+    assert np.array_equal(plain.flat, as_classes.flat) and np.array_equal(plain_load, classes_load)
     with monkeypatch.context() as patch:
         patch.setattr(kernels, "deal_groups", getattr(kernels.deal_groups, "py_func", kernels.deal_groups))
         interpreted, interpreted_load = materialize.fill_groups(packing, seq_ids, bucket_of, lengths, COSTS,
