@@ -1,6 +1,7 @@
 """The solver's inner loops, compiled: the group packer (one packing of bucket counts at one target
 makespan, and its bisection), the bucketing DP, the dealing of real sequences into groups, the LPT
-rebalance, and ``tighten``'s steps.
+rebalance, ``tighten``'s steps, and three passes over a batch's sequences (their seconds at every degree,
+the bucket means, each micro-batch's slowest sequence) that numpy did with temporaries or gathers.
 
 A small batch asks for a few hundred packings (bisection steps, sweep points, local-search trials) and
 a few dozen bucketings and dealings (each micro-batch refined on its own buckets); interpreted, these loops
