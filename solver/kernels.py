@@ -286,7 +286,7 @@ def seconds_table(lengths, quad, lin, ring, hops, capacity, degrees):
     least_time = np.full(n, np.inf)
     least_area = np.full(n, np.inf)
     for i in range(n):
-        x = float(lengths[i])
+        x = lengths[i]
         for k in range(num_degrees):
             t = seconds_at(x, k, quad, lin, ring, hops)
             out[i, k] = t
@@ -616,7 +616,7 @@ def warm() -> None:
     lpt_owners(floats, ints - 1, np.ones((1, 1)), ints - 1, floats)
     bucket_sums(np.ones((1, 1)), ints - 1, ints - 1, 1)
     group_max(ints - 1, floats, 1)
-    seconds_table(ints, floats, floats, floats, floats, floats, floats)
+    seconds_table(floats, floats, floats, floats, floats, floats, floats)
     deal_groups(ints, floats, ints - 1, ints - 1, floats, floats, floats, floats, ints - 1, np.ones((1, 1), np.int64),
                 ints)
     tighten_groups(ints - 1, ints, ints - 1, floats, floats, floats, floats, floats, floats, ints, floats, 1, 1, 1)

@@ -196,7 +196,7 @@ def sequence_seconds(lengths: np.ndarray, costs: DegreeCosts) -> tuple[np.ndarra
     same numbers bit for bit."""
     from . import kernels
     if kernels.COMPILED:
-        return kernels.seconds_table(np.asarray(lengths, dtype=np.int64), costs._quad, costs._lin, costs._ring,
+        return kernels.seconds_table(np.asarray(lengths, dtype=np.float64), costs._quad, costs._lin, costs._ring,
                                      costs._hops, np.asarray(costs.capacity, dtype=np.float64),
                                      np.asarray(costs.degrees, dtype=np.float64))
     per_seq = costs.all_seconds(lengths)
