@@ -372,8 +372,8 @@ def deal_groups(ids, seq_lengths, buckets, perm, quad, lin, ring, hops, class_de
                     num_holders += 1
         if total != end - start:
             return False, dealt, np.zeros(num_groups, np.int64), load
+        holding = num_holders                      # ``holders[:holding]`` stays as is: ``active`` is a copy
         active = holders[:num_holders][np.argsort(load[holders[:num_holders]], kind="mergesort")]
-        touched = active.copy()
         rank, i = 0, start
         while num_holders > 0:                     # the rank-th slot of each group still holding one
             kept = 0
@@ -390,7 +390,7 @@ def deal_groups(ids, seq_lengths, buckets, perm, quad, lin, ring, hops, class_de
                     kept += 1
             num_holders = kept
             rank += 1
-        for g in touched:                          # the other groups' loads stay (adding 0.0 changes nothing)
+        for g in holders[:holding]:                # the other groups' loads stay (adding 0.0 changes nothing)
             load[g] = load[g] + added[g]
             added[g] = 0.0
         end = start

@@ -221,10 +221,9 @@ class BatchSearch:
         self.buckets: Buckets = self.bucket(self.lengths, options.num_buckets)
         # every sequence at every degree, once: the bucket means here and in ``refine_members``, the real times here
         # and in ``batch_bound``
-        per_seq, self.real_time, self.real_area = sequence_seconds(self.lengths, costs)
-        self.per_seq = per_seq                                    # [n, D]
+        self.per_seq, self.real_time, self.real_area = sequence_seconds(self.lengths, costs)   # per_seq: [n, D]
         self.packer = MicroBatchPacker(self.buckets.upper, costs, num_gpus,
-                                       mean_bucket_times(self.lengths, self.buckets, costs, per_seq))
+                                       mean_bucket_times(self.lengths, self.buckets, costs, self.per_seq))
         self.order = (np.argsort(-self.lengths, kind="stable") if options.sort_longest_first
                       else np.arange(len(self.lengths)))
         self.fastest = self.packer.times.min(axis=1)           # per bucket, seconds at its fastest degree
@@ -794,7 +793,7 @@ class BatchSearch:
         ``T`` (a step function, found over its steps); ``m`` is at least the fewest micro-batches memory
         allows. This couples the critical path with the area (a long sequence at a high degree costs the
         others GPUs), which the per-micro-batch ``bound`` and ``real_bound`` do not."""
-        times = self.costs.times(self.lengths, self.per_seq)           # [n, D], inf where it does not fit
+        times = self.costs.times(self.lengths, self.per_seq)            # [n, D], inf where it does not fit
         order = np.argsort(times, axis=1, kind="stable")                 # each sequence's degrees, fastest first
         by_time = np.take_along_axis(times, order, axis=1)
         area = np.take_along_axis(times * np.asarray(self.costs.degrees, dtype=np.float64)[None, :], order, axis=1)
